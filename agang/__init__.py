@@ -1,0 +1,50 @@
+"""agang: awaitable, deadline-guarded collectives for PyTorch.
+
+Example:
+    >>> import agang, torch
+    >>> gang = await agang.init()
+    >>> total = await gang.all_reduce(torch.ones(1))
+"""
+
+from agang._errors import CollectiveError as CollectiveError
+from agang._errors import GangBrokenError as GangBrokenError
+from agang._errors import GangClosedError as GangClosedError
+from agang._errors import GangError as GangError
+from agang._errors import GangInitError as GangInitError
+from agang._errors import GangTimeoutError as GangTimeoutError
+from agang._errors import OpContext as OpContext
+from agang._errors import TensorBusyError as TensorBusyError
+from agang._fake_gang import FakeGang as FakeGang
+from agang._gang import Gang as Gang
+from agang._handle import Handle as Handle
+from agang._init import init as init
+from agang._init import init_sync as init_sync
+from agang._env import WorldInfo as WorldInfo
+from agang._process_group_gang import ProcessGroupGang as ProcessGroupGang
+from agang._reduce_op import ReduceOp as ReduceOp
+from agang._statistics import GangStatistics as GangStatistics
+
+__version__ = "0.1.0"
+
+__all__ = [
+    # Making gangs
+    "init",
+    "init_sync",
+    "WorldInfo",
+    # Gangs and handles
+    "Gang",
+    "ProcessGroupGang",
+    "FakeGang",
+    "Handle",
+    "ReduceOp",
+    "GangStatistics",
+    # Errors
+    "GangError",
+    "GangInitError",
+    "GangClosedError",
+    "GangBrokenError",
+    "CollectiveError",
+    "GangTimeoutError",
+    "TensorBusyError",
+    "OpContext",
+]

@@ -1,0 +1,123 @@
+"""The exceptions agang raises.
+
+Every error that comes from a collective carries where it happened (gang, rank, size,
+op, sequence number) so that a log line from any rank can be matched with the others.
+c10d's own exception is always kept as ``__cause__``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class OpContext:
+    """Where a collective ran: enough to line up the same op across ranks."""
+
+    gang: str
+    rank: int
+    size: int
+    op: str
+    seq: int
+    timeout: float | None
+
+    def describe(self) -> str:
+        timeout = "none" if self.timeout is None else f"{self.timeout:g} s"
+        return (
+            f"`{self.op}` (seq {self.seq}) on gang '{self.gang}' "
+            f"(rank {self.rank} of {self.size}, timeout {timeout})"
+        )
+
+
+class GangError(Exception):
+    """Base class of every error agang raises about a gang or a collective."""
+
+
+class GangInitError(GangError):
+    """Setting up a gang (rendezvous or process-group creation) failed.
+
+    Attributes:
+        missing_ranks: The ranks that did not check in, where known.
+        store_address: ``host:port`` of the rendezvous store, where one was used.
+        attempts: How many attempts were made.
+        elapsed: Seconds spent before giving up.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        missing_ranks: Sequence[int] = (),
+        store_address: str | None = None,
+        attempts: int = 1,
+        elapsed: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.missing_ranks = tuple(missing_ranks)
+        self.store_address = store_address
+        self.attempts = attempts
+        self.elapsed = elapsed
+
+
+class GangClosedError(GangError):
+    """The gang was closed: by :meth:`Gang.close`, or while this op was pending."""
+
+
+class GangBrokenError(GangError):
+    """An earlier failure left the gang's communicator unusable.
+
+    Raised at once, with no c10d call, by every op issued after the failure. The first
+    failure is attached as ``__cause__`` and as :attr:`first_cause`.
+    """
+
+    def __init__(self, message: str, first_cause: BaseException | None) -> None:
+        super().__init__(message)
+        self.first_cause = first_cause
+
+
+class CollectiveError(GangError):
+    """A collective failed in c10d (a peer was lost, a connection closed, ...).
+
+    Attributes:
+        context: Where the op ran.
+    """
+
+    def __init__(self, message: str, context: OpContext) -> None:
+        super().__init__(message)
+        self.context = context
+
+
+class GangTimeoutError(CollectiveError, TimeoutError):
+    """A collective missed its deadline.
+
+    It is both a :class:`GangError` and the builtin :class:`TimeoutError`.
+
+    Attributes:
+        context: Where the op ran (its ``timeout`` is the deadline that passed).
+        elapsed: Seconds from issue to expiry.
+        in_flight: One line per op still in flight on this gang when the deadline passed.
+        recent: One line per op completed most recently on this gang, oldest first.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        context: OpContext,
+        *,
+        elapsed: float,
+        in_flight: Sequence[str] = (),
+        recent: Sequence[str] = (),
+    ) -> None:
+        super().__init__(message, context)
+        self.elapsed = elapsed
+        self.in_flight = tuple(in_flight)
+        self.recent = tuple(recent)
+
+
+class TensorBusyError(GangError, ValueError):
+    """A tensor passed to an op is still in use by an earlier op that has not finished.
+
+    This includes ops whose waiter was cancelled or timed out: c10d cannot cancel an op,
+    so its tensors stay in use until it really ends.
+    """

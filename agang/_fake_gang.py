@@ -1,0 +1,154 @@
+"""A gang of one process that plays every rank as a copy of itself (fairseq2's FakeGang).
+
+Every simulated rank is assumed to hold the same tensors as this one, so SUM multiplies
+by the size, PRODUCT raises to the size, MEAN, MIN and MAX leave values as they are, and
+gathers repeat the input. It runs anywhere with no network, and is what :func:`agang.init`
+returns for a world of size 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import final
+
+import torch
+from typing_extensions import override
+
+from agang._base_gang import BaseGang, Done
+from agang._errors import GangError
+from agang._gang import Gang
+from agang._handle import Handle
+from agang._reduce_op import ReduceOp
+from agang._validate import check_member_ranks, check_rank, check_timeout
+
+
+def _repeat_reduce(tensor: torch.Tensor, op: ReduceOp, size: int) -> None:
+    """Reduces, in place, ``size`` copies of ``tensor``."""
+    if size == 1 or op in (ReduceOp.MEAN, ReduceOp.MIN, ReduceOp.MAX):
+        return
+    if tensor.dtype == torch.bool:
+        return  # or / and of equal booleans
+    if op is ReduceOp.SUM:
+        tensor.mul_(size)
+    elif op is ReduceOp.PRODUCT:
+        tensor.pow_(size)
+
+
+@final
+class FakeGang(BaseGang):
+    """One process simulating rank ``rank`` of a gang of ``size`` equal ranks.
+
+    Args:
+        rank: The simulated rank.
+        size: The simulated number of ranks.
+        device: Where tensors must live.
+        op_timeout: The default deadline of ops (they finish at once, so rarely matters).
+
+    Example:
+        >>> gang = agang.FakeGang(rank=0, size=4)
+        >>> await gang.all_reduce(torch.ones(2))  # tensor([4., 4.])
+    """
+
+    def __init__(
+        self,
+        *,
+        rank: int = 0,
+        size: int = 1,
+        device: torch.device | str = "cpu",
+        op_timeout: float | None = None,
+    ) -> None:
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"`size` must be a positive int, but is {size!r} instead.")
+        check_rank(rank, size, name="rank")
+        super().__init__(
+            rank=rank,
+            size=size,
+            device=torch.device(device),
+            backend="fake",
+            name="fake",
+            op_timeout=check_timeout(op_timeout, name="op_timeout"),
+        )
+
+    @override
+    def _start_all_reduce(self, tensor: torch.Tensor, op: ReduceOp, done: Done) -> None:
+        _repeat_reduce(tensor, op, self.size)
+        done(None)
+
+    @override
+    def _start_all_gather(self, output: torch.Tensor, input: torch.Tensor, done: Done) -> None:
+        output.view(self.size, -1).copy_(input.reshape(1, -1))
+        done(None)
+
+    @override
+    def _start_all_gather_to_list(
+        self, outputs: list[torch.Tensor], input: torch.Tensor, done: Done
+    ) -> None:
+        for output in outputs:
+            output.copy_(input)
+        done(None)
+
+    @override
+    def _start_reduce_scatter(
+        self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp, done: Done
+    ) -> None:
+        output.view(-1).copy_(input.view(self.size, -1)[self.rank])
+        _repeat_reduce(output, op, self.size)
+        done(None)
+
+    @override
+    def _start_broadcast(self, tensor: torch.Tensor, source_rank: int, done: Done) -> None:
+        done(None)
+
+    @override
+    def _start_all_to_all(self, output: torch.Tensor, input: torch.Tensor, done: Done) -> None:
+        # Rank j sends this rank its chunk number `rank`, which equals ours.
+        chunk = input.view(self.size, -1)[self.rank]
+        output.view(self.size, -1).copy_(chunk.unsqueeze(0))
+        done(None)
+
+    def _no_peers(self) -> GangError:
+        return GangError(
+            "FakeGang simulates the other ranks as copies of this one, so it cannot send or "
+            "receive; use agang.testing.FakeWorld for point-to-point tests."
+        )
+
+    @override
+    def send(
+        self, tensor: torch.Tensor, destination_rank: int, *, timeout: float | None = None
+    ) -> Handle[None]:
+        raise self._no_peers()
+
+    @override
+    def recv(
+        self, tensor: torch.Tensor, source_rank: int, *, timeout: float | None = None
+    ) -> Handle[torch.Tensor]:
+        raise self._no_peers()
+
+    @override
+    def _start_send(self, tensor: torch.Tensor, destination_rank: int, done: Done) -> None:
+        raise self._no_peers()  # unreachable: send() refuses first
+
+    @override
+    def _start_recv(self, tensor: torch.Tensor, source_rank: int, done: Done) -> None:
+        raise self._no_peers()  # unreachable: recv() refuses first
+
+    @override
+    def _start_barrier(self, done: Done) -> None:
+        done(None)
+
+    @override
+    def _release_backend(self, *, pending: bool) -> None:
+        pass
+
+    @override
+    async def create_gang(self, ranks: Sequence[int]) -> Gang | None:
+        members = check_member_ranks(ranks, self.size)
+        self._check_usable()
+        if self.rank not in members:
+            return None
+        return FakeGang(
+            rank=members.index(self.rank),
+            size=len(members),
+            device=self.device,
+            op_timeout=self._op_timeout,
+        )

@@ -1,0 +1,234 @@
+"""The Gang interface: a set of ranks that run collectives together, awaitably.
+
+Every collective is a plain method that checks its input, issues the op at once, and
+returns a :class:`~agang.Handle`. All ranks of a gang must issue its collectives in the
+same order (one gang is one ordering domain).
+
+Timeouts: ``timeout=None`` means the gang's default deadline, ``math.inf`` means none, and
+a number is seconds from issue. When a deadline passes the handle raises
+:class:`~agang.GangTimeoutError` and the gang is broken: every later call raises
+:class:`~agang.GangBrokenError` at once.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from agang._handle import Handle
+from agang._reduce_op import ReduceOp
+from agang._statistics import GangStatistics
+
+
+class Gang(ABC):
+    """A set of ranks that run collectives together.
+
+    Implementations: the process-group gang returned by :func:`agang.init`,
+    :class:`agang.FakeGang`, and the gangs of :class:`agang.testing.FakeWorld`.
+    """
+
+    @property
+    @abstractmethod
+    def rank(self) -> int:
+        """This process's rank in the gang, from 0 to ``size - 1``."""
+
+    @property
+    @abstractmethod
+    def size(self) -> int:
+        """The number of ranks in the gang."""
+
+    @property
+    @abstractmethod
+    def device(self) -> torch.device:
+        """The device the gang's tensors must live on."""
+
+    @property
+    @abstractmethod
+    def backend(self) -> str:
+        """``"gloo"``, ``"nccl"``, or ``"fake"`` for gangs that simulate one."""
+
+    @property
+    @abstractmethod
+    def name(self) -> str:
+        """A name for messages and logs (``"root"``, or the sub-gang's ranks)."""
+
+    @property
+    @abstractmethod
+    def closed(self) -> bool:
+        """True once :meth:`close` has been called."""
+
+    @abstractmethod
+    def all_reduce(
+        self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *, timeout: float | None = None
+    ) -> Handle[torch.Tensor]:
+        """Reduces ``tensor`` across all ranks, in place.
+
+        Args:
+            tensor: The input, overwritten with the result on every rank.
+            op: How to combine the ranks' values.
+            timeout: Seconds before the op's deadline; None for the gang's default.
+
+        Returns:
+            A handle whose ``await`` returns ``tensor``.
+
+        Example:
+            >>> await gang.all_reduce(grad, ReduceOp.MEAN)
+        """
+
+    @abstractmethod
+    def all_gather(
+        self, output: torch.Tensor, input: torch.Tensor, *, timeout: float | None = None
+    ) -> Handle[torch.Tensor]:
+        """Gathers every rank's ``input`` into ``output``, shaped ``[size, *input.shape]``.
+
+        Returns:
+            A handle whose ``await`` returns ``output``; ``output[r]`` is rank r's input.
+
+        Example:
+            >>> out = await gang.all_gather(torch.empty(gang.size, 4), x)
+        """
+
+    @abstractmethod
+    def all_gather_to_list(
+        self,
+        outputs: Sequence[torch.Tensor],
+        input: torch.Tensor,
+        *,
+        timeout: float | None = None,
+    ) -> Handle[list[torch.Tensor]]:
+        """Gathers every rank's ``input`` into ``outputs[rank]``, one tensor per rank.
+
+        Example:
+            >>> outs = await gang.all_gather_to_list([torch.empty(4) for _ in range(n)], x)
+        """
+
+    @abstractmethod
+    def reduce_scatter(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        op: ReduceOp = ReduceOp.SUM,
+        *,
+        timeout: float | None = None,
+    ) -> Handle[torch.Tensor]:
+        """Reduces ``input`` (shaped ``[size, *output.shape]``) and scatters it.
+
+        Rank r receives the reduction over ranks of ``input[r]`` in ``output``. ``input``
+        is never modified.
+
+        Example:
+            >>> shard = await gang.reduce_scatter(torch.empty(4), grads.view(gang.size, 4))
+        """
+
+    @abstractmethod
+    def broadcast(
+        self, tensor: torch.Tensor, source_rank: int = 0, *, timeout: float | None = None
+    ) -> Handle[torch.Tensor]:
+        """Copies ``tensor`` of ``source_rank`` into ``tensor`` on every other rank.
+
+        Example:
+            >>> await gang.broadcast(weights, source_rank=0)
+        """
+
+    @abstractmethod
+    def broadcast_objects(
+        self, objects: list[Any], source_rank: int = 0, *, timeout: float | None = None
+    ) -> Handle[list[Any]]:
+        """Sends the picklable ``objects`` of ``source_rank`` to every rank.
+
+        On the other ranks the contents of ``objects`` are replaced by the received ones.
+        Only unpickle data from ranks you trust: unpickling can run code.
+
+        Returns:
+            A handle whose ``await`` returns ``objects``.
+
+        Example:
+            >>> config = (await gang.broadcast_objects([config]))[0]
+        """
+
+    @abstractmethod
+    def all_gather_objects(
+        self, obj: Any, *, timeout: float | None = None
+    ) -> Handle[list[Any]]:
+        """Gathers one picklable object from every rank.
+
+        Returns:
+            A handle whose ``await`` returns a list with rank r's object at index r.
+
+        Example:
+            >>> hosts = await gang.all_gather_objects(socket.gethostname())
+        """
+
+    @abstractmethod
+    def all_to_all(
+        self, output: torch.Tensor, input: torch.Tensor, *, timeout: float | None = None
+    ) -> Handle[torch.Tensor]:
+        """Exchanges equal chunks: chunk j of ``input`` goes to rank j.
+
+        ``input`` and ``output`` have the same shape, whose first dimension is a multiple
+        of ``size``; chunk j of ``output`` is what rank j sent to this rank.
+
+        Example:
+            >>> await gang.all_to_all(torch.empty(n * 2), tokens)
+        """
+
+    @abstractmethod
+    def send(
+        self, tensor: torch.Tensor, destination_rank: int, *, timeout: float | None = None
+    ) -> Handle[None]:
+        """Sends ``tensor`` to ``destination_rank``, which must :meth:`recv` it.
+
+        Example:
+            >>> await gang.send(activations, destination_rank=gang.rank + 1)
+        """
+
+    @abstractmethod
+    def recv(
+        self, tensor: torch.Tensor, source_rank: int, *, timeout: float | None = None
+    ) -> Handle[torch.Tensor]:
+        """Receives into ``tensor`` what ``source_rank`` sends.
+
+        Example:
+            >>> x = await gang.recv(torch.empty(8), source_rank=gang.rank - 1)
+        """
+
+    @abstractmethod
+    def barrier(self, *, timeout: float | None = None) -> Handle[None]:
+        """Completes once every rank has reached it.
+
+        Example:
+            >>> await gang.barrier()
+        """
+
+    @abstractmethod
+    async def create_gang(self, ranks: Sequence[int]) -> Gang | None:
+        """Makes a gang of some of this gang's ranks; every rank of this gang must call it.
+
+        Args:
+            ranks: The members, as ranks of this gang; a member's rank in the new gang is
+                its position in the sorted ``ranks``.
+
+        Returns:
+            The new gang, or None on ranks that are not in ``ranks``.
+
+        Example:
+            >>> pair = await gang.create_gang([0, 1])
+        """
+
+    @abstractmethod
+    async def close(self) -> None:
+        """Releases the gang; pending waiters get :class:`~agang.GangClosedError`.
+
+        Idempotent. Closing a gang also closes the sub-gangs made from it.
+        """
+
+    @abstractmethod
+    def close_sync(self) -> None:
+        """:meth:`close` for synchronous code."""
+
+    @abstractmethod
+    def statistics(self) -> GangStatistics:
+        """Returns counters and latencies of the ops this gang has run."""

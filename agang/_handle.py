@@ -1,0 +1,183 @@
+"""The handle a collective returns: issued already, complete when awaited.
+
+Rules:
+1. A handle finishes exactly once, with a value or an error; the first finisher wins
+   (c10d completion, the deadline, a close or a break of the gang) and later ones are
+   ignored. Finishing may happen on any thread.
+2. Finishing runs the registered callbacks once, outside the lock, on the finishing
+   thread. Callbacks only hand the news on (to a loop, a thread event); they never block.
+3. Waiting never changes the op: a cancelled or timed-out wait leaves the op running
+   and its tensors busy until c10d is done with them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Generator
+from typing import Any, Generic, TypeVar, final
+
+from agang._validate import check_timeout
+from agang._wakeup import wait_async
+
+T = TypeVar("T")
+
+_PENDING = 0
+_DONE = 1
+
+
+@final
+class Handle(Generic[T]):
+    """An issued collective. ``await`` it (or call :meth:`wait`) for its output.
+
+    The op was handed to the backend when the gang's method returned this handle, so
+    work placed between the call and the ``await`` overlaps the communication.
+
+    Example:
+        >>> handle = gang.all_reduce(grad)
+        >>> loss = compute_something_else()
+        >>> grad = await handle
+    """
+
+    __slots__ = (
+        "_callbacks",
+        "_error",
+        "_finished_at",
+        "_lock",
+        "_state",
+        "_value",
+        "issued_at",
+        "num_bytes",
+        "op",
+        "seq",
+        "timeout",
+    )
+
+    def __init__(self, *, op: str, seq: int, num_bytes: int, timeout: float | None) -> None:
+        #: The collective's name, e.g. ``"all_reduce"``.
+        self.op = op
+        #: This op's sequence number on its gang; equal on every rank for the same op.
+        self.seq = seq
+        #: Bytes this rank sends or receives (the size of its tensors).
+        self.num_bytes = num_bytes
+        #: The deadline in seconds from :attr:`issued_at`, or None for none.
+        self.timeout = timeout
+        #: ``time.monotonic()`` when the op was issued.
+        self.issued_at = time.monotonic()
+        self._lock = threading.Lock()
+        self._state = _PENDING
+        self._value: Any = None
+        self._error: BaseException | None = None
+        self._finished_at: float | None = None
+        self._callbacks: list[Callable[[], None]] = []
+
+    def __repr__(self) -> str:
+        state = "pending" if self._state == _PENDING else ("failed" if self._error else "done")
+        return f"<agang.Handle {self.op} seq={self.seq} bytes={self.num_bytes} {state}>"
+
+    def __await__(self) -> Generator[Any, None, T]:
+        return self._wait_async().__await__()
+
+    async def _wait_async(self) -> T:
+        await wait_async(self)
+        return self.result()
+
+    def done(self) -> bool:
+        """Returns True once the op finished, successfully or not."""
+        return self._state != _PENDING
+
+    @property
+    def elapsed(self) -> float | None:
+        """Seconds from issue to finish, or None while pending."""
+        if self._finished_at is None:
+            return None
+        return self._finished_at - self.issued_at
+
+    def result(self) -> T:
+        """Returns the output of a finished op, or raises its error.
+
+        Raises:
+            asyncio.InvalidStateError: The op has not finished yet; await it or call
+                :meth:`wait` instead.
+        """
+        if self._state == _PENDING:
+            raise asyncio.InvalidStateError(
+                f"{self.op} (seq {self.seq}) has not finished yet; await it or call wait()."
+            )
+        if self._error is not None:
+            raise self._error
+        return self._value  # type: ignore[no-any-return]
+
+    def exception(self) -> BaseException | None:
+        """Returns the error of a finished op, or None if it succeeded.
+
+        Raises:
+            asyncio.InvalidStateError: The op has not finished yet.
+        """
+        if self._state == _PENDING:
+            raise asyncio.InvalidStateError(
+                f"{self.op} (seq {self.seq}) has not finished yet; await it or call wait()."
+            )
+        return self._error
+
+    def wait(self, timeout: float | None = None) -> T:
+        """Blocks the calling thread until the op finishes, and returns its output.
+
+        For synchronous code. On an event loop's thread, ``await`` the handle instead:
+        this call would stop the loop (and a deadline the loop drives) while it waits.
+
+        Args:
+            timeout: Seconds to wait at most, or None. This bounds the *wait*, not the
+                op: when it passes the op keeps running and its tensors stay busy.
+
+        Returns:
+            The op's output, as ``await`` would return it.
+
+        Raises:
+            TimeoutError: ``timeout`` passed before the op finished.
+            GangError: The op failed; see :meth:`result`.
+
+        Example:
+            >>> out = gang.all_reduce(t).wait()
+        """
+        seconds = check_timeout(timeout)
+        if self._state == _PENDING:
+            event = threading.Event()
+            self._add_done_callback(event.set)
+            if not event.wait(seconds):
+                self._remove_done_callback(event.set)
+                raise TimeoutError(
+                    f"`wait` gave up on {self.op} (seq {self.seq}) after {seconds:g} s; "
+                    f"the op itself is still running."
+                )
+        return self.result()
+
+    # Internal: used by the gangs and the wake-up bridge.
+
+    def _finish(self, value: Any, error: BaseException | None) -> bool:
+        with self._lock:
+            if self._state != _PENDING:
+                return False
+            self._value = value
+            self._error = error
+            self._finished_at = time.monotonic()
+            self._state = _DONE
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback()
+        return True
+
+    def _add_done_callback(self, callback: Callable[[], None]) -> None:
+        with self._lock:
+            if self._state == _PENDING:
+                self._callbacks.append(callback)
+                return
+        callback()
+
+    def _remove_done_callback(self, callback: Callable[[], None]) -> None:
+        with self._lock:
+            try:
+                self._callbacks.remove(callback)
+            except ValueError:
+                pass

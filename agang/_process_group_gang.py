@@ -1,0 +1,286 @@
+"""The gang over a c10d process group: Gloo on CPU, NCCL on CUDA.
+
+How an op's end reaches agang:
+1. Gloo collectives: the Work future's callback, on a Gloo worker thread (or inline when
+   already done). It only finishes the op's post-processing and calls ``done``.
+2. Gloo send/recv have no future ("Work::getFuture not implemented"), so one waiter
+   thread per gang waits on them in issue order. A later send that finishes before an
+   earlier one is reported after it: late, never wrong.
+3. NCCL: the future only means "enqueued", so completion goes through
+   ``_cuda_completion`` (an event on a side stream, one watcher thread per process).
+
+c10d's own timeout is a backstop behind agang's deadline: it is raised (``set_timeout``)
+past the longest deadline asked for, so c10d never fails an op before agang would, and
+an op whose waiters are all gone still ends, and frees its threads, eventually.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any, final
+
+import torch
+import torch.distributed as dist
+from typing_extensions import override
+
+from agang import _cuda_completion
+from agang._base_gang import BaseGang, Done
+from agang._errors import GangInitError
+from agang._gang import Gang
+from agang._offload import run_blocking, start_thread
+from agang._reduce_op import ReduceOp, to_c10d
+from agang._validate import check_member_ranks
+
+log = logging.getLogger("agang")
+
+# c10d's deadline sits this far behind agang's, so agang's always fires first.
+_BACKSTOP_FACTOR = 1.5
+_BACKSTOP_MARGIN = 30.0
+_DEFAULT_BACKSTOP = 1800.0
+
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def backstop_for(timeout: float | None) -> float:
+    """The c10d timeout to use behind an agang deadline of ``timeout`` seconds."""
+    if timeout is None:
+        return _DEFAULT_BACKSTOP
+    return max(timeout * _BACKSTOP_FACTOR + _BACKSTOP_MARGIN, _BACKSTOP_MARGIN)
+
+
+def _real(tensor: torch.Tensor) -> torch.Tensor:
+    # c10d reduces complex tensors as pairs of reals.
+    return torch.view_as_real(tensor) if tensor.is_complex() else tensor
+
+
+class _PointToPointWaiter:
+    """One thread per gang that waits on send/recv Work in issue order (Gloo)."""
+
+    def __init__(self, name: str) -> None:
+        self._queue: queue.SimpleQueue[tuple[Any, Done] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=f"agang-p2p {name}", daemon=True)
+        self._thread.start()
+
+    def watch(self, work: Any, done: Done) -> None:
+        self._queue.put((work, done))
+
+    def stop(self) -> None:
+        self._queue.put(None)
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            work, done = item
+            try:
+                work.wait()
+            except Exception as exc:
+                done(exc)
+            else:
+                done(None)
+
+
+@final
+class ProcessGroupGang(BaseGang):
+    """A gang backed by a c10d process group. Made by :func:`agang.init`."""
+
+    def __init__(
+        self,
+        process_group: dist.ProcessGroup,
+        *,
+        device: torch.device,
+        backend: str,
+        name: str,
+        op_timeout: float | None,
+        is_world: bool,
+        stream_ordered: bool = False,
+    ) -> None:
+        super().__init__(
+            rank=process_group.rank(),
+            size=process_group.size(),
+            device=device,
+            backend=backend,
+            name=name,
+            op_timeout=op_timeout,
+        )
+        self._pg = process_group
+        self._is_world = is_world
+        self._stream_ordered = stream_ordered
+        self._backstop = 0.0
+        self._p2p: _PointToPointWaiter | None = None
+        self._raise_backstop(op_timeout)
+
+    @property
+    def process_group(self) -> dist.ProcessGroup:
+        """The c10d process group, for calling torch.distributed directly."""
+        return self._pg
+
+    def _raise_backstop(self, timeout: float | None) -> None:
+        backstop = backstop_for(timeout)
+        if backstop > self._backstop:
+            self._backstop = backstop
+            self._pg.set_timeout(timedelta(seconds=backstop))
+
+    @override
+    def _resolve_timeout(self, timeout: float | None) -> float | None:
+        seconds = super()._resolve_timeout(timeout)
+        if seconds is not None and backstop_for(seconds) > self._backstop:
+            self._raise_backstop(seconds)
+        return seconds
+
+    # Completion routing.
+
+    def _watch(self, work: Any, done: Done, post: Callable[[], None] | None = None) -> None:
+        if self._backend == "nccl":
+            _cuda_completion.watch(
+                work, self._device, done, post, stream_ordered=self._stream_ordered
+            )
+            return
+
+        def on_future(future: Any) -> None:
+            try:
+                future.value()  # raises c10d's error, if any
+                if post is not None:
+                    post()
+            except Exception as exc:
+                done(exc)
+            else:
+                done(None)
+
+        work.get_future().add_done_callback(on_future)
+
+    # Primitives.
+
+    @override
+    def _start_all_reduce(self, tensor: torch.Tensor, op: ReduceOp, done: Done) -> None:
+        c10d_op, divide = to_c10d(op, backend=self._backend)
+        options = dist.AllreduceOptions()
+        options.reduceOp = c10d_op
+        work = self._pg.allreduce([_real(tensor)], options)
+        self._watch(work, done, (lambda: tensor.div_(self._size)) if divide else None)
+
+    @override
+    def _start_all_gather(self, output: torch.Tensor, input: torch.Tensor, done: Done) -> None:
+        work = _all_gather_flat(_real(output), _real(input), group=self._pg, async_op=True)
+        self._watch(work, done)
+
+    @override
+    def _start_all_gather_to_list(
+        self, outputs: list[torch.Tensor], input: torch.Tensor, done: Done
+    ) -> None:
+        work = self._pg.allgather([[_real(t) for t in outputs]], [_real(input)])
+        self._watch(work, done)
+
+    @override
+    def _start_reduce_scatter(
+        self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp, done: Done
+    ) -> None:
+        c10d_op, divide = to_c10d(op, backend=self._backend)
+        work = _reduce_scatter_flat(
+            _real(output.view(-1)), _real(input), op=c10d_op, group=self._pg, async_op=True
+        )
+        self._watch(work, done, (lambda: output.div_(self._size)) if divide else None)
+
+    @override
+    def _start_broadcast(self, tensor: torch.Tensor, source_rank: int, done: Done) -> None:
+        options = dist.BroadcastOptions()
+        options.rootRank = source_rank
+        options.rootTensor = 0
+        work = self._pg.broadcast([_real(tensor)], options)
+        self._watch(work, done)
+
+    @override
+    def _start_all_to_all(self, output: torch.Tensor, input: torch.Tensor, done: Done) -> None:
+        work = dist.all_to_all_single(_real(output), _real(input), group=self._pg, async_op=True)
+        self._watch(work, done)
+
+    def _watch_p2p(self, work: Any, done: Done) -> None:
+        if self._backend == "nccl":
+            self._watch(work, done)
+            return
+        with self._lock:
+            if self._p2p is None:
+                self._p2p = _PointToPointWaiter(self.name)
+        self._p2p.watch(work, done)
+
+    @override
+    def _start_send(self, tensor: torch.Tensor, destination_rank: int, done: Done) -> None:
+        self._watch_p2p(self._pg.send([_real(tensor)], destination_rank, 0), done)
+
+    @override
+    def _start_recv(self, tensor: torch.Tensor, source_rank: int, done: Done) -> None:
+        self._watch_p2p(self._pg.recv([_real(tensor)], source_rank, 0), done)
+
+    @override
+    def _start_barrier(self, done: Done) -> None:
+        options = dist.BarrierOptions()
+        if self._backend == "nccl" and self._device.index is not None:
+            options.device_ids = [self._device.index]
+        self._watch(self._pg.barrier(options), done)
+
+    # Failure and lifecycle.
+
+    @override
+    def _abort_backend(self) -> None:
+        # NCCL's abort can take a moment; never on the caller's (maybe the loop's) thread.
+        start_thread(self._pg.abort, name=f"abort gang '{self.name}'")
+
+    @override
+    def _release_backend(self, *, pending: bool) -> None:
+        if self._p2p is not None:
+            self._p2p.stop()
+        try:
+            if pending or self._broken is not None:
+                # destroy waits for pending NCCL kernels, and could wait for ever.
+                self._pg.abort()
+            if self._is_world:
+                dist.destroy_process_group()
+            else:
+                dist.destroy_process_group(self._pg)
+        except Exception:
+            log.warning("Releasing the process group of gang '%s' failed.", self.name,
+                        exc_info=True)
+
+    @override
+    async def create_gang(self, ranks: Sequence[int]) -> Gang | None:
+        members = check_member_ranks(ranks, self.size)
+        self._check_usable()
+        is_member = self.rank in members
+        global_ranks = [dist.get_global_rank(self._pg, r) for r in members]
+        backstop = timedelta(seconds=self._backstop)
+
+        def create() -> dist.ProcessGroup | None:
+            if self._is_world:
+                # Every rank of the world takes part; non-members get a placeholder.
+                group = dist.new_group(global_ranks, timeout=backstop)
+                return group if is_member else None
+            if not is_member:
+                return None
+            return dist.new_group(global_ranks, timeout=backstop, use_local_synchronization=True)
+
+        deadline = self._op_timeout
+        group = await run_blocking(create, name=f"create gang {members}", timeout=deadline)
+        if group is None:
+            if is_member:
+                raise GangInitError(
+                    f"Creating a gang of ranks {members} of gang '{self.name}' did not finish "
+                    f"within {deadline} s; every rank of '{self.name}' must call create_gang "
+                    f"with the same ranks."
+                )
+            return None
+        child = ProcessGroupGang(
+            group,
+            device=self.device,
+            backend=self.backend,
+            name=f"{self.name}{members}",
+            op_timeout=self._op_timeout,
+            is_world=False,
+            stream_ordered=self._stream_ordered,
+        )
+        with self._lock:
+            self._children.append(child)
+        return child
+

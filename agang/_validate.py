@@ -1,0 +1,205 @@
+"""Checks of user input, raised before anything is issued.
+
+Every message follows one template: the parameter in backticks, what was expected, and
+what was given ("`timeout` must be a non-negative number of seconds or None, but is -1
+instead."). Tensor checks are per backend because Gloo and NCCL accept different dtypes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from agang._reduce_op import ReduceOp
+
+_GLOO_DTYPES = frozenset(
+    {
+        torch.bool,
+        torch.int8,
+        torch.uint8,
+        torch.int32,
+        torch.int64,
+        torch.float16,
+        torch.bfloat16,
+        torch.float32,
+        torch.float64,
+        torch.complex64,
+        torch.complex128,
+    }
+)
+_NCCL_DTYPES = _GLOO_DTYPES | {torch.float8_e4m3fn, torch.float8_e5m2}
+
+
+def supported_dtypes(backend: str) -> frozenset[torch.dtype]:
+    """The dtypes the backend's collectives accept (measured for Gloo: int16 is refused)."""
+    if backend == "nccl":
+        return _NCCL_DTYPES
+    return _GLOO_DTYPES
+
+
+def check_timeout(timeout: object, *, name: str = "timeout") -> float | None:
+    """Returns ``timeout`` as float seconds, or None for no deadline."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+        raise TypeError(
+            f"`{name}` must be a number of seconds or None, "
+            f"but is of type `{type(timeout).__name__}` instead."
+        )
+    value = float(timeout)
+    if math.isnan(value) or value < 0:
+        raise ValueError(
+            f"`{name}` must be a non-negative number of seconds or None, but is {timeout} instead."
+        )
+    return value
+
+
+def check_rank(rank: object, size: int, *, name: str, self_rank: int | None = None) -> int:
+    """Checks that ``rank`` is a rank of a gang of ``size`` (and, if given, not ``self_rank``)."""
+    if isinstance(rank, bool) or not isinstance(rank, int):
+        raise TypeError(
+            f"`{name}` must be an int, but is of type `{type(rank).__name__}` instead."
+        )
+    if not 0 <= rank < size:
+        raise ValueError(
+            f"`{name}` must be greater than or equal to 0 and less than the size of the gang "
+            f"({size}), but is {rank} instead."
+        )
+    if self_rank is not None and rank == self_rank:
+        raise ValueError(f"`{name}` must be another rank than this one ({self_rank}), but is not.")
+    return rank
+
+
+def check_reduce_op(op: object, *, name: str = "op") -> ReduceOp:
+    if not isinstance(op, ReduceOp):
+        raise TypeError(
+            f"`{name}` must be an `agang.ReduceOp`, but is of type `{type(op).__name__}` instead."
+        )
+    return op
+
+
+def check_tensor(
+    tensor: object,
+    *,
+    name: str,
+    device: torch.device,
+    backend: str,
+) -> torch.Tensor:
+    """Checks that ``tensor`` is a dense, contiguous tensor the gang can send."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(
+            f"`{name}` must be a `torch.Tensor`, but is of type `{type(tensor).__name__}` instead."
+        )
+    if tensor.layout != torch.strided:
+        raise TypeError(
+            f"`{name}` must be a dense (strided) tensor, but has layout {tensor.layout} instead."
+        )
+    if tensor.device != device:
+        raise ValueError(
+            f"`{name}` must be on the gang's device ({device}), but is on {tensor.device} instead."
+        )
+    if not tensor.is_contiguous():
+        raise ValueError(
+            f"`{name}` must be contiguous, but has strides {tensor.stride()} for shape "
+            f"{tuple(tensor.shape)} instead; call `.contiguous()` first."
+        )
+    if tensor.dtype not in supported_dtypes(backend):
+        raise TypeError(
+            f"`{name}` must have a dtype the {backend} backend supports, "
+            f"but has dtype {tensor.dtype} instead."
+        )
+    return tensor
+
+
+def check_reduce_dtype(tensor: torch.Tensor, op: ReduceOp, *, name: str) -> None:
+    """Checks the combinations of dtype and reduce op that no backend defines."""
+    if op is ReduceOp.MEAN and not (tensor.is_floating_point() or tensor.is_complex()):
+        raise TypeError(
+            f"`{name}` must have a floating-point or complex dtype for ReduceOp.MEAN, "
+            f"but has dtype {tensor.dtype} instead."
+        )
+    if tensor.is_complex() and op not in (ReduceOp.SUM, ReduceOp.MEAN):
+        raise TypeError(
+            f"`{name}` must have a real dtype for {op}, but has dtype {tensor.dtype} instead "
+            f"(complex tensors support SUM and MEAN only)."
+        )
+
+
+def check_same_dtype(output: torch.Tensor, input: torch.Tensor) -> None:
+    if output.dtype != input.dtype:
+        raise TypeError(
+            f"`output` must have the dtype of `input` ({input.dtype}), "
+            f"but has dtype {output.dtype} instead."
+        )
+
+
+def check_shape(tensor: torch.Tensor, expected: Sequence[int], *, name: str) -> None:
+    if tuple(tensor.shape) != tuple(expected):
+        raise ValueError(
+            f"`{name}` must have shape {tuple(expected)}, but has shape "
+            f"{tuple(tensor.shape)} instead."
+        )
+
+
+def check_tensor_list(
+    tensors: object, *, name: str, length: int
+) -> list[Any]:
+    if not isinstance(tensors, list | tuple):
+        raise TypeError(
+            f"`{name}` must be a list of tensors, but is of type `{type(tensors).__name__}` "
+            f"instead."
+        )
+    if len(tensors) != length:
+        raise ValueError(
+            f"`{name}` must have one tensor per rank ({length}), but has {len(tensors)} instead."
+        )
+    return list(tensors)
+
+
+def check_distinct(tensors: Sequence[torch.Tensor], *, name: str) -> None:
+    """Two arguments of one op must not share memory unless the op is in-place."""
+    for i, first in enumerate(tensors):
+        for second in tensors[i + 1 :]:
+            if first.numel() and second.numel() and _overlap(first, second):
+                raise ValueError(
+                    f"`{name}` must not overlap in memory, but two of its tensors do; "
+                    f"pass separate buffers."
+                )
+
+
+def _overlap(first: torch.Tensor, second: torch.Tensor) -> bool:
+    if first.untyped_storage().data_ptr() != second.untyped_storage().data_ptr():
+        return False
+    a0 = first.data_ptr()
+    a1 = a0 + first.numel() * first.element_size()
+    b0 = second.data_ptr()
+    b1 = b0 + second.numel() * second.element_size()
+    return a0 < b1 and b0 < a1
+
+
+def check_member_ranks(ranks: object, size: int) -> list[int]:
+    if isinstance(ranks, str | bytes) or not isinstance(ranks, Sequence):
+        raise TypeError(
+            f"`ranks` must be a sequence of ints, but is of type `{type(ranks).__name__}` "
+            f"instead."
+        )
+    members = []
+    for rank in ranks:
+        if isinstance(rank, bool) or not isinstance(rank, int):
+            raise TypeError(
+                f"`ranks` must contain ints only, but contains {rank!r} of type "
+                f"`{type(rank).__name__}` instead."
+            )
+        if not 0 <= rank < size:
+            raise ValueError(
+                f"`ranks` must contain ranks from 0 to {size - 1}, but contains {rank} instead."
+            )
+        members.append(rank)
+    if not members:
+        raise ValueError("`ranks` must contain at least one rank, but is empty instead.")
+    if len(set(members)) != len(members):
+        raise ValueError(f"`ranks` must not repeat a rank, but is {list(ranks)} instead.")
+    return sorted(members)

@@ -1,0 +1,200 @@
+"""Running an async function on n real local ranks (processes, Gloo, loopback only).
+
+The parent hosts the rendezvous store on 127.0.0.1 with port 0, so the port is chosen
+by the kernel with no race, and tells the ranks to join it as clients, exactly as
+torchrun's agent does (TORCHELASTIC_USE_AGENT_STORE). Every rank runs under the chosen
+async backend; the parent collects each rank's result or formatted traceback, and at the
+deadline, or once any rank failed and the others did not finish soon after, it kills the
+ranks it started (SIGKILL, by pid) and raises with the tracebacks tagged by rank.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.connection
+import os
+import time
+import traceback
+from collections.abc import Awaitable, Callable, Mapping
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import torch.distributed as dist
+
+from agang._errors import GangError
+from agang._gang import Gang
+from agang._validate import check_timeout
+
+T = TypeVar("T")
+
+ASYNC_BACKENDS = ("asyncio", "uvloop", "trio")
+# After the first failure, how long the other ranks get to report theirs.
+_GRACE = 3.0
+
+
+class WorldRunError(GangError):
+    """One or more ranks of :func:`run_world` failed or missed the deadline.
+
+    Attributes:
+        failures: Rank -> formatted traceback (or why it gave no result).
+        results: Rank -> result, for the ranks that succeeded.
+    """
+
+    def __init__(self, message: str, failures: dict[int, str], results: dict[int, Any]) -> None:
+        super().__init__(message)
+        self.failures = failures
+        self.results = results
+
+
+def _rank_main(
+    fn: Callable[[Gang], Awaitable[Any]],
+    env: dict[str, str],
+    backend: str,
+    async_backend: str,
+    init_options: dict[str, Any],
+    connection: multiprocessing.connection.Connection,
+) -> None:
+    os.environ.update(env)
+    import anyio
+
+    import agang
+
+    async def main() -> Any:
+        gang = await agang.init(backend=backend, in_process=False, **init_options)
+        try:
+            return await fn(gang)
+        finally:
+            await gang.close()
+
+    try:
+        if async_backend == "trio":
+            result = anyio.run(main, backend="trio")
+        else:
+            result = anyio.run(
+                main, backend="asyncio", backend_options={"use_uvloop": async_backend == "uvloop"}
+            )
+    except BaseException:
+        connection.send(("error", traceback.format_exc()))
+    else:
+        try:
+            connection.send(("ok", result))
+        except Exception:
+            connection.send(("error", "the result could not be pickled:\n" + traceback.format_exc()))
+    connection.close()
+
+
+def run_world(
+    fn: Callable[[Gang], Awaitable[T]],
+    world_size: int,
+    *,
+    backend: str = "gloo",
+    async_backend: str = "asyncio",
+    timeout: float = 120.0,
+    init_timeout: float | None = 60.0,
+    op_timeout: float | None = 60.0,
+    env: Mapping[str, str] | None = None,
+) -> list[T]:
+    """Runs ``async def fn(gang)`` on ``world_size`` local ranks and returns their results.
+
+    ``fn`` must be importable by name (a module-level function): ranks are new processes.
+
+    Args:
+        fn: The function each rank runs with its root gang; its result must pickle.
+        world_size: The number of ranks.
+        backend: The c10d backend (``"gloo"``).
+        async_backend: ``"asyncio"``, ``"uvloop"`` or ``"trio"``.
+        timeout: Seconds for the whole run, start-up included; never exceeded by more
+            than the few seconds killing takes.
+        init_timeout: The ranks' :func:`agang.init` deadline.
+        op_timeout: The ranks' default op deadline.
+        env: Extra environment variables for the ranks.
+
+    Returns:
+        The results, indexed by rank.
+
+    Raises:
+        WorldRunError: A rank failed or the deadline passed; lists each rank's traceback.
+
+    Example:
+        >>> async def total(gang):
+        ...     return (await gang.all_reduce(torch.ones(1))).item()
+        >>> run_world(total, 2)  # [2.0, 2.0]
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"`world_size` must be a positive int, but is {world_size!r} instead.")
+    if async_backend not in ASYNC_BACKENDS:
+        raise ValueError(
+            f"`async_backend` must be one of {ASYNC_BACKENDS}, but is {async_backend!r} instead."
+        )
+    seconds = check_timeout(timeout)
+    if seconds is None:
+        raise ValueError("`timeout` must be a number of seconds, but is None instead.")
+    if not callable(fn):
+        raise TypeError(f"`fn` must be an async function, but is {fn!r} instead.")
+
+    store = dist.TCPStore(
+        "127.0.0.1", 0, world_size, is_master=True, timeout=timedelta(seconds=seconds),
+        wait_for_workers=False,
+    )
+    context = multiprocessing.get_context("spawn")
+    base_env = {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(store.port),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        **(env or {}),
+    }
+    init_options = {"timeout": init_timeout, "op_timeout": op_timeout}
+    processes = []
+    connections: dict[Any, int] = {}
+    for rank in range(world_size):
+        receiver, sender = context.Pipe(duplex=False)
+        rank_env = {**base_env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+        process = context.Process(
+            target=_rank_main,
+            args=(fn, rank_env, backend, async_backend, init_options, sender),
+            name=f"agang-rank-{rank}",
+            daemon=True,
+        )
+        process.start()
+        sender.close()
+        processes.append(process)
+        connections[receiver] = rank
+
+    results: dict[int, Any] = {}
+    failures: dict[int, str] = {}
+    deadline = time.monotonic() + seconds
+    try:
+        while connections:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            ready = multiprocessing.connection.wait(list(connections), timeout=remaining)
+            for receiver in ready:
+                rank = connections.pop(receiver)  # type: ignore[call-overload]
+                try:
+                    status, payload = receiver.recv()  # type: ignore[union-attr]
+                except (EOFError, OSError):
+                    code = processes[rank].exitcode
+                    status, payload = "error", f"rank {rank} exited (code {code}) without a result"
+                (results if status == "ok" else failures)[rank] = payload
+                if status != "ok":
+                    deadline = min(deadline, time.monotonic() + _GRACE)
+    finally:
+        for process in processes:
+            process.join(timeout=max(0.0, min(2.0, deadline - time.monotonic())))
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=5.0)
+        del store
+    for rank in connections.values():
+        failures.setdefault(rank, f"rank {rank} gave no result within the {seconds:g} s deadline")
+    if failures:
+        report = "\n".join(
+            f"--- rank {rank} ---\n{failures[rank].rstrip()}" for rank in sorted(failures)
+        )
+        raise WorldRunError(
+            f"{len(failures)} of {world_size} ranks failed:\n{report}", failures, results
+        )
+    return [results[rank] for rank in range(world_size)]
