@@ -6,6 +6,7 @@ Example:
     >>> total = await gang.all_reduce(torch.ones(1))
 """
 
+from agang._env import WorldInfo as WorldInfo
 from agang._errors import CollectiveError as CollectiveError
 from agang._errors import GangBrokenError as GangBrokenError
 from agang._errors import GangClosedError as GangClosedError
@@ -19,7 +20,6 @@ from agang._gang import Gang as Gang
 from agang._handle import Handle as Handle
 from agang._init import init as init
 from agang._init import init_sync as init_sync
-from agang._env import WorldInfo as WorldInfo
 from agang._process_group_gang import ProcessGroupGang as ProcessGroupGang
 from agang._reduce_op import ReduceOp as ReduceOp
 from agang._statistics import GangStatistics as GangStatistics

@@ -161,8 +161,7 @@ class BaseGang(Gang):
     def _start_broadcast(self, tensor: torch.Tensor, source_rank: int, done: Done) -> None: ...
 
     @abstractmethod
-    def _start_all_to_all(self, output: torch.Tensor, input: torch.Tensor, done: Done) -> None:
-        ...
+    def _start_all_to_all(self, output: torch.Tensor, input: torch.Tensor, done: Done) -> None: ...
 
     @abstractmethod
     def _start_send(self, tensor: torch.Tensor, destination_rank: int, done: Done) -> None: ...
@@ -492,9 +491,16 @@ class BaseGang(Gang):
     def _submit(self, start: Callable[[], None]) -> None:
         with self._lock:
             if self._gate_held or self._deferred:
-                self._deferred.append(start)
+                self._deferred.append(self._later(start))
                 return
             start()
+
+    def _later(self, start: Callable[[], None]) -> Callable[[], None]:
+        """Wraps a start that will run later, on another thread, as if run now.
+
+        The default needs nothing; CUDA gangs restore the caller's current stream.
+        """
+        return start
 
     def _open_gate(self) -> None:
         # The caller holds the lock. Started ops may take the gate again (rule 2).
@@ -527,9 +533,7 @@ class BaseGang(Gang):
             wrapped: BaseException = error
         else:
             context = self._context(handle.op, handle.seq, handle.timeout)
-            wrapped = CollectiveError(
-                f"{context.describe()} failed: {error}", context
-            )
+            wrapped = CollectiveError(f"{context.describe()} failed: {error}", context)
             wrapped.__cause__ = error
         if handle._finish(None, wrapped):
             with self._lock:
@@ -647,7 +651,7 @@ class BaseGang(Gang):
         await run_blocking(
             lambda: self._release_backend(pending=pending),
             name=f"close gang '{self._name}'",
-            timeout=self._close_timeout(),
+            seconds=self._close_timeout(),
         )
 
     @override

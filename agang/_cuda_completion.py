@@ -58,7 +58,7 @@ def _side_stream(device: torch.device) -> Any:
     with _lock:
         stream = _streams.get(device)
         if stream is None:
-            stream = _streams[device] = torch.cuda.Stream(device=device)
+            stream = _streams[device] = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
         return stream
 
 
@@ -90,6 +90,6 @@ def watch(
     stream = _side_stream(device)
     with torch.cuda.stream(stream):
         work.wait()
-        event = torch.cuda.Event(blocking=True)
+        event = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
         event.record(stream)
     _get_watcher().put(event, work, done, post)

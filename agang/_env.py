@@ -38,9 +38,7 @@ def _int(env: Mapping[str, str], name: str, *, minimum: int) -> int:
     try:
         number = int(value)
     except ValueError:
-        raise GangInitError(
-            f"`{name}` must be an integer, but is {value!r} instead."
-        ) from None
+        raise GangInitError(f"`{name}` must be an integer, but is {value!r} instead.") from None
     if number < minimum:
         raise GangInitError(
             f"`{name}` must be greater than or equal to {minimum}, but is {number} instead."
@@ -87,6 +85,5 @@ def world_from_env(env: Mapping[str, str]) -> WorldInfo | None:
         local_rank=local_rank,
         master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
         master_port=port,
-        launcher_hosts_store=env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower()
-        in ("1", "true"),
+        launcher_hosts_store=env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() in ("1", "true"),
     )

@@ -9,7 +9,7 @@ returns for a world of size 1.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import final
+from typing import Any, final
 
 import torch
 from typing_extensions import override
@@ -19,7 +19,7 @@ from agang._errors import GangError
 from agang._gang import Gang
 from agang._handle import Handle
 from agang._reduce_op import ReduceOp
-from agang._validate import check_member_ranks, check_rank, check_timeout
+from agang._validate import check_member_ranks, check_positive_int, check_rank, check_timeout
 
 
 def _repeat_reduce(tensor: torch.Tensor, op: ReduceOp, size: int) -> None:
@@ -57,8 +57,7 @@ class FakeGang(BaseGang):
         device: torch.device | str = "cpu",
         op_timeout: float | None = None,
     ) -> None:
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ValueError(f"`size` must be a positive int, but is {size!r} instead.")
+        check_positive_int(size, name="size")
         check_rank(rank, size, name="rank")
         super().__init__(
             rank=rank,
@@ -105,6 +104,15 @@ class FakeGang(BaseGang):
         chunk = input.view(self.size, -1)[self.rank]
         output.view(self.size, -1).copy_(chunk.unsqueeze(0))
         done(None)
+
+    @override
+    def broadcast_objects(
+        self, objects: list[Any], source_rank: int = 0, *, timeout: float | None = None
+    ) -> Handle[list[Any]]:
+        # The source is a copy of this rank, so this rank's objects are the source's; as
+        # a receiver it would get no bytes (broadcast is a no-op here) and fail to unpickle.
+        check_rank(source_rank, self.size, name="source_rank")
+        return super().broadcast_objects(objects, self.rank, timeout=timeout)
 
     def _no_peers(self) -> GangError:
         return GangError(

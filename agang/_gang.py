@@ -150,9 +150,7 @@ class Gang(ABC):
         """
 
     @abstractmethod
-    def all_gather_objects(
-        self, obj: Any, *, timeout: float | None = None
-    ) -> Handle[list[Any]]:
+    def all_gather_objects(self, obj: Any, *, timeout: float | None = None) -> Handle[list[Any]]:
         """Gathers one picklable object from every rank.
 
         Returns:

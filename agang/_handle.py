@@ -13,6 +13,7 @@ Rules:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Generator
@@ -176,8 +177,5 @@ class Handle(Generic[T]):
         callback()
 
     def _remove_done_callback(self, callback: Callable[[], None]) -> None:
-        with self._lock:
-            try:
-                self._callbacks.remove(callback)
-            except ValueError:
-                pass
+        with self._lock, contextlib.suppress(ValueError):
+            self._callbacks.remove(callback)

@@ -34,7 +34,7 @@ DEFAULT_OP_TIMEOUT = 300.0
 def _resolve_device(device: object, backend: str | None, world: WorldInfo | None) -> torch.device:
     if device is not None:
         try:
-            return torch.device(device)  # type: ignore[call-overload]
+            return torch.device(device)  # type: ignore[call-overload,no-any-return]
         except (RuntimeError, TypeError) as exc:
             raise ValueError(
                 f"`device` must be a torch.device or a device string, but is {device!r} instead."
@@ -103,7 +103,7 @@ class _Plan:
         else:
             deadline = timedelta(seconds=self.timeout if self.timeout is not None else 1800.0)
             is_host = world.rank == 0 and not world.launcher_hosts_store
-            store = dist.TCPStore(
+            store = dist.TCPStore(  # type: ignore[attr-defined]
                 world.master_addr,
                 world.master_port,
                 world.world_size,
@@ -149,7 +149,8 @@ async def init(
     *,
     backend: str | None = None,
     device: torch.device | str | None = None,
-    timeout: float | None = DEFAULT_INIT_TIMEOUT,
+    # The design makes init's deadline an argument (design.md section 6).
+    timeout: float | None = DEFAULT_INIT_TIMEOUT,  # noqa: ASYNC109
     op_timeout: float | None = DEFAULT_OP_TIMEOUT,
     env: Mapping[str, str] | None = None,
     in_process: bool | None = None,
@@ -196,7 +197,7 @@ async def init(
         return plan.local_gang()
     started = time.monotonic()
     try:
-        gang = await run_blocking(plan.connect, name="init", timeout=plan.timeout)
+        gang = await run_blocking(plan.connect, name="init", seconds=plan.timeout)
     except GangInitError:
         raise
     except Exception as exc:

@@ -36,7 +36,9 @@ def byte_buffer(payload: bytes | None, length: int, device: torch.device) -> tor
 def _load(data: torch.Tensor) -> Any:
     # Through untyped storage, not numpy: numpy is not a dependency.
     data = data.cpu().contiguous()
-    raw = bytes(data.untyped_storage())[data.storage_offset() : data.storage_offset() + data.numel()]
+    raw = bytes(data.untyped_storage())[
+        data.storage_offset() : data.storage_offset() + data.numel()
+    ]
     return pickle.loads(raw)
 
 

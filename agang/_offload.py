@@ -36,13 +36,13 @@ def start_thread(fn: Callable[[], T], *, name: str) -> Handle[T]:
     return handle
 
 
-async def run_blocking(fn: Callable[[], T], *, name: str, timeout: float | None) -> T | None:
-    """Awaits ``fn()`` run on a daemon thread, giving up after ``timeout`` seconds.
+async def run_blocking(fn: Callable[[], T], *, name: str, seconds: float | None) -> T | None:
+    """Awaits ``fn()`` run on a daemon thread, giving up after ``seconds``.
 
     Returns:
-        ``fn``'s result, or None if ``timeout`` passed first (the thread is left to end).
+        ``fn``'s result, or None if ``seconds`` passed first (the thread is left to end).
     """
     handle = start_thread(fn, name=name)
-    with anyio.move_on_after(timeout):
+    with anyio.move_on_after(seconds):
         return await handle
     return None

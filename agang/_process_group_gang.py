@@ -53,6 +53,13 @@ def backstop_for(timeout: float | None) -> float:
     return max(timeout * _BACKSTOP_FACTOR + _BACKSTOP_MARGIN, _BACKSTOP_MARGIN)
 
 
+def _divider(tensor: torch.Tensor, size: int) -> Callable[[], None]:
+    def divide() -> None:
+        tensor.div_(size)
+
+    return divide
+
+
 def _real(tensor: torch.Tensor) -> torch.Tensor:
     # c10d reduces complex tensors as pairs of reals.
     return torch.view_as_real(tensor) if tensor.is_complex() else tensor
@@ -131,6 +138,20 @@ class ProcessGroupGang(BaseGang):
             self._raise_backstop(seconds)
         return seconds
 
+    @override
+    def _later(self, start: Callable[[], None]) -> Callable[[], None]:
+        if self._device.type != "cuda":
+            return start
+        # A deferred op starts on a backend thread; order it after the work that was on
+        # the caller's stream when it called, not after that thread's default stream.
+        stream = torch.cuda.current_stream(self._device)
+
+        def start_on_callers_stream() -> None:
+            with torch.cuda.stream(stream):
+                start()
+
+        return start_on_callers_stream
+
     # Completion routing.
 
     def _watch(self, work: Any, done: Done, post: Callable[[], None] | None = None) -> None:
@@ -158,13 +179,16 @@ class ProcessGroupGang(BaseGang):
     def _start_all_reduce(self, tensor: torch.Tensor, op: ReduceOp, done: Done) -> None:
         c10d_op, divide = to_c10d(op, backend=self._backend)
         options = dist.AllreduceOptions()
-        options.reduceOp = c10d_op
+        options.reduceOp = c10d_op  # type: ignore[assignment]  # stubs want the enum's class
         work = self._pg.allreduce([_real(tensor)], options)
-        self._watch(work, done, (lambda: tensor.div_(self._size)) if divide else None)
+        self._watch(work, done, _divider(tensor, self._size) if divide else None)
 
     @override
     def _start_all_gather(self, output: torch.Tensor, input: torch.Tensor, done: Done) -> None:
-        work = _all_gather_flat(_real(output), _real(input), group=self._pg, async_op=True)
+        # Gloo concatenates along the first dimension: the input must be flat like the
+        # output, or a 2-D or 0-dim input fails ("invalid tensor size at index 0").
+        flat_input = _real(input.view(-1))
+        work = _all_gather_flat(_real(output), flat_input, group=self._pg, async_op=True)
         self._watch(work, done)
 
     @override
@@ -182,7 +206,7 @@ class ProcessGroupGang(BaseGang):
         work = _reduce_scatter_flat(
             _real(output.view(-1)), _real(input), op=c10d_op, group=self._pg, async_op=True
         )
-        self._watch(work, done, (lambda: output.div_(self._size)) if divide else None)
+        self._watch(work, done, _divider(output, self._size) if divide else None)
 
     @override
     def _start_broadcast(self, tensor: torch.Tensor, source_rank: int, done: Done) -> None:
@@ -226,7 +250,7 @@ class ProcessGroupGang(BaseGang):
     @override
     def _abort_backend(self) -> None:
         # NCCL's abort can take a moment; never on the caller's (maybe the loop's) thread.
-        start_thread(self._pg.abort, name=f"abort gang '{self.name}'")
+        _ = start_thread(self._pg.abort, name=f"abort gang '{self.name}'")
 
     @override
     def _release_backend(self, *, pending: bool) -> None:
@@ -241,8 +265,9 @@ class ProcessGroupGang(BaseGang):
             else:
                 dist.destroy_process_group(self._pg)
         except Exception:
-            log.warning("Releasing the process group of gang '%s' failed.", self.name,
-                        exc_info=True)
+            log.warning(
+                "Releasing the process group of gang '%s' failed.", self.name, exc_info=True
+            )
 
     @override
     async def create_gang(self, ranks: Sequence[int]) -> Gang | None:
@@ -259,10 +284,13 @@ class ProcessGroupGang(BaseGang):
                 return group if is_member else None
             if not is_member:
                 return None
-            return dist.new_group(global_ranks, timeout=backstop, use_local_synchronization=True)
+            local: dist.ProcessGroup = dist.new_group(
+                global_ranks, timeout=backstop, use_local_synchronization=True
+            )
+            return local
 
         deadline = self._op_timeout
-        group = await run_blocking(create, name=f"create gang {members}", timeout=deadline)
+        group = await run_blocking(create, name=f"create gang {members}", seconds=deadline)
         if group is None:
             if is_member:
                 raise GangInitError(
@@ -283,4 +311,3 @@ class ProcessGroupGang(BaseGang):
         with self._lock:
             self._children.append(child)
         return child
-

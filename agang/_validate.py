@@ -57,12 +57,16 @@ def check_timeout(timeout: object, *, name: str = "timeout") -> float | None:
     return value
 
 
+def check_positive_int(value: object, *, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"`{name}` must be a positive int, but is {value!r} instead.")
+    return value
+
+
 def check_rank(rank: object, size: int, *, name: str, self_rank: int | None = None) -> int:
     """Checks that ``rank`` is a rank of a gang of ``size`` (and, if given, not ``self_rank``)."""
     if isinstance(rank, bool) or not isinstance(rank, int):
-        raise TypeError(
-            f"`{name}` must be an int, but is of type `{type(rank).__name__}` instead."
-        )
+        raise TypeError(f"`{name}` must be an int, but is of type `{type(rank).__name__}` instead.")
     if not 0 <= rank < size:
         raise ValueError(
             f"`{name}` must be greater than or equal to 0 and less than the size of the gang "
@@ -144,9 +148,7 @@ def check_shape(tensor: torch.Tensor, expected: Sequence[int], *, name: str) -> 
         )
 
 
-def check_tensor_list(
-    tensors: object, *, name: str, length: int
-) -> list[Any]:
+def check_tensor_list(tensors: object, *, name: str, length: int) -> list[Any]:
     if not isinstance(tensors, list | tuple):
         raise TypeError(
             f"`{name}` must be a list of tensors, but is of type `{type(tensors).__name__}` "
@@ -183,8 +185,7 @@ def _overlap(first: torch.Tensor, second: torch.Tensor) -> bool:
 def check_member_ranks(ranks: object, size: int) -> list[int]:
     if isinstance(ranks, str | bytes) or not isinstance(ranks, Sequence):
         raise TypeError(
-            f"`ranks` must be a sequence of ints, but is of type `{type(ranks).__name__}` "
-            f"instead."
+            f"`ranks` must be a sequence of ints, but is of type `{type(ranks).__name__}` instead."
         )
     members = []
     for rank in ranks:

@@ -13,6 +13,7 @@ Cancelling the awaiting task removes the callback and leaves the op running
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -41,10 +42,9 @@ async def _wait_asyncio(handle: Handle[Any], loop: asyncio.AbstractEventLoop) ->
     future: asyncio.Future[None] = loop.create_future()
 
     def wake() -> None:
-        try:
+        # A closed loop raises RuntimeError: nobody is waiting any more.
+        with contextlib.suppress(RuntimeError):
             loop.call_soon_threadsafe(_resolve, future)
-        except RuntimeError:
-            pass  # The loop is closed: nobody is waiting any more.
 
     handle._add_done_callback(wake)
     try:
@@ -72,10 +72,9 @@ async def _wait_trio(handle: Handle[Any]) -> None:
     event = trio.Event()
 
     def wake() -> None:
-        try:
+        # A finished run raises RunFinishedError: nobody is waiting any more.
+        with contextlib.suppress(trio.RunFinishedError):
             token.run_sync_soon(event.set)
-        except trio.RunFinishedError:
-            pass  # The run ended: nobody is waiting any more.
 
     handle._add_done_callback(wake)
     try:

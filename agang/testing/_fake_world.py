@@ -16,6 +16,7 @@ Rules:
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 import time
 from collections import deque
@@ -32,7 +33,7 @@ from agang._base_gang import BaseGang, Done
 from agang._errors import GangError
 from agang._gang import Gang
 from agang._reduce_op import ReduceOp
-from agang._validate import check_member_ranks, check_timeout
+from agang._validate import check_member_ranks, check_positive_int, check_timeout
 
 T = TypeVar("T")
 
@@ -91,24 +92,26 @@ class _Communicator:
         if any((a.kind, a.key) != (first.kind, first.key) for a in arrivals):
             sides = "; ".join(f"rank {a.rank}: {a.kind} {a.key}" for a in arrivals)
             error = GangError(f"The ranks issued different collectives at one position: {sides}")
-            for a in arrivals:
-                self.world._schedule(lambda a=a: a.done(error))
+            self._finish_all(arrivals, error)
             return
         try:
             _COMPUTE[first.kind](arrivals)
         except Exception as exc:
-            for a in arrivals:
-                self.world._schedule(lambda a=a, exc=exc: a.done(exc))
+            self._finish_all(arrivals, exc)
             return
-        for a in arrivals:
-            self.world._schedule(lambda a=a: a.done(None))
+        self._finish_all(arrivals, None)
 
-    def point_to_point(self, kind: str, pair: tuple[int, int], tensor: torch.Tensor,
-                       done: Done) -> None:
+    def _finish_all(self, arrivals: list[_Arrival], error: BaseException | None) -> None:
+        for arrival in arrivals:
+            self.world._schedule(functools.partial(arrival.done, error))
+
+    def point_to_point(
+        self, kind: str, pair: tuple[int, int], tensor: torch.Tensor, done: Done
+    ) -> None:
         with self.world._lock:
             queue = self.channels.setdefault(pair, deque())
             if queue and queue[0][0] != kind:
-                other_kind, other, other_done = queue.popleft()
+                _, other, other_done = queue.popleft()
             else:
                 queue.append((kind, tensor, done))
                 return
@@ -329,8 +332,7 @@ class FakeWorld:
         op_timeout: float | None = 60.0,
         latency: float = 0.0,
     ) -> None:
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ValueError(f"`size` must be a positive int, but is {size!r} instead.")
+        check_positive_int(size, name="size")
         self.latency = check_timeout(latency, name="latency") or 0.0
         self._lock = threading.RLock()
         communicator = _Communicator(self, size)

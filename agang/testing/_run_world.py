@@ -13,6 +13,7 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.connection
 import os
+import pickle
 import time
 import traceback
 from collections.abc import Awaitable, Callable, Mapping
@@ -23,7 +24,7 @@ import torch.distributed as dist
 
 from agang._errors import GangError
 from agang._gang import Gang
-from agang._validate import check_timeout
+from agang._validate import check_positive_int, check_timeout
 
 T = TypeVar("T")
 
@@ -77,9 +78,13 @@ def _rank_main(
         connection.send(("error", traceback.format_exc()))
     else:
         try:
-            connection.send(("ok", result))
+            # Plain pickle: the connection's ForkingPickler would share a tensor's storage
+            # by file descriptor, which dies with this process before the parent reads it.
+            connection.send(("ok", pickle.dumps(result)))
         except Exception:
-            connection.send(("error", "the result could not be pickled:\n" + traceback.format_exc()))
+            connection.send(
+                ("error", "the result could not be pickled:\n" + traceback.format_exc())
+            )
     connection.close()
 
 
@@ -120,8 +125,7 @@ def run_world(
         ...     return (await gang.all_reduce(torch.ones(1))).item()
         >>> run_world(total, 2)  # [2.0, 2.0]
     """
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"`world_size` must be a positive int, but is {world_size!r} instead.")
+    check_positive_int(world_size, name="world_size")
     if async_backend not in ASYNC_BACKENDS:
         raise ValueError(
             f"`async_backend` must be one of {ASYNC_BACKENDS}, but is {async_backend!r} instead."
@@ -132,8 +136,12 @@ def run_world(
     if not callable(fn):
         raise TypeError(f"`fn` must be an async function, but is {fn!r} instead.")
 
-    store = dist.TCPStore(
-        "127.0.0.1", 0, world_size, is_master=True, timeout=timedelta(seconds=seconds),
+    store = dist.TCPStore(  # type: ignore[attr-defined]
+        "127.0.0.1",
+        0,
+        world_size,
+        is_master=True,
+        timeout=timedelta(seconds=seconds),
         wait_for_workers=False,
     )
     context = multiprocessing.get_context("spawn")
@@ -147,7 +155,7 @@ def run_world(
     }
     init_options = {"timeout": init_timeout, "op_timeout": op_timeout}
     processes = []
-    connections: dict[Any, int] = {}
+    connections: dict[Any, int] = {}  # receiving end of each rank's pipe -> rank
     for rank in range(world_size):
         receiver, sender = context.Pipe(duplex=False)
         rank_env = {**base_env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
@@ -171,15 +179,17 @@ def run_world(
             if remaining <= 0:
                 break
             ready = multiprocessing.connection.wait(list(connections), timeout=remaining)
-            for receiver in ready:
-                rank = connections.pop(receiver)  # type: ignore[call-overload]
+            for ready_end in ready:
+                rank = connections.pop(ready_end)
                 try:
-                    status, payload = receiver.recv()  # type: ignore[union-attr]
+                    status, payload = ready_end.recv()  # type: ignore[union-attr]
                 except (EOFError, OSError):
                     code = processes[rank].exitcode
                     status, payload = "error", f"rank {rank} exited (code {code}) without a result"
-                (results if status == "ok" else failures)[rank] = payload
-                if status != "ok":
+                if status == "ok":
+                    results[rank] = pickle.loads(payload)
+                else:
+                    failures[rank] = payload
                     deadline = min(deadline, time.monotonic() + _GRACE)
     finally:
         for process in processes:

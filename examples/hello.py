@@ -1,0 +1,57 @@
+"""Hello, agang: a few awaited collectives on every rank.
+
+Run on one process (an in-process gang, no network):
+    python examples/hello.py
+or on three local ranks:
+    torchrun --standalone --nproc-per-node 3 examples/hello.py
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+
+import torch
+
+import agang
+
+
+async def main() -> None:
+    gang = await agang.init(timeout=60, op_timeout=30)
+    rank, size = gang.rank, gang.size
+    try:
+        # Issued at the call; the sleep below overlaps the communication.
+        handle = gang.all_reduce(torch.full((4,), float(rank + 1)))
+        await asyncio.sleep(0.01)
+        total = await handle
+
+        gathered = await gang.all_gather(torch.empty(size, 2), torch.tensor([rank, rank * 10.0]))
+        mean = await gang.all_reduce(torch.tensor([float(rank)]), agang.ReduceOp.MEAN)
+        hosts = await gang.all_gather_objects(f"{socket.gethostname()}/rank{rank}")
+        config = await gang.broadcast_objects(
+            [{"lr": 3e-4, "started": time.time()}] if rank == 0 else [None]
+        )
+        await gang.barrier()
+
+        expected = size * (size + 1) / 2
+        assert total.tolist() == [expected] * 4, total
+        assert gathered[:, 0].tolist() == list(map(float, range(size))), gathered
+        if rank == 0:
+            stats = gang.statistics()
+            print(f"agang hello: {size} rank(s) on {gang.backend}")
+            print(f"  all_reduce of 1..{size}: {total[0].item():g} (expected {expected:g})")
+            print(f"  all_gather: {gathered[:, 1].tolist()}")
+            print(f"  mean of ranks: {mean.item():g}")
+            print(f"  ranks: {', '.join(hosts)}")
+            print(f"  config from rank 0: lr={config[0]['lr']}")
+            print(
+                f"  {stats.num_completed} ops completed, median latency "
+                f"{1e3 * (stats.latency_p50 or 0):.2f} ms"
+            )
+    finally:
+        await gang.close()
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

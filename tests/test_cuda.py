@@ -1,0 +1,81 @@
+"""NCCL on one GPU (world size 1, a real process group): skipped without CUDA.
+
+The in-process gang would bypass NCCL at world size 1, so these force a real process
+group with ``in_process=False``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+import agang
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+ENV = {
+    "RANK": "0",
+    "WORLD_SIZE": "1",
+    "LOCAL_RANK": "0",
+    "MASTER_ADDR": "127.0.0.1",
+    "MASTER_PORT": "0",
+}
+
+
+@pytest.fixture(scope="module")
+def gang() -> Iterator[agang.Gang]:
+    gang = agang.init_sync(backend="nccl", env=ENV, in_process=False, timeout=120)
+    yield gang
+    gang.close_sync()
+
+
+@pytest.mark.parametrize("op", list(agang.ReduceOp))
+def test_all_reduce_is_correct_and_finished_on_the_device(
+    gang: agang.Gang, op: agang.ReduceOp
+) -> None:
+    tensor = torch.arange(1 << 20, device=gang.device, dtype=torch.float32)
+    expected = tensor.clone()
+    out = gang.all_reduce(tensor, op).wait(timeout=60)
+
+    assert out is tensor
+    assert torch.equal(out, expected)  # one rank: every op is the identity
+
+
+def test_await_means_finished_on_the_device(gang: agang.Gang) -> None:
+    # A long kernel queued before the op: the handle must not finish before it does.
+    a = torch.randn(4096, 4096, device=gang.device)
+    for _ in range(20):
+        a = a @ a / 64
+    tensor = a.sum(0)
+    before = torch.cuda.Event()
+    before.record()
+    handle = gang.all_reduce(tensor)
+    handle.wait(timeout=60)
+    assert before.query()  # the kernels queued before the op have finished
+
+
+def test_object_collectives_and_gathers(gang: agang.Gang) -> None:
+    assert gang.all_gather_objects({"a": 1}).wait(timeout=60) == [{"a": 1}]
+    assert gang.broadcast_objects([1, "x"]).wait(timeout=60) == [1, "x"]
+    out = torch.empty(1, 3, device=gang.device)
+    gang.all_gather(out, torch.ones(3, device=gang.device)).wait(timeout=60)
+    assert out.tolist() == [[1.0, 1.0, 1.0]]
+    gang.barrier().wait(timeout=60)
+
+
+def test_waiting_does_not_spin_a_core(gang: agang.Gang) -> None:
+    a = torch.randn(8192, 8192, device=gang.device)
+    for _ in range(10):
+        a = a @ a / 128  # ~0.1-1 s of GPU work queued ahead of the op
+    handle = gang.all_reduce(a)
+    cpu_before, wall_before = time.process_time(), time.perf_counter()
+    handle.wait(timeout=120)
+    cpu, wall = time.process_time() - cpu_before, time.perf_counter() - wall_before
+    assert wall > 0.05
+    assert cpu < 0.5 * wall  # a spinning waiter would burn ~100% of a core

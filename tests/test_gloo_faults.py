@@ -1,0 +1,232 @@
+"""Real Gloo ranks on loopback: late peers, missed deadlines, lost peers, cancellation.
+
+Each program runs on every rank of a fresh world (agang.testing.run_world) and returns
+plain data; the assertions run in the test. Bounds on time keep a 10x margin between the
+passing and the failing behaviour.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from typing import Any
+
+import anyio
+import pytest
+import torch
+
+import agang
+from agang.testing import run_world
+
+pytestmark = pytest.mark.gloo
+
+ASYNC_BACKENDS = ["asyncio", "uvloop", "trio"]
+LATE = 2.0
+
+
+async def _late_peer(gang: agang.Gang) -> dict[str, Any]:
+    """Rank 1 joins an all_reduce 2 s late; rank 0's loop keeps ticking meanwhile."""
+    if gang.rank == 1:
+        await anyio.sleep(LATE)
+        await gang.all_reduce(torch.ones(3))
+        return {}
+    lags: list[float] = []
+    done = anyio.Event()
+
+    async def ticker() -> None:
+        while not done.is_set():
+            before = time.monotonic()
+            await anyio.sleep(0.005)
+            lags.append(time.monotonic() - before - 0.005)
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(ticker)
+        started = time.monotonic()
+        result = await gang.all_reduce(torch.ones(3))
+        waited = time.monotonic() - started
+        done.set()
+    return {"result": result.tolist(), "waited": waited, "max_lag": max(lags), "ticks": len(lags)}
+
+
+@pytest.mark.parametrize("async_backend", ASYNC_BACKENDS)
+def test_loop_keeps_running_while_a_peer_is_late(async_backend: str) -> None:
+    report = run_world(_late_peer, 2, async_backend=async_backend)[0]
+
+    assert report["result"] == [2.0, 2.0, 2.0]
+    assert report["waited"] > LATE * 0.75  # it really waited for the peer
+    assert report["max_lag"] < LATE / 10  # and the loop was never blocked meanwhile
+    assert report["ticks"] > 50
+
+
+async def _missed_deadline(gang: agang.Gang) -> dict[str, Any]:
+    """Rank 1 never joins; rank 0's op has a 1 s deadline (the gang's default is 60 s)."""
+    if gang.rank == 1:
+        await anyio.sleep(4.0)
+        return {}
+    started = time.monotonic()
+    try:
+        await gang.all_reduce(torch.ones(2), timeout=1.0)
+    except agang.GangTimeoutError as error:
+        timeout_report = {
+            "elapsed": time.monotonic() - started,
+            "is_builtin_timeout": isinstance(error, TimeoutError),
+            "op": error.context.op,
+            "seq": error.context.seq,
+            "timeout": error.context.timeout,
+            "message": str(error),
+        }
+    before = time.monotonic()
+    try:
+        gang.barrier()
+    except agang.GangBrokenError as error:
+        broken_report = {
+            "refused_in": time.monotonic() - before,
+            "cause_is_timeout": isinstance(error.__cause__, agang.GangTimeoutError),
+        }
+    return {"timeout": timeout_report, "broken": broken_report}
+
+
+def test_missed_deadline_times_out_and_breaks_the_gang() -> None:
+    report = run_world(_missed_deadline, 2, op_timeout=60.0)[0]
+
+    timeout = report["timeout"]
+    assert 0.9 < timeout["elapsed"] < 10.0
+    assert timeout["is_builtin_timeout"]
+    assert (timeout["op"], timeout["seq"], timeout["timeout"]) == ("all_reduce", 0, 1.0)
+    assert "all_reduce" in timeout["message"]
+    assert "rank 0 of 2" in timeout["message"]
+    assert report["broken"]["cause_is_timeout"]
+    assert report["broken"]["refused_in"] < 0.5
+
+
+async def _longer_than_default(gang: agang.Gang) -> float:
+    """An op may ask for a deadline longer than the gang's default (1 s here)."""
+    if gang.rank == 1:
+        await anyio.sleep(LATE)
+    started = time.monotonic()
+    await gang.all_reduce(torch.ones(1), timeout=30.0)
+    return time.monotonic() - started
+
+
+def test_op_timeout_longer_than_the_default_is_honoured() -> None:
+    waited = run_world(_longer_than_default, 2, op_timeout=1.0)[0]
+
+    assert waited > LATE * 0.75
+
+
+async def _peer_exits(gang: agang.Gang) -> dict[str, Any]:
+    """Rank 1 leaves without joining; rank 0 learns of it through an error, not a hang."""
+    if gang.rank == 1:
+        import os
+
+        os._exit(0)
+    started = time.monotonic()
+    try:
+        await gang.all_reduce(torch.ones(1024), timeout=20.0)
+    except agang.GangError as error:
+        return {"error": type(error).__name__, "elapsed": time.monotonic() - started}
+    return {"error": None}
+
+
+def test_a_lost_peer_fails_the_op_instead_of_hanging() -> None:
+    with pytest.raises(agang.testing.WorldRunError) as raised:
+        run_world(_peer_exits, 2)
+    report = raised.value.results[0]
+
+    # Rank 1 gave no result (it exited); rank 0 saw a GangError before its deadline.
+    assert set(raised.value.failures) == {1}
+    assert report["error"] in ("CollectiveError", "GangTimeoutError")
+    assert report["elapsed"] < 20.0 + 5.0
+
+
+async def _cancelled_waiter(gang: agang.Gang) -> dict[str, Any]:
+    """Rank 0 stops waiting; the op goes on and its tensor stays busy until it ends."""
+    tensor = torch.full((8,), float(gang.rank + 1))
+    if gang.rank == 1:
+        await anyio.sleep(1.5)
+        await gang.all_reduce(tensor)
+        return {}
+    handle = gang.all_reduce(tensor)
+    with anyio.move_on_after(0.2) as scope:
+        await handle
+    refused = []
+    for name, candidate in (("tensor", tensor), ("view", tensor[2:4])):
+        try:
+            gang.all_reduce(candidate)
+        except agang.TensorBusyError as error:
+            refused.append((name, "`tensor`" in str(error)))
+    was_done_after_cancel = handle.done()
+    result = await handle
+    return {
+        "cancelled": scope.cancelled_caught,
+        "was_done_after_cancel": was_done_after_cancel,
+        "refused": refused,
+        "result": result.tolist(),
+        "same_tensor": result is tensor,
+    }
+
+
+@pytest.mark.parametrize("async_backend", ["asyncio", "trio"])
+def test_cancelled_waiter_leaves_the_op_running(async_backend: str) -> None:
+    report = run_world(_cancelled_waiter, 2, async_backend=async_backend)[0]
+
+    assert report["cancelled"]
+    assert not report["was_done_after_cancel"]
+    assert report["refused"] == [("tensor", True), ("view", True)]
+    assert report["result"] == [3.0] * 8
+    assert report["same_tensor"]
+
+
+async def _waits_from_threads(gang: agang.Gang) -> dict[str, Any]:
+    """Handles waited from plain threads, and ops issued and waited off the loop."""
+    tensors = [torch.full((4,), float(gang.rank + i)) for i in range(8)]
+    handles = [gang.all_reduce(t) for t in tensors]
+    results: list[list[float]] = [[] for _ in handles]
+
+    def wait_one(index: int) -> None:
+        results[index] = handles[index].wait(timeout=30.0).tolist()
+
+    threads = [threading.Thread(target=wait_one, args=(i,)) for i in range(len(handles))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        await anyio.to_thread.run_sync(thread.join, 30.0)
+    issued_off_loop = await anyio.to_thread.run_sync(
+        lambda: gang.all_reduce(torch.ones(2)).wait(timeout=30.0).tolist()
+    )
+    return {"results": results, "issued_off_loop": issued_off_loop}
+
+
+def test_wait_from_plain_threads() -> None:
+    report = run_world(_waits_from_threads, 2)[0]
+
+    assert report["results"] == [[float(2 * i + 1)] * 4 for i in range(8)]
+    assert report["issued_off_loop"] == [2.0, 2.0]
+
+
+async def _many_in_flight(gang: agang.Gang) -> dict[str, Any]:
+    """1,000 all_reduces issued before any is awaited, then awaited together."""
+    count = 1000
+    tensors = [torch.full((16,), float(i * (gang.rank + 1))) for i in range(count)]
+    handles = [gang.all_reduce(t) for t in tensors]
+    results: list[Any] = [None] * count
+
+    async def wait_one(i: int) -> None:
+        results[i] = (await handles[i])[0].item()
+
+    async with anyio.create_task_group() as group:
+        for i in range(count):
+            group.start_soon(wait_one, i)
+    factor = sum(r + 1 for r in range(gang.size))
+    return {
+        "correct": all(math.isclose(results[i], i * factor) for i in range(count)),
+        "seqs": [h.seq for h in handles] == list(range(count)),
+        "in_flight_after": gang.statistics().num_in_flight,
+    }
+
+
+@pytest.mark.parametrize("async_backend", ["uvloop", "trio"])
+def test_a_thousand_ops_in_flight_complete_correctly(async_backend: str) -> None:
+    for report in run_world(_many_in_flight, 2, async_backend=async_backend):
+        assert report == {"correct": True, "seqs": True, "in_flight_after": 0}
