@@ -95,7 +95,7 @@ class BaseGang(Gang):
         self._armed_at: float | None = None
         self._armed_driver: object = None
         self._counters = Counters()
-        self._recent: collections.deque[str] = collections.deque(maxlen=_HISTORY)
+        self._recent: collections.deque[Handle[Any]] = collections.deque(maxlen=_HISTORY)
         self._children: list[BaseGang] = []
 
     # Properties.
@@ -410,25 +410,25 @@ class BaseGang(Gang):
         timeout: float | None,
         busy: Sequence[tuple[str, torch.Tensor]],
         num_bytes: int | None = None,
-    ) -> tuple[Handle[Any], list[torch.Tensor], str]:
+    ) -> tuple[Handle[Any], _busy.Claim]:
         """Numbers the op and marks its tensors busy, atomically (rule 2)."""
-        seconds = self._resolve_timeout(timeout)
-        self._check_usable()
+        seconds = self._op_timeout if timeout is None else self._resolve_timeout(timeout)
+        if self._closed or self._broken is not None:
+            self._check_usable()
+        if num_bytes is None:
+            num_bytes = sum(t.numel() * t.element_size() for _, t in busy)
         with self._lock:
             seq = self._next_seq
-            holder = f"`{op}` (seq {seq}) on gang '{self._name}'"
-            tensors = _busy.acquire(busy, holder)
-            self._next_seq = seq + 1
-            if num_bytes is None:
-                num_bytes = sum(t.numel() * t.element_size() for t in tensors)
             handle: Handle[Any] = Handle(op=op, seq=seq, num_bytes=num_bytes, timeout=seconds)
+            claim = _busy.acquire(busy, handle)  # raises before anything is committed
+            self._next_seq = seq + 1
             self._in_flight[seq] = handle
             self._bytes_in_flight += num_bytes
             self._counters.num_issued += 1
             self._counters.bytes_issued += num_bytes
         if seconds is not None:
             self._arm(handle.issued_at + seconds)
-        return handle, tensors, holder
+        return handle, claim
 
     def _issue(
         self,
@@ -438,12 +438,16 @@ class BaseGang(Gang):
         timeout: float | None,
         start: Start,
     ) -> Handle[T]:
-        handle, tensors, holder = self._new_handle(op, timeout, busy)
+        handle, claim = self._new_handle(op, timeout, busy)
 
         def done(error: BaseException | None) -> None:
-            _busy.release(tensors, holder)
+            _busy.release(claim)
             self._complete(handle, output, error)
 
+        with self._lock:
+            if not (self._gate_held or self._deferred):
+                self._start_guarded(start, done)  # the common case: start now
+                return handle
         self._submit(lambda: self._start_guarded(start, done))
         return handle
 
@@ -456,7 +460,7 @@ class BaseGang(Gang):
         phase2: Callable[[Callable[[Start, Callable[[], Any]], None]], None],
     ) -> Handle[Any]:
         """Issues an op whose second step depends on the first one's result (rule 2)."""
-        handle, _, _ = self._new_handle(op, timeout, [], num_bytes)
+        handle, _ = self._new_handle(op, timeout, [], num_bytes)
 
         def start_second(start: Start, result: Callable[[], Any]) -> None:
             def done(error: BaseException | None) -> None:
@@ -521,13 +525,14 @@ class BaseGang(Gang):
             if self._in_flight.pop(handle.seq, None) is not None:
                 self._bytes_in_flight -= handle.num_bytes
         if error is None:
-            if handle._finish(value, None):
+
+            def count_completed() -> None:
                 with self._lock:
                     self._counters.num_completed += 1
                     self._counters.latencies.append(handle.elapsed or 0.0)
-                    self._recent.append(
-                        f"{handle.op} seq={handle.seq} {1000 * (handle.elapsed or 0):.1f} ms"
-                    )
+                    self._recent.append(handle)
+
+            handle._finish(value, None, then=count_completed)
             return
         if isinstance(error, GangBrokenError | GangClosedError | CollectiveError):
             wrapped: BaseException = error
@@ -535,10 +540,14 @@ class BaseGang(Gang):
             context = self._context(handle.op, handle.seq, handle.timeout)
             wrapped = CollectiveError(f"{context.describe()} failed: {error}", context)
             wrapped.__cause__ = error
-        if handle._finish(None, wrapped):
+
+        def count_failed_and_break() -> None:
             with self._lock:
                 self._counters.num_failed += 1
             self._break(wrapped)
+
+        # Broken before the waiters wake: their next call must be refused (rule 5).
+        handle._finish(None, wrapped, then=count_failed_and_break)
 
     def _arm(self, deadline: float) -> None:
         driver = _deadline.current_driver()
@@ -580,7 +589,7 @@ class BaseGang(Gang):
                 for h in self._in_flight.values()
                 if h is not handle and not h.done()
             ]
-            recent = list(self._recent)
+            recent = [f"{h.op} seq={h.seq} {1000 * (h.elapsed or 0):.1f} ms" for h in self._recent]
         context = self._context(handle.op, handle.seq, handle.timeout)
         elapsed = now - handle.issued_at
         error = GangTimeoutError(
@@ -591,10 +600,14 @@ class BaseGang(Gang):
             in_flight=in_flight,
             recent=recent,
         )
-        if handle._finish(None, error):
+
+        def count_timed_out_and_break() -> None:
             with self._lock:
                 self._counters.num_timed_out += 1
             self._break(error)
+
+        # Broken before the waiters wake: their next call must be refused (rule 5).
+        handle._finish(None, error, then=count_timed_out_and_break)
 
     def _break(self, cause: BaseException) -> None:
         with self._lock:

@@ -1,17 +1,21 @@
-"""Which tensor memory is in use by an unfinished op.
+"""Which memory is in use by an unfinished op.
 
 c10d cannot cancel an op, so an op whose waiter was cancelled or timed out still reads
-and writes its tensors until it really ends. Handing such memory to another op would
+and writes its tensors until it really ends. Handing that memory to another op would
 corrupt data silently; agang refuses it instead.
 
-Memory is tracked as byte ranges of a storage, so a view of a busy tensor is busy, while
-two disjoint slices of one flat buffer (gradient buckets) may be in flight at once. The
-registry is process-wide: the same tensor passed to two gangs would corrupt data just as
-well. Zero-element tensors occupy no bytes and are never busy.
+Memory is tracked as address ranges: a view of a busy tensor overlaps it and is busy,
+while two disjoint slices of one flat buffer (gradient buckets) may be in flight at
+once. Distinct live allocations never share addresses (CPU and CUDA share one virtual
+address space), so no storage or device lookup is needed. Busy ranges never overlap
+each other (an overlap is refused), so they are kept sorted by start and searched with
+bisect. The registry is process-wide: the same tensor passed to two gangs would corrupt
+data just as well. Zero-element tensors occupy no bytes and are never busy.
 """
 
 from __future__ import annotations
 
+import bisect
 import threading
 from collections.abc import Sequence
 
@@ -19,69 +23,69 @@ import torch
 
 from agang._errors import TensorBusyError
 
-_Range = tuple[int, int, str]  # start, end, the op holding it ("all_reduce (seq 3)")
+Claim = list[tuple[int, int]]  # the (start, end) ranges one op holds
 
 _lock = threading.Lock()
-_ranges: dict[tuple[str, int], list[_Range]] = {}
+_starts: list[int] = []
+_ends: list[int] = []
+_holders: list[object] = []
 
 
-def _key_and_range(tensor: torch.Tensor) -> tuple[tuple[str, int], int, int]:
-    start = tensor.data_ptr()
-    end = start + tensor.numel() * tensor.element_size()
-    return (str(tensor.device), tensor.untyped_storage().data_ptr()), start, end
-
-
-def acquire(tensors: Sequence[tuple[str, torch.Tensor]], holder: str) -> list[torch.Tensor]:
+def acquire(tensors: Sequence[tuple[str, torch.Tensor]], holder: object) -> Claim:
     """Marks the tensors' memory busy for ``holder``, or raises if any of it already is.
 
     Args:
         tensors: ``(parameter name, tensor)`` pairs; the name goes into the error.
-        holder: Describes the op taking the memory.
+        holder: The op taking the memory; its ``str`` describes it in errors.
 
     Returns:
-        The tensors that were marked, to pass to :func:`release` later.
+        The claimed ranges, to pass to :func:`release` when the op has ended.
 
     Raises:
         TensorBusyError: Some memory is held by an unfinished op; nothing is marked.
     """
-    entries = []
-    for name, tensor in tensors:
-        if tensor.numel() == 0:
-            continue
-        key, start, end = _key_and_range(tensor)
-        entries.append((name, key, start, end))
+    claim: Claim = []
     with _lock:
-        for name, key, start, end in entries:
-            for busy_start, busy_end, busy_holder in _ranges.get(key, ()):
-                if start < busy_end and busy_start < end:
-                    raise TensorBusyError(
-                        f"`{name}` must not be in use by an unfinished op, but its memory is "
-                        f"held by {busy_holder}, which c10d has not finished yet (a cancelled "
-                        f"or timed-out wait does not stop the op). Await that op first, or "
-                        f"pass another tensor."
-                    )
-        for _, key, start, end in entries:
-            _ranges.setdefault(key, []).append((start, end, holder))
-    return [tensor for _, tensor in tensors if tensor.numel()]
+        for name, tensor in tensors:
+            size = tensor.numel() * tensor.element_size()
+            if not size:
+                continue
+            start = tensor.data_ptr()
+            end = start + size
+            index = bisect.bisect_left(_starts, end) - 1
+            if index >= 0 and _ends[index] > start:
+                _refuse(name, _holders[index])
+            if any(s < end and start < e for s, e in claim):
+                continue  # the same memory twice in one op (an in-place op): one range
+            claim.append((start, end))
+        for start, end in claim:
+            index = bisect.bisect_left(_starts, start)
+            _starts.insert(index, start)
+            _ends.insert(index, end)
+            _holders.insert(index, holder)
+    return claim
 
 
-def release(tensors: Sequence[torch.Tensor], holder: str) -> None:
-    """Frees what :func:`acquire` marked for ``holder``."""
+def release(claim: Claim) -> None:
+    """Frees the ranges :func:`acquire` returned."""
+    if not claim:
+        return
     with _lock:
-        for tensor in tensors:
-            key, start, end = _key_and_range(tensor)
-            ranges = _ranges.get(key)
-            if not ranges:
-                continue
-            try:
-                ranges.remove((start, end, holder))
-            except ValueError:
-                continue
-            if not ranges:
-                del _ranges[key]
+        for start, _ in claim:
+            index = bisect.bisect_left(_starts, start)
+            if index < len(_starts) and _starts[index] == start:
+                del _starts[index], _ends[index], _holders[index]
 
 
 def num_busy() -> int:
     """The number of busy ranges in this process (for tests and statistics)."""
     with _lock:
-        return sum(len(ranges) for ranges in _ranges.values())
+        return len(_starts)
+
+
+def _refuse(name: str, holder: object) -> None:
+    raise TensorBusyError(
+        f"`{name}` must not be in use by an unfinished op, but its memory is held by "
+        f"{holder}, which c10d has not finished yet (a cancelled or timed-out wait does "
+        f"not stop the op). Await that op first, or pass another tensor."
+    )

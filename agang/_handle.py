@@ -73,6 +73,9 @@ class Handle(Generic[T]):
         self._finished_at: float | None = None
         self._callbacks: list[Callable[[], None]] = []
 
+    def __str__(self) -> str:
+        return f"`{self.op}` (seq {self.seq})"
+
     def __repr__(self) -> str:
         state = "pending" if self._state == _PENDING else ("failed" if self._error else "done")
         return f"<agang.Handle {self.op} seq={self.seq} bytes={self.num_bytes} {state}>"
@@ -144,10 +147,12 @@ class Handle(Generic[T]):
         """
         seconds = check_timeout(timeout)
         if self._state == _PENDING:
-            event = threading.Event()
-            self._add_done_callback(event.set)
-            if not event.wait(seconds):
-                self._remove_done_callback(event.set)
+            # A bare lock, released by the finisher: cheaper than threading.Event.
+            signal = threading.Lock()
+            signal.acquire()
+            self._add_done_callback(signal.release)
+            if not signal.acquire(timeout=-1 if seconds is None else seconds):
+                self._remove_done_callback(signal.release)
                 raise TimeoutError(
                     f"`wait` gave up on {self.op} (seq {self.seq}) after {seconds:g} s; "
                     f"the op itself is still running."
@@ -156,7 +161,15 @@ class Handle(Generic[T]):
 
     # Internal: used by the gangs and the wake-up bridge.
 
-    def _finish(self, value: Any, error: BaseException | None) -> bool:
+    def _finish(
+        self, value: Any, error: BaseException | None, *, then: Callable[[], None] | None = None
+    ) -> bool:
+        """Finishes the handle, unless it already is; returns whether this call did.
+
+        ``then`` runs once the outcome is set but before any waiter is woken, so that
+        what it changes (the gang broken, counters) is seen by a waiter that wakes on
+        another thread and calls again at once.
+        """
         with self._lock:
             if self._state != _PENDING:
                 return False
@@ -165,8 +178,12 @@ class Handle(Generic[T]):
             self._finished_at = time.monotonic()
             self._state = _DONE
             callbacks, self._callbacks = self._callbacks, []
-        for callback in callbacks:
-            callback()
+        try:
+            if then is not None:
+                then()
+        finally:
+            for callback in callbacks:
+                callback()
         return True
 
     def _add_done_callback(self, callback: Callable[[], None]) -> None:

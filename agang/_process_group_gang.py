@@ -53,6 +53,13 @@ def backstop_for(timeout: float | None) -> float:
     return max(timeout * _BACKSTOP_FACTOR + _BACKSTOP_MARGIN, _BACKSTOP_MARGIN)
 
 
+def _all_reduce_options(op: ReduceOp, backend: str) -> tuple[dist.AllreduceOptions, bool]:
+    c10d_op, divide = to_c10d(op, backend=backend)
+    options = dist.AllreduceOptions()
+    options.reduceOp = c10d_op  # type: ignore[assignment]  # stubs want the enum's class
+    return options, divide
+
+
 def _divider(tensor: torch.Tensor, size: int) -> Callable[[], None]:
     def divide() -> None:
         tensor.div_(size)
@@ -66,7 +73,7 @@ def _real(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class _PointToPointWaiter:
-    """One thread per gang that waits on send/recv Work in issue order (Gloo)."""
+    """A thread that waits on Work in issue order: Gloo send/recv, and Work with no future."""
 
     def __init__(self, name: str) -> None:
         self._queue: queue.SimpleQueue[tuple[Any, Done] | None] = queue.SimpleQueue()
@@ -118,7 +125,10 @@ class ProcessGroupGang(BaseGang):
         self._stream_ordered = stream_ordered
         self._backstop = 0.0
         self._p2p: _PointToPointWaiter | None = None
+        self._collective_waiter: _PointToPointWaiter | None = None
         self._raise_backstop(op_timeout)
+        # c10d copies the options on each call, so one object per op serves every call.
+        self._all_reduce_options = {op: _all_reduce_options(op, backend) for op in ReduceOp}
 
     @property
     def process_group(self) -> dist.ProcessGroup:
@@ -171,15 +181,32 @@ class ProcessGroupGang(BaseGang):
             else:
                 done(None)
 
-        work.get_future().add_done_callback(on_future)
+        def after_wait(error: BaseException | None) -> None:
+            if error is None and post is not None:
+                try:
+                    post()
+                except Exception as exc:
+                    error = exc
+            done(error)
+
+        try:
+            future = work.get_future()
+        except RuntimeError:
+            # Gloo's reduce_scatter Work has no future ("Work::getFuture not implemented"):
+            # a thread waits on it instead, in issue order. Not the send/recv thread: a recv
+            # that waits for a peer must not hold back the report of a finished collective.
+            with self._lock:
+                if self._collective_waiter is None:
+                    self._collective_waiter = _PointToPointWaiter(f"{self.name} collectives")
+            self._collective_waiter.watch(work, after_wait)
+            return
+        future.add_done_callback(on_future)
 
     # Primitives.
 
     @override
     def _start_all_reduce(self, tensor: torch.Tensor, op: ReduceOp, done: Done) -> None:
-        c10d_op, divide = to_c10d(op, backend=self._backend)
-        options = dist.AllreduceOptions()
-        options.reduceOp = c10d_op  # type: ignore[assignment]  # stubs want the enum's class
+        options, divide = self._all_reduce_options[op]
         work = self._pg.allreduce([_real(tensor)], options)
         self._watch(work, done, _divider(tensor, self._size) if divide else None)
 
@@ -254,8 +281,9 @@ class ProcessGroupGang(BaseGang):
 
     @override
     def _release_backend(self, *, pending: bool) -> None:
-        if self._p2p is not None:
-            self._p2p.stop()
+        for waiter in (self._p2p, self._collective_waiter):
+            if waiter is not None:
+                waiter.stop()
         try:
             if pending or self._broken is not None:
                 # destroy waits for pending NCCL kernels, and could wait for ever.

@@ -101,6 +101,18 @@ class _Communicator:
             return
         self._finish_all(arrivals, None)
 
+    def withdraw(self, rank: int) -> list[Done]:
+        """Takes back ``rank``'s ops that no peer has met yet; returns their ``done``."""
+        with self.world._lock:
+            dones = [
+                meeting.pop(rank).done for meeting in self.meetings.values() if rank in meeting
+            ]
+            for (source, destination), queue in list(self.channels.items()):
+                mine = "send" if source == rank else "recv" if destination == rank else None
+                dones += [done for kind, _, done in queue if kind == mine]
+                self.channels[source, destination] = deque(e for e in queue if e[0] != mine)
+        return dones
+
     def _finish_all(self, arrivals: list[_Arrival], error: BaseException | None) -> None:
         for arrival in arrivals:
             self.world._schedule(functools.partial(arrival.done, error))
@@ -279,9 +291,22 @@ class FakeWorldGang(BaseGang):
     def _start_barrier(self, done: Done) -> None:
         self._arrive("barrier", (), (), done)
 
+    def _withdraw(self, reason: str) -> None:
+        # As aborting a real communicator ends its unfinished work: the ops' tensors are
+        # released, instead of staying busy (keyed by address) after they are freed.
+        error = GangError(
+            f"Gang '{self.name}' (rank {self.rank}) was {reason} before its peers came."
+        )
+        for done in self.communicator.withdraw(self.rank):
+            done(error)
+
+    @override
+    def _abort_backend(self) -> None:
+        self._withdraw("aborted")
+
     @override
     def _release_backend(self, *, pending: bool) -> None:
-        pass
+        self._withdraw("closed")
 
     @override
     async def create_gang(self, ranks: Sequence[int]) -> Gang | None:

@@ -18,7 +18,7 @@ import time
 import traceback
 from collections.abc import Awaitable, Callable, Mapping
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch.distributed as dist
 
@@ -181,8 +181,10 @@ def run_world(
             ready = multiprocessing.connection.wait(list(connections), timeout=remaining)
             for ready_end in ready:
                 rank = connections.pop(ready_end)
+                # Only the pipes' read ends were waited on.
+                receiver = cast("multiprocessing.connection.Connection[Any, Any]", ready_end)
                 try:
-                    status, payload = ready_end.recv()  # type: ignore[union-attr]
+                    status, payload = receiver.recv()
                 except (EOFError, OSError):
                     code = processes[rank].exitcode
                     status, payload = "error", f"rank {rank} exited (code {code}) without a result"

@@ -1,0 +1,485 @@
+"""Latency of one all-reduce: raw c10d calls against ``await gang.all_reduce`` per loop.
+
+Method:
+    Two ranks run as real processes on 127.0.0.1 over Gloo. The parent hosts the
+    TCPStore, starts the ranks, collects their samples and reports. Each rank makes its
+    gang with ``agang.init_sync``; the raw c10d modes use the same default process group.
+
+    Every rank runs the same fixed sequence of ops (collectives must match across ranks)::
+
+        for each message size (a float32 tensor of zeros, so repeated sums stay 0):
+            for each of R rounds:
+                for each mode, in an order rotated by one each round:
+                    one batch: 1 warm-up op, then B ops, each timed on its own
+
+    The warm-up op of each batch is discarded: it absorbs the switch from the previous
+    mode and the wait for the other rank to reach the same batch. Interleaving all modes
+    in every round makes drift and background load hit them alike; rotating the order
+    keeps any after-effect of one mode (garbage, a torn-down loop) off a fixed neighbour.
+    The samples of all rounds are pooled per (size, mode); the table reports rank 0's
+    median and p90 and each median as a ratio to the raw blocking median at the same size
+    (rank 1's numbers are in the JSON file). Absolute times on a busy machine are noisy:
+    compare ratios within one run.
+
+    The agang modes run each batch in a fresh ``anyio.run``; only the ops are timed,
+    from the call to the end of the ``await``, so loop start-up is not counted.
+
+Usage:
+    python bench/bench_latency.py                 # full run, about 3 minutes
+    python bench/bench_latency.py --quick         # smoke test, about 25 s
+    python bench/bench_latency.py --sizes 4,256K  # chosen sizes (bytes; K, M, G suffixes)
+
+Writes ``bench/out/latency.json`` (plan, statistics, per-op samples of both ranks) and
+``bench/out/latency.png`` (latency against size, and ratio to the raw blocking call).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import re
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import anyio
+import torch
+import torch.distributed as dist
+
+import agang
+
+WORLD_SIZE = 2
+WARMUP_OPS = 1
+DEFAULT_SIZES = "4,4K,256K,4M,64M"
+OUT_DIR = Path(__file__).resolve().parent / "out"
+BASELINE = "c10d blocking"
+
+
+class Target(NamedTuple):
+    """The most an agang mode's median may cost, as a ratio to the raw blocking median."""
+
+    smallest: int  # bytes
+    largest: int
+    limit: float
+
+    def covers(self, num_bytes: int) -> bool:
+        return self.smallest <= num_bytes <= self.largest
+
+
+TARGETS = (Target(0, 4, 1.25), Target(256 * 1024, sys.maxsize, 1.05))
+
+# Samples per mode, keyed by mode name; times in seconds.
+Samples = dict[str, list[float]]
+BatchRunner = Callable[[agang.Gang, torch.Tensor, int], list[float]]
+
+
+# The modes. Each runs `count` all-reduces of `tensor` and returns their latencies.
+
+
+def _c10d_blocking(gang: agang.Gang, tensor: torch.Tensor, count: int) -> list[float]:
+    samples = []
+    for _ in range(count):
+        start = time.perf_counter()
+        dist.all_reduce(tensor)
+        samples.append(time.perf_counter() - start)
+    return samples
+
+
+def _c10d_async_wait(gang: agang.Gang, tensor: torch.Tensor, count: int) -> list[float]:
+    samples = []
+    for _ in range(count):
+        start = time.perf_counter()
+        dist.all_reduce(tensor, async_op=True).wait()
+        samples.append(time.perf_counter() - start)
+    return samples
+
+
+async def _agang_awaits(gang: agang.Gang, tensor: torch.Tensor, count: int) -> list[float]:
+    samples = []
+    for _ in range(count):
+        start = time.perf_counter()
+        await gang.all_reduce(tensor)
+        samples.append(time.perf_counter() - start)
+    return samples
+
+
+def _on_loop(backend: str, options: dict[str, Any]) -> BatchRunner:
+    def run(gang: agang.Gang, tensor: torch.Tensor, count: int) -> list[float]:
+        return anyio.run(
+            _agang_awaits, gang, tensor, count, backend=backend, backend_options=options
+        )
+
+    return run
+
+
+MODES: dict[str, BatchRunner] = {
+    BASELINE: _c10d_blocking,
+    "c10d async+wait": _c10d_async_wait,
+    "agang asyncio": _on_loop("asyncio", {"use_uvloop": False}),
+    "agang uvloop": _on_loop("asyncio", {"use_uvloop": True}),
+    "agang trio": _on_loop("trio", {}),
+}
+
+
+# The plan: how many rounds and ops per size. Both ranks get the same one.
+
+
+@dataclass(frozen=True)
+class SizePlan:
+    num_bytes: int
+    rounds: int
+    batch: int  # timed ops per mode and round, after the warm-up op
+
+    def estimated_seconds(self) -> float:
+        ops = self.rounds * len(MODES) * (self.batch + WARMUP_OPS)
+        return ops * _estimated_op_seconds(self.num_bytes)
+
+
+def _estimated_op_seconds(num_bytes: int) -> float:
+    # Gloo on loopback here: ~0.2 ms at small sizes, ~60 ms at 64 MiB.
+    return 2e-4 + num_bytes / 1.1e9
+
+
+def make_plan(sizes: list[int], *, quick: bool) -> list[SizePlan]:
+    """Fixed counts per size: about `budget` seconds of ops per size, split in rounds."""
+    budget, rounds, max_batch = (3.0, 4, 100) if quick else (24.0, 20, 300)
+    plans = []
+    for num_bytes in sizes:
+        per_batch = budget / (rounds * len(MODES) * _estimated_op_seconds(num_bytes))
+        batch = min(max_batch, max(1, round(per_batch) - WARMUP_OPS))
+        plans.append(SizePlan(num_bytes, rounds, batch))
+    return plans
+
+
+# One rank.
+
+
+def _measure_size(gang: agang.Gang, plan: SizePlan) -> Samples:
+    tensor = torch.zeros(plan.num_bytes // 4, dtype=torch.float32)
+    names = list(MODES)
+    samples: Samples = {name: [] for name in names}
+    for round_index in range(plan.rounds):
+        # Rotate the order each round, so no mode always follows the same other one.
+        start = round_index % len(names)
+        for name in names[start:] + names[:start]:
+            samples[name] += MODES[name](gang, tensor, WARMUP_OPS + plan.batch)[WARMUP_OPS:]
+    return samples
+
+
+def _rank_main(env: dict[str, str], plans: list[SizePlan], conn: Connection) -> None:
+    """A rank's process: runs the plan and sends ("ok", samples) or ("error", text)."""
+    try:
+        gang = agang.init_sync(env=env, in_process=False, timeout=60.0, op_timeout=120.0)
+        try:
+            result = {plan.num_bytes: _measure_size(gang, plan) for plan in plans}
+        finally:
+            gang.close_sync()
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+    else:
+        conn.send(("ok", result))
+    finally:
+        conn.close()
+
+
+# The parent: starts the ranks and collects their samples.
+
+
+def _rank_env(rank: int, port: int) -> dict[str, str]:
+    return {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(WORLD_SIZE),
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+    }
+
+
+def _collect(conns: list[Connection], deadline: float) -> list[dict[int, Samples]]:
+    """Each rank's samples, in rank order; raises on a rank's error or at the deadline."""
+    results: dict[int, dict[int, Samples]] = {}
+    pending = dict(enumerate(conns))
+    while pending:  # bounded: every pass takes one result or raises
+        ready = wait(list(pending.values()), timeout=max(0.0, deadline - time.monotonic()))
+        if not ready:
+            raise TimeoutError(f"Ranks {sorted(pending)} did not finish before the deadline.")
+        for rank, conn in list(pending.items()):
+            if conn in ready:
+                results[rank] = _receive(rank, conn)
+                del pending[rank]
+    return [results[rank] for rank in range(len(conns))]
+
+
+def _receive(rank: int, conn: Connection) -> dict[int, Samples]:
+    try:
+        status, payload = conn.recv()
+    except EOFError:
+        raise RuntimeError(f"Rank {rank} exited without sending its results.") from None
+    if status != "ok":
+        raise RuntimeError(f"Rank {rank} failed:\n{payload}")
+    return payload  # type: ignore[no-any-return]
+
+
+def _stop(processes: list[multiprocessing.process.BaseProcess]) -> None:
+    for process in processes:
+        process.join(timeout=10.0)
+        if process.is_alive():
+            process.kill()
+            process.join(timeout=5.0)
+
+
+def run_ranks(plans: list[SizePlan], timeout: float) -> list[dict[int, Samples]]:
+    """Runs the plan on WORLD_SIZE local ranks; returns each rank's samples."""
+    store = dist.TCPStore("127.0.0.1", 0, WORLD_SIZE, is_master=True, wait_for_workers=False)
+    context = multiprocessing.get_context("spawn")
+    processes, conns = [], []
+    try:
+        for rank in range(WORLD_SIZE):
+            receiver, sender = context.Pipe(duplex=False)
+            env = _rank_env(rank, store.port)
+            process = context.Process(target=_rank_main, args=(env, plans, sender), daemon=True)
+            process.start()
+            sender.close()
+            processes.append(process)
+            conns.append(receiver)
+        return _collect(conns, time.monotonic() + timeout)
+    finally:
+        _stop(processes)
+
+
+# Reporting.
+
+
+@dataclass(frozen=True)
+class Stats:
+    num_bytes: int
+    mode: str
+    rank: int
+    count: int
+    median: float
+    p90: float
+    p99: float
+    ratio: float  # median over the raw blocking median at the same size and rank
+
+
+def summarize(rank: int, by_size: dict[int, Samples]) -> list[Stats]:
+    rows = []
+    for num_bytes, samples in by_size.items():
+        baseline = statistics.median(samples[BASELINE])
+        for mode, values in samples.items():
+            cuts = statistics.quantiles(values, n=100, method="inclusive")
+            median = statistics.median(values)
+            rows.append(
+                Stats(
+                    num_bytes=num_bytes,
+                    mode=mode,
+                    rank=rank,
+                    count=len(values),
+                    median=median,
+                    p90=cuts[89],
+                    p99=cuts[98],
+                    ratio=median / baseline,
+                )
+            )
+    return rows
+
+
+def format_bytes(num_bytes: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if num_bytes >= scale and num_bytes % scale == 0:
+            return f"{num_bytes // scale} {unit}"
+    return f"{num_bytes} B"
+
+
+def format_seconds(seconds: float) -> str:
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.0f} us"
+    return f"{seconds * 1e3:.2f} ms"
+
+
+def print_table(rows: list[Stats]) -> None:
+    header = f"{'size':>8}  {'mode':<16} {'ops':>6} {'median':>10} {'p90':>10} {'ratio':>7}"
+    print(header)
+    print("-" * len(header))
+    previous = None
+    for row in rows:
+        size = format_bytes(row.num_bytes) if row.num_bytes != previous else ""
+        previous = row.num_bytes
+        print(
+            f"{size:>8}  {row.mode:<16} {row.count:>6} {format_seconds(row.median):>10} "
+            f"{format_seconds(row.p90):>10} {row.ratio:>6.2f}x"
+        )
+
+
+@dataclass(frozen=True)
+class Verdict:
+    num_bytes: int
+    mode: str
+    ratio: float
+    limit: float
+    passed: bool
+
+
+def check_targets(rows: list[Stats]) -> list[Verdict]:
+    """One verdict per agang mode and size that a target covers."""
+    return [
+        Verdict(row.num_bytes, row.mode, row.ratio, target.limit, row.ratio <= target.limit)
+        for row in rows
+        if row.mode.startswith("agang")
+        for target in TARGETS
+        if target.covers(row.num_bytes)
+    ]
+
+
+def print_targets(verdicts: list[Verdict]) -> None:
+    print("\nTargets (median ratio to raw blocking, rank 0):")
+    for v in verdicts:
+        print(
+            f"  {'PASS' if v.passed else 'MISS'}  {format_bytes(v.num_bytes):>8}  "
+            f"{v.mode:<14} {v.ratio:.2f}x (limit {v.limit:.2f}x)"
+        )
+
+
+def write_json(
+    path: Path,
+    plans: list[SizePlan],
+    rows: list[Stats],
+    verdicts: list[Verdict],
+    results: list[dict[int, Samples]],
+    quick: bool,
+) -> None:
+    document = {
+        "method": __doc__.split("Usage:")[0].strip() if __doc__ else "",
+        "torch": torch.__version__,
+        "agang": agang.__version__,
+        "backend": "gloo",
+        "world_size": WORLD_SIZE,
+        "quick": quick,
+        "warmup_ops_per_batch": WARMUP_OPS,
+        "plan": [asdict(plan) for plan in plans],
+        "stats": [asdict(row) for row in rows],
+        "targets": [asdict(verdict) for verdict in verdicts],
+        "samples_us": [
+            {
+                str(size): {
+                    mode: [round(s * 1e6, 2) for s in values] for mode, values in samples.items()
+                }
+                for size, samples in by_size.items()
+            }
+            for by_size in results
+        ],
+    }
+    path.write_text(json.dumps(document, indent=1))
+
+
+def write_plot(path: Path, rows: list[Stats]) -> None:
+    """Left: median latency (bar up to p90) against size. Right: median ratio."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (latency, ratio) = plt.subplots(1, 2, figsize=(12, 5))
+    for index, mode in enumerate(MODES):
+        mine = [row for row in rows if row.mode == mode]
+        # Nudge each mode sideways a little so the p90 bars do not hide each other.
+        sizes = [row.num_bytes * 1.08**index for row in mine]
+        medians = [row.median * 1e3 for row in mine]
+        above = [(row.p90 - row.median) * 1e3 for row in mine]
+        latency.errorbar(
+            sizes, medians, yerr=[[0.0] * len(mine), above], marker="o", capsize=3, label=mode
+        )
+        ratio.plot(sizes, [row.ratio for row in mine], marker="o", label=mode)
+    latency.set(
+        xscale="log",
+        yscale="log",
+        xlabel="message size",
+        ylabel="latency (ms): median, bar to p90",
+        title="all_reduce, 2 Gloo ranks on loopback (rank 0)",
+    )
+    ratio.set(
+        xscale="log",
+        xlabel="message size",
+        ylabel="median / raw blocking median",
+        title="Cost relative to raw blocking (dotted: targets)",
+    )
+    for target in TARGETS:
+        ratio.axhline(target.limit, color="grey", linestyle=":", linewidth=1)
+    measured = sorted({row.num_bytes for row in rows})
+    for axes in (latency, ratio):
+        axes.set_xticks(measured, [format_bytes(size) for size in measured])
+        axes.minorticks_off()
+        axes.grid(True, alpha=0.3)
+        axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+# Command line.
+
+
+def parse_size(text: str) -> int:
+    match = re.fullmatch(r"(\d+)\s*([KMG]?)(?:i?B)?", text.strip(), re.IGNORECASE)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 4, 4K, 256KiB, 64M)")
+    num_bytes = int(match[1]) * 1024 ** " KMG".index((match[2] or " ").upper())
+    if num_bytes < 4 or num_bytes % 4:
+        raise argparse.ArgumentTypeError(f"{text!r}: size must be a positive multiple of 4 B")
+    return num_bytes
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0] if __doc__ else None)
+    parser.add_argument("--quick", action="store_true", help="short smoke-test run (~25 s)")
+    parser.add_argument(
+        "--sizes",
+        default=DEFAULT_SIZES,
+        help=f"comma-separated message sizes in bytes, K/M/G suffixes (default {DEFAULT_SIZES})",
+    )
+    args = parser.parse_args(argv)
+    try:
+        args.sizes = sorted({parse_size(text) for text in args.sizes.split(",")})
+    except argparse.ArgumentTypeError as exc:
+        parser.error(str(exc))
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    plans = make_plan(args.sizes, quick=args.quick)
+    estimate = sum(plan.estimated_seconds() for plan in plans)
+    print(f"2 Gloo ranks on 127.0.0.1, torch {torch.__version__}; plan (ops per mode):")
+    for plan in plans:
+        print(
+            f"  {format_bytes(plan.num_bytes):>8}: {plan.rounds} rounds x "
+            f"({WARMUP_OPS} warm-up + {plan.batch} timed)"
+        )
+    print(f"Estimated op time {estimate:.0f} s, plus start-up.\n", flush=True)
+
+    started = time.monotonic()
+    results = run_ranks(plans, timeout=120.0 + 10 * estimate)
+    rows = summarize(0, results[0])
+    print(f"Measured in {time.monotonic() - started:.0f} s. Rank 0:\n")
+    print_table(rows)
+    verdicts = check_targets(rows)
+    print_targets(verdicts)
+
+    OUT_DIR.mkdir(parents=True, exist_ok=True)
+    all_rows = rows + summarize(1, results[1])
+    write_json(OUT_DIR / "latency.json", plans, all_rows, verdicts, results, args.quick)
+    write_plot(OUT_DIR / "latency.png", rows)
+    print(f"\nWrote {OUT_DIR / 'latency.json'} and {OUT_DIR / 'latency.png'}.")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
