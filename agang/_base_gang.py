@@ -97,6 +97,8 @@ class BaseGang(Gang):
         self._counters = Counters()
         self._recent: collections.deque[Handle[Any]] = collections.deque(maxlen=_HISTORY)
         self._children: list[BaseGang] = []
+        self._ops_left_in_backend = False
+        self._released = False
 
     # Properties.
 
@@ -616,6 +618,7 @@ class BaseGang(Gang):
             self._broken = cause
             pending = [h for h in self._in_flight.values() if not h.done()]
             self._deferred.clear()
+            self._counters.num_failed += len(pending)
         log.error("Gang '%s' (rank %d) is broken: %s", self._name, self._rank, cause)
         for handle in pending:
             error = GangBrokenError(
@@ -632,15 +635,16 @@ class BaseGang(Gang):
 
     # Lifecycle.
 
-    def _mark_closed(self) -> bool:
-        """Fails pending handles at once; returns whether any op was still in c10d."""
+    def _mark_closed(self) -> None:
+        """Closes this gang and its sub-gangs at once: pending waiters fail right away."""
         with self._lock:
             if self._closed:
-                return False
+                return
             self._closed = True
             pending = [h for h in self._in_flight.values() if not h.done()]
-            busy = bool(self._in_flight)
+            self._ops_left_in_backend = bool(self._in_flight)
             self._deferred.clear()
+            self._counters.num_failed += len(pending)
             children = list(self._children)
         for handle in pending:
             handle._finish(
@@ -652,7 +656,17 @@ class BaseGang(Gang):
             )
         for child in children:
             child._mark_closed()
-        return busy
+
+    def _release_all(self) -> None:
+        """Frees the backends of this gang's sub-gangs, then its own; may block briefly."""
+        with self._lock:
+            if self._released:
+                return
+            self._released = True
+            children = list(self._children)
+        for child in children:
+            child._release_all()
+        self._release_backend(pending=self._ops_left_in_backend)
 
     @override
     async def close(self) -> None:
@@ -660,19 +674,17 @@ class BaseGang(Gang):
             return
         from agang._offload import run_blocking
 
-        pending = self._mark_closed()
+        self._mark_closed()
         await run_blocking(
-            lambda: self._release_backend(pending=pending),
-            name=f"close gang '{self._name}'",
-            seconds=self._close_timeout(),
+            self._release_all, name=f"close gang '{self._name}'", seconds=self._close_timeout()
         )
 
     @override
     def close_sync(self) -> None:
         if self._closed:
             return
-        pending = self._mark_closed()
-        self._release_backend(pending=pending)
+        self._mark_closed()
+        self._release_all()
 
     def _close_timeout(self) -> float:
         return 5.0

@@ -16,9 +16,11 @@ an op whose waiters are all gone still ends, and frees its threads, eventually.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import queue
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, final
@@ -51,6 +53,30 @@ def backstop_for(timeout: float | None) -> float:
     if timeout is None:
         return _DEFAULT_BACKSTOP
     return max(timeout * _BACKSTOP_FACTOR + _BACKSTOP_MARGIN, _BACKSTOP_MARGIN)
+
+
+# A process group still alive at interpreter exit can abort the process ("terminate
+# called without an active exception", seen with raw c10d too once future callbacks
+# were used), so the world gangs still open are closed at exit, within a bound.
+_open_world_gangs: weakref.WeakSet[ProcessGroupGang] = weakref.WeakSet()
+_EXIT_CLOSE_SECONDS = 5.0
+
+
+@atexit.register
+def _close_open_gangs_at_exit() -> None:
+    gangs = [gang for gang in list(_open_world_gangs) if not gang.closed]
+    if not gangs:
+        return
+
+    def close_all() -> None:
+        for gang in gangs:
+            gang.close_sync()
+
+    closer = threading.Thread(target=close_all, name="agang: close at exit", daemon=True)
+    closer.start()
+    closer.join(_EXIT_CLOSE_SECONDS)
+    if closer.is_alive():
+        log.warning("agang: gangs were still closing %g s into exit.", _EXIT_CLOSE_SECONDS)
 
 
 def _all_reduce_options(op: ReduceOp, backend: str) -> tuple[dist.AllreduceOptions, bool]:
@@ -129,6 +155,8 @@ class ProcessGroupGang(BaseGang):
         self._raise_backstop(op_timeout)
         # c10d copies the options on each call, so one object per op serves every call.
         self._all_reduce_options = {op: _all_reduce_options(op, backend) for op in ReduceOp}
+        if is_world:
+            _open_world_gangs.add(self)
 
     @property
     def process_group(self) -> dist.ProcessGroup:

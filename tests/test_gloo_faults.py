@@ -230,3 +230,85 @@ async def _many_in_flight(gang: agang.Gang) -> dict[str, Any]:
 def test_a_thousand_ops_in_flight_complete_correctly(async_backend: str) -> None:
     for report in run_world(_many_in_flight, 2, async_backend=async_backend):
         assert report == {"correct": True, "seqs": True, "in_flight_after": 0}
+
+
+async def _close_with_op_in_flight(gang: agang.Gang) -> dict[str, Any]:
+    """Rank 0 closes its gang while an op that rank 1 never joins is pending."""
+    if gang.rank == 1:
+        await anyio.sleep(1.0)
+        return {}
+    handle = gang.all_reduce(torch.ones(4))
+    outcome: dict[str, Any] = {}
+
+    async def waiter() -> None:
+        try:
+            await handle
+        except agang.GangClosedError:
+            outcome["woken_after"] = time.monotonic() - closing_at
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(waiter)
+        await anyio.sleep(0.1)
+        closing_at = time.monotonic()
+        await gang.close()
+        outcome["close_took"] = time.monotonic() - closing_at
+    try:
+        gang.barrier()
+    except agang.GangClosedError:
+        outcome["refused_after_close"] = True
+    return outcome
+
+
+def test_close_with_an_op_in_flight_wakes_waiters_and_exits_cleanly() -> None:
+    # run_world also fails a rank that crashes on its way out after returning.
+    report = run_world(_close_with_op_in_flight, 2)[0]
+
+    assert report["woken_after"] < 1.0
+    assert report["close_took"] < 5.0
+    assert report["refused_after_close"]
+
+
+def _rank_that_never_closes(rank: int, port: int) -> None:
+    env = {
+        "RANK": str(rank),
+        "WORLD_SIZE": "2",
+        "LOCAL_RANK": str(rank),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+    }
+    gang = agang.init_sync(env=env, in_process=False, timeout=60, op_timeout=60)
+    for _ in range(100):
+        gang.all_reduce(torch.ones(4)).wait(timeout=60)
+
+
+def test_processes_that_never_close_their_gang_exit_cleanly() -> None:
+    # Raw c10d sometimes aborts at exit here (1 run in 6 seen); agang closes at exit.
+    import multiprocessing
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    context = multiprocessing.get_context("spawn")
+    exit_codes = []
+    for _ in range(3):
+        store = dist.TCPStore(  # type: ignore[attr-defined]
+            "127.0.0.1",
+            0,
+            2,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=timedelta(seconds=60),
+        )
+        ranks = [
+            context.Process(target=_rank_that_never_closes, args=(r, store.port)) for r in range(2)
+        ]
+        for process in ranks:
+            process.start()
+        for process in ranks:
+            process.join(timeout=60)
+            if process.is_alive():
+                process.kill()
+                process.join()
+            exit_codes.append(process.exitcode)
+    assert exit_codes == [0] * 6

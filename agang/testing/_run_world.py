@@ -31,6 +31,8 @@ T = TypeVar("T")
 ASYNC_BACKENDS = ("asyncio", "uvloop", "trio")
 # After the first failure, how long the other ranks get to report theirs.
 _GRACE = 3.0
+# How long a rank that returned its result may take to exit.
+_EXIT_GRACE = 15.0
 
 
 class WorldRunError(GangError):
@@ -194,14 +196,21 @@ def run_world(
                     failures[rank] = payload
                     deadline = min(deadline, time.monotonic() + _GRACE)
     finally:
-        for process in processes:
-            process.join(timeout=max(0.0, min(2.0, deadline - time.monotonic())))
+        for rank, process in enumerate(processes):
+            # A rank that reported gets time to exit cleanly; the others are stuck.
+            grace = _EXIT_GRACE if rank in results else 0.0
+            process.join(timeout=max(grace, min(2.0, deadline - time.monotonic())))
             if process.is_alive():
                 process.kill()
                 process.join(timeout=5.0)
         del store
     for rank in connections.values():
         failures.setdefault(rank, f"rank {rank} gave no result within the {seconds:g} s deadline")
+    for rank in list(results):
+        code = processes[rank].exitcode
+        if code != 0:
+            # A crash at exit (a c10d abort, say) is a failure even after a good result.
+            failures[rank] = f"rank {rank} returned its result, then exited with code {code}"
     if failures:
         report = "\n".join(
             f"--- rank {rank} ---\n{failures[rank].rstrip()}" for rank in sorted(failures)
