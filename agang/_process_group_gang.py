@@ -31,7 +31,7 @@ from typing_extensions import override
 
 from agang import _cuda_completion
 from agang._base_gang import BaseGang, Done
-from agang._errors import GangInitError
+from agang._errors import GangClosedError, GangInitError
 from agang._gang import Gang
 from agang._offload import run_blocking, start_thread
 from agang._reduce_op import ReduceOp, to_c10d
@@ -160,8 +160,15 @@ class ProcessGroupGang(BaseGang):
 
     @property
     def process_group(self) -> dist.ProcessGroup:
-        """The c10d process group, for calling torch.distributed directly."""
-        return self._pg
+        """The c10d process group, for calling torch.distributed directly.
+
+        Raises:
+            GangClosedError: The gang was closed and its group destroyed.
+        """
+        try:
+            return self._pg
+        except AttributeError:
+            raise GangClosedError(f"Gang '{self.name}' is closed; its group is gone.") from None
 
     def _raise_backstop(self, timeout: float | None) -> None:
         backstop = backstop_for(timeout)
@@ -324,6 +331,11 @@ class ProcessGroupGang(BaseGang):
             log.warning(
                 "Releasing the process group of gang '%s' failed.", self.name, exc_info=True
             )
+        # Drop our reference here, on the closing thread. Completion callbacks hold the
+        # gang and are freed on c10d's threads; if the gang still held the group then,
+        # its destructor could run on its own worker thread and abort the process
+        # ("Resource deadlock avoided": a thread joining itself).
+        del self._pg
 
     @override
     async def create_gang(self, ranks: Sequence[int]) -> Gang | None:

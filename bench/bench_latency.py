@@ -36,6 +36,7 @@ Writes ``bench/out/latency.json`` (plan, statistics, per-op samples of both rank
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import multiprocessing
 import re
@@ -77,6 +78,10 @@ TARGETS = (Target(0, 4, 1.25), Target(256 * 1024, sys.maxsize, 1.05))
 
 # Samples per mode, keyed by mode name; times in seconds.
 Samples = dict[str, list[float]]
+# Raw c10d completing through a future callback on an asyncio loop: what any
+# event-driven design costs here before agang adds anything.
+FLOOR = "c10d cb->asyncio"
+
 BatchRunner = Callable[[agang.Gang, torch.Tensor, int], list[float]]
 
 
@@ -110,6 +115,29 @@ async def _agang_awaits(gang: agang.Gang, tensor: torch.Tensor, count: int) -> l
     return samples
 
 
+async def _c10d_callback_wakes_loop(
+    gang: agang.Gang, tensor: torch.Tensor, count: int
+) -> list[float]:
+    """The floor of any design that neither blocks the loop nor polls: raw c10d, whose
+    Work future's callback wakes the loop with ``call_soon_threadsafe``. No agang code."""
+    loop = asyncio.get_running_loop()
+    samples = []
+    for _ in range(count):
+        start = time.perf_counter()
+        future = loop.create_future()
+        work = dist.all_reduce(tensor, async_op=True)
+        work.get_future().add_done_callback(
+            lambda _, f=future: loop.call_soon_threadsafe(f.set_result, None)
+        )
+        await future
+        samples.append(time.perf_counter() - start)
+    return samples
+
+
+def _raw_on_asyncio(gang: agang.Gang, tensor: torch.Tensor, count: int) -> list[float]:
+    return asyncio.run(_c10d_callback_wakes_loop(gang, tensor, count))
+
+
 def _on_loop(backend: str, options: dict[str, Any]) -> BatchRunner:
     def run(gang: agang.Gang, tensor: torch.Tensor, count: int) -> list[float]:
         return anyio.run(
@@ -122,6 +150,7 @@ def _on_loop(backend: str, options: dict[str, Any]) -> BatchRunner:
 MODES: dict[str, BatchRunner] = {
     BASELINE: _c10d_blocking,
     "c10d async+wait": _c10d_async_wait,
+    FLOOR: _raw_on_asyncio,
     "agang asyncio": _on_loop("asyncio", {"use_uvloop": False}),
     "agang uvloop": _on_loop("asyncio", {"use_uvloop": True}),
     "agang trio": _on_loop("trio", {}),
@@ -268,12 +297,14 @@ class Stats:
     p90: float
     p99: float
     ratio: float  # median over the raw blocking median at the same size and rank
+    over_floor: float  # median over the raw callback-to-loop median (FLOOR)
 
 
 def summarize(rank: int, by_size: dict[int, Samples]) -> list[Stats]:
     rows = []
     for num_bytes, samples in by_size.items():
         baseline = statistics.median(samples[BASELINE])
+        floor = statistics.median(samples[FLOOR])
         for mode, values in samples.items():
             cuts = statistics.quantiles(values, n=100, method="inclusive")
             median = statistics.median(values)
@@ -287,6 +318,7 @@ def summarize(rank: int, by_size: dict[int, Samples]) -> list[Stats]:
                     p90=cuts[89],
                     p99=cuts[98],
                     ratio=median / baseline,
+                    over_floor=median / floor,
                 )
             )
     return rows
@@ -306,7 +338,10 @@ def format_seconds(seconds: float) -> str:
 
 
 def print_table(rows: list[Stats]) -> None:
-    header = f"{'size':>8}  {'mode':<16} {'ops':>6} {'median':>10} {'p90':>10} {'ratio':>7}"
+    header = (
+        f"{'size':>8}  {'mode':<16} {'ops':>6} {'median':>10} {'p90':>10} {'ratio':>7}"
+        f" {'vs floor':>9}"
+    )
     print(header)
     print("-" * len(header))
     previous = None
@@ -315,7 +350,7 @@ def print_table(rows: list[Stats]) -> None:
         previous = row.num_bytes
         print(
             f"{size:>8}  {row.mode:<16} {row.count:>6} {format_seconds(row.median):>10} "
-            f"{format_seconds(row.p90):>10} {row.ratio:>6.2f}x"
+            f"{format_seconds(row.p90):>10} {row.ratio:>6.2f}x {row.over_floor:>8.2f}x"
         )
 
 
