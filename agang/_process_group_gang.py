@@ -358,7 +358,12 @@ class ProcessGroupGang(BaseGang):
             return local
 
         deadline = self._op_timeout
-        group = await run_blocking(create, name=f"create gang {members}", seconds=deadline)
+        try:
+            group = await run_blocking(create, name=f"create gang {members}", seconds=deadline)
+        except Exception as exc:
+            raise GangInitError(
+                f"Creating a gang of ranks {members} of gang '{self.name}' failed: {exc}"
+            ) from exc
         if group is None:
             if is_member:
                 raise GangInitError(
