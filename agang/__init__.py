@@ -17,9 +17,15 @@ from agang._errors import OpContext as OpContext
 from agang._errors import TensorBusyError as TensorBusyError
 from agang._fake_gang import FakeGang as FakeGang
 from agang._gang import Gang as Gang
+from agang._gangs import Gangs as Gangs
+from agang._gangs import all_sum as all_sum
+from agang._gangs import broadcast_flag as broadcast_flag
+from agang._gangs import current_gangs as current_gangs
 from agang._handle import Handle as Handle
 from agang._init import init as init
 from agang._init import init_sync as init_sync
+from agang._parallel_gangs import create_fsdp_gangs as create_fsdp_gangs
+from agang._parallel_gangs import create_parallel_gangs as create_parallel_gangs
 from agang._process_group_gang import ProcessGroupGang as ProcessGroupGang
 from agang._reduce_op import ReduceOp as ReduceOp
 from agang._statistics import GangStatistics as GangStatistics
@@ -38,6 +44,13 @@ __all__ = [
     "Handle",
     "ReduceOp",
     "GangStatistics",
+    # Parallel gangs
+    "Gangs",
+    "create_parallel_gangs",
+    "create_fsdp_gangs",
+    "current_gangs",
+    "broadcast_flag",
+    "all_sum",
     # Errors
     "GangError",
     "GangInitError",

@@ -1,22 +1,46 @@
 """The world a process belongs to, read from its launcher's environment.
 
-torchrun's contract: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT (and
-TORCHELASTIC_USE_AGENT_STORE when the launcher itself hosts the store). The mapping is
-injectable so parsing is tested with plain dicts. SLURM's variables come in a later
-version of this module; the result type already has what they need.
+Sources, in order:
+1. torchrun's contract: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
+   MASTER_PORT (and TORCHELASTIC_USE_AGENT_STORE when torchrun's agent hosts the store).
+2. SLURM's, for ``srun``-launched jobs: SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID,
+   SLURM_NTASKS_PER_NODE, SLURM_JOB_NODELIST and SLURM_JOB_ID. The first host of the node
+   list is the store host (expanded by ``scontrol show hostnames`` when that is
+   installed, else by agang's own parser), and the port is derived from the job id, so
+   every rank of the job agrees without talking. MASTER_ADDR/MASTER_PORT, when set,
+   win over the derived values.
+3. None of them: no world (the caller decides: explicit arguments, or an in-process gang).
+The mapping is injectable, so all of this is tested with plain dicts, and so is the
+``scontrol`` runner.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import re
+import shutil
+import subprocess
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from agang._errors import GangInitError
 
+# Ports derived from a SLURM job id fall in [BASE, BASE + SPAN): below Linux's ephemeral
+# range (32768 and up), so they do not collide with outgoing connections.
+SLURM_PORT_BASE = 10000
+SLURM_PORT_SPAN = 20000
+
+HostnameExpander = Callable[[str], list[str]]
+
 
 @dataclass(frozen=True)
 class WorldInfo:
-    """Where this process sits in its job, and where the rendezvous store lives."""
+    """Where this process sits in its job, and where the rendezvous store lives.
+
+    Example:
+        >>> world = WorldInfo(rank=0, world_size=2, local_rank=0, master_addr="127.0.0.1",
+        ...                   master_port=29500)
+        >>> gang = await agang.init(world=world)
+    """
 
     rank: int
     world_size: int
@@ -25,8 +49,14 @@ class WorldInfo:
     master_port: int
     #: True when the launcher (torchrun's agent) already hosts the store.
     launcher_hosts_store: bool = False
-    #: Where the values came from, for messages: "torchrun" or "arguments".
-    source: str = "torchrun"
+    #: Where the values came from: "torchrun", "slurm" or "arguments".
+    source: str = "arguments"
+    #: Ranks on this machine, or None when the launcher did not say.
+    local_world_size: int | None = None
+    #: True when agang chose the port (SLURM): it may then move to a free one nearby.
+    port_is_derived: bool = False
+    #: Identifies this launch among others that might reach the same store port.
+    job_id: str = ""
 
     @property
     def store_address(self) -> str:
@@ -46,44 +76,175 @@ def _int(env: Mapping[str, str], name: str, *, minimum: int) -> int:
     return number
 
 
-def world_from_env(env: Mapping[str, str]) -> WorldInfo | None:
-    """Reads torchrun's variables; None when none of RANK and WORLD_SIZE is set.
+def _port(env: Mapping[str, str], name: str = "MASTER_PORT") -> int:
+    port = _int(env, name, minimum=0)
+    if port > 65535:
+        raise GangInitError(f"`{name}` must be at most 65535, but is {port} instead.")
+    return port
 
-    Raises:
-        GangInitError: A variable is set but invalid (not an integer, rank not below the
-            world size, one of a required pair missing); the message names it.
-    """
-    has_rank = "RANK" in env
-    has_size = "WORLD_SIZE" in env
-    if not has_rank and not has_size:
-        return None
-    if has_rank != has_size:
-        present, missing = ("RANK", "WORLD_SIZE") if has_rank else ("WORLD_SIZE", "RANK")
-        raise GangInitError(
-            f"`{missing}` must be set when `{present}` is, but is missing; start the job "
-            f"with torchrun or set both."
-        )
-    world_size = _int(env, "WORLD_SIZE", minimum=1)
-    rank = _int(env, "RANK", minimum=0)
+
+def _check_rank(rank: int, world_size: int, rank_name: str, size_name: str) -> None:
     if rank >= world_size:
         raise GangInitError(
-            f"`RANK` must be less than `WORLD_SIZE` ({world_size}), but is {rank} instead."
+            f"`{rank_name}` must be less than `{size_name}` ({world_size}), but is {rank} instead."
         )
+
+
+def world_from_env(
+    env: Mapping[str, str], *, expand_hostnames: HostnameExpander | None = None
+) -> WorldInfo | None:
+    """Reads torchrun's variables, else SLURM's; None when neither launcher is seen.
+
+    Args:
+        env: The environment, e.g. ``os.environ``.
+        expand_hostnames: Turns a SLURM node list into host names; by default
+            ``scontrol show hostnames`` if installed, else agang's own parser.
+
+    Raises:
+        GangInitError: A variable is set but invalid (not an integer, a rank not below the
+            world size, one of a required pair missing); the message names it and its value.
+    """
+    if "RANK" in env or "WORLD_SIZE" in env:
+        return _torchrun_world(env)
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        return _slurm_world(env, expand_hostnames or expand_nodelist)
+    return None
+
+
+def _torchrun_world(env: Mapping[str, str]) -> WorldInfo:
+    for present, missing in (("RANK", "WORLD_SIZE"), ("WORLD_SIZE", "RANK")):
+        if present in env and missing not in env:
+            raise GangInitError(
+                f"`{missing}` must be set when `{present}` is, but is missing; start the "
+                f"job with torchrun or set both."
+            )
+    world_size = _int(env, "WORLD_SIZE", minimum=1)
+    rank = _int(env, "RANK", minimum=0)
+    _check_rank(rank, world_size, "RANK", "WORLD_SIZE")
     local_rank = _int(env, "LOCAL_RANK", minimum=0) if "LOCAL_RANK" in env else rank
+    local_world_size = None
+    if "LOCAL_WORLD_SIZE" in env:
+        local_world_size = _int(env, "LOCAL_WORLD_SIZE", minimum=1)
+        _check_rank(local_rank, local_world_size, "LOCAL_RANK", "LOCAL_WORLD_SIZE")
     if world_size > 1:
         for name in ("MASTER_ADDR", "MASTER_PORT"):
             if not env.get(name):
                 raise GangInitError(
                     f"`{name}` must be set for a world of size {world_size}, but is missing."
                 )
-    port = _int(env, "MASTER_PORT", minimum=0) if env.get("MASTER_PORT") else 0
-    if port > 65535:
-        raise GangInitError(f"`MASTER_PORT` must be at most 65535, but is {port} instead.")
     return WorldInfo(
         rank=rank,
         world_size=world_size,
         local_rank=local_rank,
-        master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
-        master_port=port,
+        master_addr=env.get("MASTER_ADDR") or "127.0.0.1",
+        master_port=_port(env) if env.get("MASTER_PORT") else 0,
         launcher_hosts_store=env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() in ("1", "true"),
+        source="torchrun",
+        local_world_size=local_world_size,
+        job_id=env.get("TORCHELASTIC_RUN_ID", ""),
     )
+
+
+def _slurm_world(env: Mapping[str, str], expand_hostnames: HostnameExpander) -> WorldInfo:
+    world_size = _int(env, "SLURM_NTASKS", minimum=1)
+    rank = _int(env, "SLURM_PROCID", minimum=0)
+    _check_rank(rank, world_size, "SLURM_PROCID", "SLURM_NTASKS")
+    local_rank = _int(env, "SLURM_LOCALID", minimum=0) if "SLURM_LOCALID" in env else 0
+    local_world_size = _slurm_tasks_per_node(env)
+    if local_world_size is not None:
+        _check_rank(local_rank, local_world_size, "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE")
+    job_id = env.get("SLURM_JOB_ID", "")
+    if env.get("MASTER_PORT"):
+        port, derived = _port(env), False
+    elif world_size == 1:
+        port, derived = 0, False
+    else:
+        if not job_id.isdigit():
+            raise GangInitError(
+                f"`SLURM_JOB_ID` must be an integer to derive the store port from, but is "
+                f"{job_id!r} instead; or set MASTER_PORT."
+            )
+        port, derived = SLURM_PORT_BASE + int(job_id) % SLURM_PORT_SPAN, True
+    if env.get("MASTER_ADDR"):
+        address = env["MASTER_ADDR"]
+    elif world_size == 1:
+        address = "127.0.0.1"
+    else:
+        nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or ""
+        if not nodelist:
+            raise GangInitError(
+                "`SLURM_JOB_NODELIST` must be set to find the store host, but is missing; "
+                "or set MASTER_ADDR."
+            )
+        hosts = expand_hostnames(nodelist)
+        if not hosts:
+            raise GangInitError(
+                f"`SLURM_JOB_NODELIST` must name at least one host, but is {nodelist!r} instead."
+            )
+        address = hosts[0]
+    return WorldInfo(
+        rank=rank,
+        world_size=world_size,
+        local_rank=local_rank,
+        master_addr=address,
+        master_port=port,
+        source="slurm",
+        local_world_size=local_world_size,
+        port_is_derived=derived,
+        job_id=job_id,
+    )
+
+
+def _slurm_tasks_per_node(env: Mapping[str, str]) -> int | None:
+    value = env.get("SLURM_NTASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
+    if not value:
+        return None
+    # SLURM_TASKS_PER_NODE reads like "4(x2),3": the first node's count is ours when
+    # they are all equal, which is the only layout local ranks make sense for.
+    first = re.match(r"(\d+)", value)
+    if first is None or int(first.group(1)) < 1:
+        raise GangInitError(
+            f"`SLURM_NTASKS_PER_NODE` must be a positive integer, but is {value!r} instead."
+        )
+    return int(first.group(1))
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """The host names of a SLURM node list, e.g. ``"gpu[01-03,7],cpu1"``.
+
+    Uses ``scontrol show hostnames`` when installed (it knows every SLURM syntax), else
+    agang's parser of the common forms: comma-separated names with bracketed ranges.
+    """
+    if shutil.which("scontrol"):
+        try:
+            output = subprocess.run(
+                ["scontrol", "show", "hostnames", nodelist],
+                capture_output=True,
+                text=True,
+                timeout=10,
+                check=True,
+            ).stdout
+            return output.split()
+        except (subprocess.SubprocessError, OSError):
+            pass  # fall back on the parser below
+    return parse_nodelist(nodelist)
+
+
+def parse_nodelist(nodelist: str) -> list[str]:
+    """Expands ``prefix[a-b,c]suffix`` groups separated by commas (no nesting)."""
+    hosts: list[str] = []
+    for part in re.findall(r"[^,\[]+(?:\[[^\]]*\][^,\[]*)*", nodelist):
+        match = re.fullmatch(r"([^\[]*)\[([^\]]*)\](.*)", part)
+        if match is None:
+            hosts.append(part)
+            continue
+        prefix, ranges, suffix = match.groups()
+        for item in ranges.split(","):
+            low, _, high = item.partition("-")
+            if not high:
+                hosts.append(f"{prefix}{low}{suffix}")
+                continue
+            width = len(low)
+            for number in range(int(low), int(high) + 1):
+                hosts.append(f"{prefix}{number:0{width}d}{suffix}")
+    return hosts

@@ -1,0 +1,73 @@
+"""The ``agang`` command: ``agang doctor`` (or ``python -m agang doctor``).
+
+Exit status: 0 when the doctor found no problem (warnings allowed), 1 when it found
+one, 2 on a usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from collections.abc import Sequence
+
+from agang._doctor import diagnose
+from agang._doctor_backends import probe_host_facts
+from agang._doctor_findings import has_problems, render, render_json
+from agang._doctor_network import SocketProbe
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, but is {text!r} instead") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be positive and finite, but is {text} instead")
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="agang", description="agang's command-line tools.")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    doctor = commands.add_parser(
+        "doctor",
+        help="check this process's launcher variables, backends and rendezvous network",
+        description="Checks what agang.init() would make of this process's environment: "
+        "the launcher's variables, torch's backends, and whether MASTER_ADDR:MASTER_PORT "
+        "can be bound (rank 0) or reached (other ranks). Run it the way the job runs, e.g. "
+        "`torchrun --nproc-per-node=4 -m agang doctor`.",
+    )
+    doctor.add_argument("--json", action="store_true", help="print the findings as JSON")
+    doctor.add_argument(
+        "--timeout",
+        type=_seconds,
+        default=1.0,
+        metavar="SECONDS",
+        help="bound on each network call (default: 1)",
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the ``agang`` command.
+
+    Args:
+        argv: The arguments after the program name; None for ``sys.argv[1:]``.
+
+    Returns:
+        The exit status: 0 no problem, 1 problems found (2, usage errors, exits at parsing).
+
+    Example:
+        >>> main(["doctor", "--json"])
+        0
+    """
+    arguments = _parser().parse_args(argv)
+    findings = diagnose(os.environ, probe_host_facts(), SocketProbe(timeout=arguments.timeout))
+    sys.stdout.write(render_json(findings) if arguments.json else render(findings))
+    return 1 if has_problems(findings) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,246 @@
+"""The current gangs of a task (fairseq2's ``Gangs``), and small helpers over a gang.
+
+The current gangs live in a :class:`contextvars.ContextVar`, not in a thread-local as in
+fairseq2: with asyncio and trio many tasks share a thread, and each must see its own. A
+task started inside ``with gangs:`` copies its parent's context, so it sees the gangs
+current when it was started; what it sets itself never leaks back to the parent.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from dataclasses import dataclass, fields
+from types import TracebackType
+from typing import overload
+
+import torch
+
+from agang._gang import Gang
+
+# A stack rather than one value with reset tokens: one Gangs object may be entered by
+# several tasks at once, or nested in itself, and a token stored on the (frozen) object
+# would be overwritten by the second entry.
+_current: contextvars.ContextVar[tuple[Gangs, ...]] = contextvars.ContextVar(
+    "agang_current_gangs", default=()
+)
+
+_INT64_MIN = -(2**63)
+_INT64_MAX = 2**63 - 1
+
+
+def check_gang(gang: object, *, name: str) -> Gang:
+    if not isinstance(gang, Gang):
+        raise TypeError(
+            f"`{name}` must be an `agang.Gang`, but is of type `{type(gang).__name__}` instead."
+        )
+    return gang
+
+
+@dataclass(frozen=True, kw_only=True)
+class Gangs:
+    """The gangs of one process for data, tensor and pipeline parallelism.
+
+    Made by :func:`agang.create_parallel_gangs` and :func:`agang.create_fsdp_gangs`, or by
+    hand (for instance of :class:`agang.FakeGang` objects in tests). A dimension of size 1
+    is a ``FakeGang`` of size 1, so code can use every field without checking for None.
+
+    ``with gangs:`` makes them the current gangs of this task (and of the tasks it
+    starts) until the block ends; :func:`agang.current_gangs` returns them. Blocks nest:
+    leaving one restores the gangs current before it.
+
+    Attributes:
+        root: The gang of every process.
+        dp: The data-parallel gang: the processes that hold the same model shard.
+        rdp: The replicated data-parallel gang (inter-node for hybrid sharding).
+        sdp: The sharded data-parallel gang (intra-node for hybrid sharding; ``dp``
+            otherwise).
+        tp: The tensor-parallel gang.
+        pp: The pipeline-parallel gang.
+
+    Raises:
+        TypeError: A field is not an :class:`agang.Gang`.
+        ValueError: ``root.rank`` is 0 but this process is not rank 0 of every other gang
+            (rank 0 of the root must coordinate every gang, as in fairseq2).
+
+    Example:
+        >>> gangs = await agang.create_parallel_gangs(root, tp_size=2)
+        >>> with gangs:
+        ...     await train()  # calls agang.current_gangs() to find its gangs
+    """
+
+    root: Gang
+    dp: Gang
+    rdp: Gang
+    sdp: Gang
+    tp: Gang
+    pp: Gang
+
+    def __post_init__(self) -> None:
+        for field in fields(self):
+            check_gang(getattr(self, field.name), name=field.name)
+        if self.root.rank == 0:
+            for field in fields(self):
+                rank = getattr(self, field.name).rank
+                if rank != 0:
+                    raise ValueError(
+                        f"`{field.name}.rank` must be 0 on rank 0 of the root gang, "
+                        f"but is {rank} instead."
+                    )
+
+    def __enter__(self) -> Gangs:
+        _current.set((*_current.get(), self))
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        stack = _current.get()
+        if not stack or stack[-1] is not self:
+            # Only possible when blocks are left out of order, or in another context
+            # than the one they were entered in (an async generator resumed elsewhere).
+            raise RuntimeError(
+                "`with gangs:` blocks must be left in the reverse order they were entered, "
+                "in the task that entered them, but these gangs are not the current ones."
+            )
+        _current.set(stack[:-1])
+
+    async def close(self) -> None:
+        """Closes every gang, the sub-gangs before the root.
+
+        Example:
+            >>> await gangs.close()
+        """
+        distinct: list[Gang] = []
+        for gang in (self.rdp, self.sdp, self.tp, self.pp, self.dp, self.root):
+            if all(gang is not seen for seen in distinct):
+                distinct.append(gang)
+        for gang in distinct:
+            await gang.close()
+
+
+def current_gangs() -> Gangs:
+    """Returns the gangs set by the innermost ``with gangs:`` block of this task.
+
+    Returns:
+        The current :class:`Gangs`.
+
+    Raises:
+        LookupError: No gangs are current in this task (the builtin error that
+            :meth:`contextvars.ContextVar.get` raises for an unset variable).
+
+    Example:
+        >>> with gangs:
+        ...     assert agang.current_gangs() is gangs
+    """
+    stack = _current.get()
+    if not stack:
+        raise LookupError(
+            "No gangs are current in this task; enter `with gangs:` first, where `gangs` "
+            "comes from `agang.create_parallel_gangs` (tasks started inside the block "
+            "inherit them)."
+        )
+    return stack[-1]
+
+
+# The helpers' `timeout` is the collective's deadline, passed through to it (a deadline
+# that breaks the gang, unlike a cancel scope around the call): hence the ASYNC109 ignores.
+
+
+async def broadcast_flag(
+    gang: Gang,
+    flag: bool,
+    source_rank: int = 0,
+    *,
+    timeout: float | None = None,  # noqa: ASYNC109
+) -> bool:
+    """Returns ``source_rank``'s ``flag`` on every rank of ``gang``.
+
+    Every rank of ``gang`` must call it (it is a broadcast).
+
+    Args:
+        gang: The gang to broadcast over.
+        flag: This rank's flag; only ``source_rank``'s is used.
+        source_rank: The rank whose flag every rank gets.
+        timeout: Seconds before the broadcast's deadline; None for the gang's default.
+
+    Returns:
+        ``source_rank``'s flag.
+
+    Raises:
+        TypeError: ``gang`` is not a gang, or ``flag`` is not a bool.
+        ValueError: ``source_rank`` is not a rank of ``gang``.
+
+    Example:
+        >>> stop = await agang.broadcast_flag(gang, gang.rank == 0 and converged())
+    """
+    check_gang(gang, name="gang")
+    if not isinstance(flag, bool):
+        raise TypeError(f"`flag` must be a bool, but is of type `{type(flag).__name__}` instead.")
+    tensor = torch.tensor([flag], dtype=torch.bool, device=gang.device)
+    await gang.broadcast(tensor, source_rank, timeout=timeout)
+    return bool(tensor.item())
+
+
+@overload
+async def all_sum(
+    gang: Gang,
+    value: int,
+    *,
+    timeout: float | None = None,  # noqa: ASYNC109
+) -> int: ...
+
+
+@overload
+async def all_sum(
+    gang: Gang,
+    value: float,
+    *,
+    timeout: float | None = None,  # noqa: ASYNC109
+) -> float: ...
+
+
+async def all_sum(
+    gang: Gang,
+    value: float | int,
+    *,
+    timeout: float | None = None,  # noqa: ASYNC109
+) -> float | int:
+    """Returns the sum of ``value`` over the ranks of ``gang``.
+
+    Every rank of ``gang`` must call it, all with ints or all with floats. Ints are summed
+    exactly as int64 (a sum past the int64 range wraps around, as in c10d); floats as
+    float64.
+
+    Args:
+        gang: The gang to sum over.
+        value: This rank's value.
+        timeout: Seconds before the all-reduce's deadline; None for the gang's default.
+
+    Returns:
+        The sum: an int if ``value`` is an int, a float otherwise.
+
+    Raises:
+        TypeError: ``gang`` is not a gang, or ``value`` is not an int or a float (a bool is
+            refused: sum ``int(flag)`` to count ranks).
+        ValueError: ``value`` is an int outside the int64 range.
+
+    Example:
+        >>> num_tokens = await agang.all_sum(gangs.dp, len(batch_tokens))
+    """
+    check_gang(gang, name="gang")
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(
+            f"`value` must be an int or a float, but is of type `{type(value).__name__}` instead."
+        )
+    if isinstance(value, int):
+        if not _INT64_MIN <= value <= _INT64_MAX:
+            raise ValueError(f"`value` must fit in an int64, but is {value} instead.")
+        tensor = torch.tensor([value], dtype=torch.int64, device=gang.device)
+        await gang.all_reduce(tensor, timeout=timeout)
+        return int(tensor.item())
+    tensor = torch.tensor([value], dtype=torch.float64, device=gang.device)
+    await gang.all_reduce(tensor, timeout=timeout)
+    return float(tensor.item())

@@ -1,0 +1,176 @@
+"""Meeting the other ranks: the store, then a check-in that names whoever is missing.
+
+Rules (all of this runs on init's daemon thread, never on the loop):
+1. Rank 0 hosts the TCP store unless the launcher does (torchrun's agent); the others
+   connect to it. One connection attempt gets at most ATTEMPT_SECONDS; transient
+   failures are retried by the caller's policy within the init deadline.
+2. A port agang derived itself (SLURM) is a first choice, not a promise: if it is taken,
+   the host takes the next free one of PORT_CANDIDATES and marks its store with the
+   job's token, and the others try the same ports in order, keeping the store that
+   carries their token. A port the user fixed is never moved: "in use" fails at once.
+3. Every rank checks in under its own key, ``<prefix>/rank/<r>``, with its world size,
+   host and pid. A deadline then names exactly the ranks that never did. A second
+   check-in for the same rank (two processes started with one RANK) and ranks that
+   disagree on the world size fail at once.
+4. Keys live under a prefix per launcher restart and per init call, so a retry or a
+   re-init never reads a failed attempt's keys.
+5. Every wait is sliced (at most WAIT_SLICE seconds), so a cancelled init stops soon.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from agang._env import WorldInfo
+from agang._errors import GangInitError
+from agang._retry import PortInUseError, RetryPolicy, retrying
+
+ATTEMPT_SECONDS = 2.0
+PORT_CANDIDATES = 8
+WAIT_SLICE = 0.25
+_OWNER_KEY = "agang/owner"
+
+
+class InitCancelled(Exception):
+    """The caller stopped waiting for init; the thread winds down."""
+
+
+def _token(world: WorldInfo) -> str:
+    return f"agang job={world.job_id} size={world.world_size}"
+
+
+def _seconds(value: float) -> timedelta:
+    return timedelta(seconds=max(0.05, value))
+
+
+def _is_in_use(error: BaseException) -> bool:
+    return "address already in use" in str(error).lower()
+
+
+def open_store(
+    world: WorldInfo, *, deadline: float, policy: RetryPolicy, cancelled: threading.Event
+) -> tuple[Any, int, int]:
+    """Connects to (or hosts) the store, retrying transient failures (rules 1, 2).
+
+    Returns:
+        The store, the port it is on, and the number of attempts made.
+    """
+    attempts = 0
+    for attempt in retrying(policy, deadline):
+        with attempt:
+            attempts += 1
+            if cancelled.is_set():
+                raise InitCancelled
+            store, port = _open_once(world, deadline)
+    return store, port, attempts
+
+
+def _open_once(world: WorldInfo, deadline: float) -> tuple[Any, int]:
+    ports = [world.master_port]
+    if world.port_is_derived:
+        ports = [world.master_port + i for i in range(PORT_CANDIDATES)]
+    remaining = deadline - time.monotonic()
+    if world.rank == 0 and not world.launcher_hosts_store:
+        for port in ports:
+            try:
+                store = dist.TCPStore(  # type: ignore[attr-defined]
+                    world.master_addr, port, world.world_size, is_master=True,
+                    timeout=_seconds(remaining), wait_for_workers=False,
+                )
+            except Exception as error:
+                if _is_in_use(error) and world.port_is_derived:
+                    continue
+                if _is_in_use(error):
+                    raise PortInUseError(
+                        f"`MASTER_PORT` must be a free port on this host, but {port} is in use "
+                        f"by another process: pick another port, the same on every rank.",
+                        port_is_ours=False,
+                    ) from error
+                raise
+            store.set(_OWNER_KEY, _token(world))
+            return store, port
+        raise PortInUseError(
+            f"The ports {ports[0]}-{ports[-1]} agang derived are all in use.", port_is_ours=True
+        )
+    budget = min(ATTEMPT_SECONDS, max(0.05, remaining)) / len(ports)
+    last_error: BaseException | None = None
+    for port in ports:
+        try:
+            store = dist.TCPStore(  # type: ignore[attr-defined]
+                world.master_addr, port, world.world_size, is_master=False,
+                timeout=_seconds(budget),
+            )
+        except Exception as error:
+            last_error = error
+            continue
+        if world.port_is_derived and not _carries_token(store, world):
+            continue
+        store.set_timeout(_seconds(deadline - time.monotonic()))
+        return store, port
+    assert last_error is not None or world.port_is_derived
+    raise last_error or ConnectionRefusedError(
+        f"timed out after trying ports {ports[0]}-{ports[-1]}: no store of this job there"
+    )
+
+
+def _carries_token(store: Any, world: WorldInfo) -> bool:
+    try:
+        return bool(store.check([_OWNER_KEY])) and store.get(_OWNER_KEY).decode() == _token(
+            world
+        )
+    except Exception:
+        return False
+
+
+def check_in(
+    store: Any, world: WorldInfo, prefix: str, *, deadline: float, cancelled: threading.Event
+) -> None:
+    """Checks this rank in and waits for every other rank (rules 3, 5).
+
+    Raises:
+        GangInitError: The deadline passed (``missing_ranks`` says who never came), the
+            rank checked in twice, or the ranks disagree on the world size.
+    """
+    if store.add(f"{prefix}/claim/{world.rank}", 1) > 1:
+        raise GangInitError(
+            f"`RANK` must be unique, but rank {world.rank} checked in twice: two processes "
+            f"were started with the same rank."
+        )
+    store.set(
+        f"{prefix}/rank/{world.rank}",
+        f"{world.world_size} {socket.gethostname()} {os.getpid()}",
+    )
+    keys = [f"{prefix}/rank/{rank}" for rank in range(world.world_size)]
+    while True:
+        if cancelled.is_set():
+            raise InitCancelled
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            break
+        try:
+            store.wait(keys, _seconds(min(remaining, WAIT_SLICE)))
+            break
+        except Exception as error:
+            if "timeout" not in str(error).lower():
+                raise
+    missing = [rank for rank, key in enumerate(keys) if not store.check([key])]
+    if missing:
+        raise GangInitError(
+            f"Ranks {missing} of {world.world_size} did not check in at the store "
+            f"{world.store_address} before the deadline.",
+            missing_ranks=missing,
+        )
+    for rank, key in enumerate(keys):
+        size = int(store.get(key).decode().split()[0])
+        if size != world.world_size:
+            raise GangInitError(
+                f"`WORLD_SIZE` must be the same on every rank, but is {world.world_size} here "
+                f"and {size} on rank {rank}."
+            )
