@@ -28,6 +28,7 @@ from agang._parallel_gangs import create_fsdp_gangs as create_fsdp_gangs
 from agang._parallel_gangs import create_parallel_gangs as create_parallel_gangs
 from agang._process_group_gang import ProcessGroupGang as ProcessGroupGang
 from agang._reduce_op import ReduceOp as ReduceOp
+from agang._retry import RetryPolicy as RetryPolicy
 from agang._statistics import GangStatistics as GangStatistics
 
 __version__ = "0.1.0"
@@ -37,6 +38,7 @@ __all__ = [
     "init",
     "init_sync",
     "WorldInfo",
+    "RetryPolicy",
     # Gangs and handles
     "Gang",
     "ProcessGroupGang",

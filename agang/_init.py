@@ -1,19 +1,33 @@
 """Making this process's gang: ``await agang.init()`` and ``agang.init_sync()``.
 
-The blocking c10d set-up (store connection, process-group construction) runs on a
-daemon thread under one deadline, so the caller's loop keeps serving while peers are
-late, a cancelled init returns at once, and a stuck c10d call cannot keep the process
-from exiting; c10d is given the same deadline, so the thread ends on its own too.
+Rules:
+1. The world comes from ``world=``, else the launcher's environment (torchrun, then
+   SLURM); none, or a world of size 1, gives an in-process gang with no network.
+2. The whole set-up (store, check-in, process group, a proving barrier) runs on a daemon
+   thread under one deadline. The caller's loop keeps serving meanwhile; a cancelled
+   init returns at once and the thread winds down within a wait slice, tearing down
+   whatever it had built; a daemon thread can never keep the process from exiting.
+3. Transient failures are retried (``_retry``); a deadline names the missing ranks
+   (``_rendezvous``). Every error is a ``GangInitError`` with the store address, the
+   attempts, the elapsed time and the likely causes.
+4. Before the group is made: on NCCL, ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` defaults to 2
+   (abort the communicator, keep the process), so an agang deadline is survivable; with
+   several local ranks and no ``OMP_NUM_THREADS``, each rank gets its share of the CPUs.
+   Every setting agang makes is logged.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
+import math
 import os
+import threading
 import time
 from collections.abc import Mapping
 from datetime import timedelta
 
+import anyio
 import torch
 import torch.distributed as dist
 
@@ -21,14 +35,28 @@ from agang._env import WorldInfo, world_from_env
 from agang._errors import GangInitError
 from agang._fake_gang import FakeGang
 from agang._gang import Gang
-from agang._offload import run_blocking, start_thread
-from agang._process_group_gang import ProcessGroupGang, backstop_for
+from agang._handle import Handle
+from agang._offload import start_thread
+from agang._process_group_gang import ProcessGroupGang
+from agang._rendezvous import InitCancelled, check_in, open_store
+from agang._retry import PortInUseError, RetryPolicy
 from agang._validate import check_timeout
 
 log = logging.getLogger("agang")
 
 DEFAULT_INIT_TIMEOUT = 300.0
 DEFAULT_OP_TIMEOUT = 300.0
+# The proving barrier after construction: every rank already checked in, so it is quick.
+BARRIER_SECONDS = 30.0
+# How long past the deadline the caller waits for the thread's own, more precise, error.
+_REPORT_GRACE = 2.0
+# Calls to init in this process: part of the store prefix, so re-inits never collide.
+_init_calls = itertools.count()
+
+_LIKELY_CAUSES = (
+    "a rank was not started or crashed; MASTER_ADDR/MASTER_PORT differ between ranks; "
+    "a firewall blocks the port (run `agang doctor` on each node)"
+)
 
 
 def _resolve_device(device: object, backend: str | None, world: WorldInfo | None) -> torch.device:
@@ -61,8 +89,25 @@ def _resolve_backend(backend: object, device: torch.device) -> str:
     return str(backend)
 
 
+def _set_env(name: str, value: str, why: str) -> None:
+    os.environ[name] = value
+    log.info("agang: set %s=%s (%s).", name, value, why)
+
+
+def _prove(deadline: float) -> None:
+    """A barrier on the new group, before any gang exists (so it takes no seq number)."""
+    options = dist.BarrierOptions()
+    seconds = max(0.1, min(BARRIER_SECONDS, deadline - time.monotonic()))
+    options.timeout = timedelta(seconds=seconds)
+    try:
+        dist.distributed_c10d._get_default_group().barrier(options).wait(timedelta(seconds=seconds))
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+
+
 class _Plan:
-    """Everything init decided before touching the network."""
+    """Everything init decided before touching the network, and the set-up itself."""
 
     def __init__(
         self,
@@ -72,56 +117,97 @@ class _Plan:
         timeout: float | None,
         op_timeout: float | None,
         env: Mapping[str, str] | None,
+        world: WorldInfo | None,
         in_process: bool | None,
         stream_ordered: bool,
+        retry: RetryPolicy | None,
     ) -> None:
         self.timeout = check_timeout(timeout)
         self.op_timeout = check_timeout(op_timeout, name="op_timeout")
-        self.world = world_from_env(os.environ if env is None else env)
-        self.device = _resolve_device(device, backend, self.world)
-        self.backend = _resolve_backend(backend, self.device)
+        if world is not None and not isinstance(world, WorldInfo):
+            raise TypeError(
+                f"`world` must be an agang.WorldInfo or None, but is {world!r} instead."
+            )
+        if retry is not None and not isinstance(retry, RetryPolicy):
+            raise TypeError(
+                f"`retry` must be an agang.RetryPolicy or None, but is {retry!r} instead."
+            )
         if in_process is not None and not isinstance(in_process, bool):
             raise TypeError(f"`in_process` must be a bool or None, but is {in_process!r} instead.")
+        self.env = os.environ if env is None else env
+        self.world = world if world is not None else world_from_env(self.env)
+        self.device = _resolve_device(device, backend, self.world)
+        self.backend = _resolve_backend(backend, self.device)
         single = self.world is None or self.world.world_size == 1
         self.in_process = single if in_process is None else in_process
         if not self.in_process and self.world is None:
             self.world = WorldInfo(0, 1, 0, "127.0.0.1", 0, source="arguments")
         self.stream_ordered = stream_ordered
+        self.retry = retry or RetryPolicy()
+        self.cancelled = threading.Event()
+        self.attempts = 0
+        restart = self.env.get("TORCHELASTIC_RESTART_COUNT", "0")
+        self.prefix = f"agang/init/{restart}.{next(_init_calls)}"
+
+    @property
+    def deadline_seconds(self) -> float:
+        return math.inf if self.timeout is None else self.timeout
 
     def local_gang(self) -> Gang:
         log.info("agang: no multi-rank world in the environment; using an in-process gang.")
         return FakeGang(rank=0, size=1, device=self.device, op_timeout=self.op_timeout)
 
-    def connect(self) -> ProcessGroupGang:
-        """The blocking part: store, process group, gang. Runs off the loop."""
-        world = self.world
-        assert world is not None
+    def _prepare_process(self, world: WorldInfo) -> None:
         if self.backend == "nccl":
             torch.cuda.set_device(self.device)
-        if dist.is_initialized():
-            log.info("agang: torch.distributed is already initialized; wrapping its world.")
-        else:
-            deadline = timedelta(seconds=self.timeout if self.timeout is not None else 1800.0)
-            is_host = world.rank == 0 and not world.launcher_hosts_store
-            store = dist.TCPStore(  # type: ignore[attr-defined]
-                world.master_addr,
-                world.master_port,
-                world.world_size,
-                is_master=is_host,
-                timeout=deadline,
-                wait_for_workers=False,
+            if "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in os.environ:
+                _set_env("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2", "survive a timeout in-process")
+        local = world.local_world_size or 1
+        if local > 1 and "OMP_NUM_THREADS" not in self.env:
+            threads = max(1, (os.cpu_count() or 1) // local)
+            torch.set_num_threads(threads)
+            log.info(
+                "agang: OMP_NUM_THREADS is unset and %d ranks share this machine: each "
+                "uses %d CPU threads.",
+                local,
+                threads,
             )
+
+    def connect(self) -> ProcessGroupGang:
+        """The blocking part (rule 2). Runs on a daemon thread."""
+        world = self.world
+        assert world is not None
+        self._prepare_process(world)
+        started = time.monotonic()
+        deadline = started + min(self.deadline_seconds, 10 * 365 * 86400.0)
+        created = not dist.is_initialized()
+        if created:
+            store, port, self.attempts = open_store(
+                world, deadline=deadline, policy=self.retry, cancelled=self.cancelled
+            )
+            check_in(store, world, self.prefix, deadline=deadline, cancelled=self.cancelled)
+            if port != world.master_port:
+                log.info(
+                    "agang: port %d was taken; the store is on port %d.", world.master_port, port
+                )
             dist.init_process_group(
                 self.backend,
-                store=store,
+                store=dist.PrefixStore(f"{self.prefix}/pg", store),  # type: ignore[attr-defined]
                 rank=world.rank,
                 world_size=world.world_size,
-                timeout=timedelta(seconds=backstop_for(self.op_timeout)),
+                timeout=timedelta(seconds=max(1.0, deadline - time.monotonic())),
                 device_id=self.device if self.backend == "nccl" else None,
             )
-        group = dist.distributed_c10d._get_default_group()
+            del store  # the group holds it; nothing here should outlive a failure
+            _prove(deadline)
+        else:
+            log.info("agang: torch.distributed is already initialized; wrapping its world.")
+        if self.cancelled.is_set():
+            if created:
+                dist.destroy_process_group()
+            raise InitCancelled
         return ProcessGroupGang(
-            group,
+            dist.distributed_c10d._get_default_group(),
             device=self.device,
             backend=self.backend,
             name="root",
@@ -134,15 +220,38 @@ class _Plan:
         world = self.world
         assert world is not None
         address = world.store_address
-        cause = "did not finish" if error is None else f"failed: {error}"
-        return GangInitError(
+        missing: tuple[int, ...] = ()
+        if isinstance(error, GangInitError):
+            missing = error.missing_ranks
+            cause = f"failed: {error}"
+        elif isinstance(error, PortInUseError) and not error.port_is_ours:
+            cause = f"failed: {error}"
+        elif error is None:
+            cause = "did not finish"
+        else:
+            cause = f"failed: {error}"
+        message = (
             f"Setting up rank {world.rank} of {world.world_size} ({self.backend}, store "
-            f"{address}) {cause} after {elapsed:.1f} s (deadline {self.timeout} s). Check "
-            f"that every rank was started and that MASTER_ADDR/MASTER_PORT agree and are "
-            f"reachable.",
+            f"{address}, from {world.source}) {cause} (after {elapsed:.1f} s, "
+            f"{self.attempts} attempt(s), deadline {self.timeout} s)."
+        )
+        if missing:
+            message += f" Missing ranks: {list(missing)}."
+        if not isinstance(error, PortInUseError):
+            message += f" Likely causes: {_LIKELY_CAUSES}."
+        return GangInitError(
+            message,
+            missing_ranks=missing,
             store_address=address,
+            attempts=self.attempts,
             elapsed=elapsed,
         )
+
+    def report(self, error: BaseException | None, started: float) -> GangInitError:
+        failure = self.failed(error, time.monotonic() - started)
+        if error is not None:
+            failure.__cause__ = error
+        return failure
 
 
 async def init(
@@ -153,14 +262,20 @@ async def init(
     timeout: float | None = DEFAULT_INIT_TIMEOUT,  # noqa: ASYNC109
     op_timeout: float | None = DEFAULT_OP_TIMEOUT,
     env: Mapping[str, str] | None = None,
+    world: WorldInfo | None = None,
     in_process: bool | None = None,
     stream_ordered: bool = False,
+    retry: RetryPolicy | None = None,
 ) -> Gang:
-    """Makes the gang of this process's world, from its launcher's environment.
+    """Makes the gang of this process's world.
 
-    With torchrun's variables and a world size above 1, a Gloo (CPU) or NCCL (CUDA)
-    process group is set up, off the loop, under ``timeout``. With no variables, or a
-    world of size 1, it returns an in-process gang with no network.
+    The world comes from ``world``, else torchrun's variables, else SLURM's. With a
+    world above size 1, a Gloo (CPU) or NCCL (CUDA) process group is set up off the loop,
+    retried on transient errors, and proven by a barrier, all within ``timeout``. With
+    no world, or a world of size 1, it returns an in-process gang with no network.
+
+    Cancelling the awaiting task stops the wait at once; the set-up thread then winds
+    down and releases what it had built.
 
     Args:
         backend: ``"gloo"``, ``"nccl"``, or None to pick from the device.
@@ -168,20 +283,24 @@ async def init(
         timeout: Seconds the whole set-up may take; None for no deadline.
         op_timeout: The default deadline of every op of the gang; None for none.
         env: The environment to read instead of ``os.environ`` (for tests).
+        world: The world, given explicitly instead of read from the environment.
         in_process: Force (True) or refuse (False) the in-process gang; None decides by
             world size.
         stream_ordered: NCCL only: ``await`` returns once the op is ordered before later
             work on the current stream, instead of once it finished on the device.
+        retry: How to retry transient failures; the default backs off exponentially with
+            jitter until the deadline.
 
     Returns:
         The root gang.
 
     Raises:
-        GangInitError: The environment is invalid, or set-up failed or missed its deadline.
+        GangInitError: The environment is invalid, a permanent error occurred, or the
+            deadline passed (``missing_ranks`` names who never checked in).
         ValueError: An argument is invalid; the message names it.
 
     Example:
-        >>> gang = await agang.init()
+        >>> gang = await agang.init(timeout=60)
         >>> await gang.all_reduce(torch.ones(1))
     """
     plan = _Plan(
@@ -190,22 +309,36 @@ async def init(
         timeout=timeout,
         op_timeout=op_timeout,
         env=env,
+        world=world,
         in_process=in_process,
         stream_ordered=stream_ordered,
+        retry=retry,
     )
     if plan.in_process:
         return plan.local_gang()
     started = time.monotonic()
+    handle = start_thread(plan.connect, name="init")
+    finished = False
     try:
-        gang = await run_blocking(plan.connect, name="init", seconds=plan.timeout)
-    except GangInitError:
-        raise
-    except Exception as exc:
-        raise plan.failed(exc, time.monotonic() - started) from exc
+        gang = await _await_within(handle, plan.deadline_seconds + _REPORT_GRACE)
+        finished = True
+    except Exception as error:
+        raise plan.report(error, started) from error
+    finally:
+        if not finished:
+            plan.cancelled.set()
     if gang is None:
-        raise plan.failed(None, time.monotonic() - started)
+        raise plan.report(None, started)
     log.info("agang: %r is up after %.2f s.", gang, time.monotonic() - started)
     return gang
+
+
+async def _await_within(
+    handle: Handle[ProcessGroupGang], seconds: float
+) -> ProcessGroupGang | None:
+    with anyio.move_on_after(seconds):
+        return await handle
+    return None
 
 
 def init_sync(
@@ -215,8 +348,10 @@ def init_sync(
     timeout: float | None = DEFAULT_INIT_TIMEOUT,
     op_timeout: float | None = DEFAULT_OP_TIMEOUT,
     env: Mapping[str, str] | None = None,
+    world: WorldInfo | None = None,
     in_process: bool | None = None,
     stream_ordered: bool = False,
+    retry: RetryPolicy | None = None,
 ) -> Gang:
     """:func:`init` for programs without an event loop; blocks at most ``timeout`` seconds.
 
@@ -230,20 +365,22 @@ def init_sync(
         timeout=timeout,
         op_timeout=op_timeout,
         env=env,
+        world=world,
         in_process=in_process,
         stream_ordered=stream_ordered,
+        retry=retry,
     )
     if plan.in_process:
         return plan.local_gang()
     started = time.monotonic()
     handle = start_thread(plan.connect, name="init")
+    seconds = plan.deadline_seconds + _REPORT_GRACE
     try:
-        gang = handle.wait(plan.timeout)
-    except TimeoutError:
-        raise plan.failed(None, time.monotonic() - started) from None
-    except GangInitError:
-        raise
-    except Exception as exc:
-        raise plan.failed(exc, time.monotonic() - started) from exc
+        gang = handle.wait(None if math.isinf(seconds) else seconds)
+    except Exception as error:
+        if not handle.done():  # our wait gave up, not the set-up
+            plan.cancelled.set()
+            raise plan.report(None, started) from None
+        raise plan.report(error, started) from error
     log.info("agang: %r is up after %.2f s.", gang, time.monotonic() - started)
     return gang

@@ -14,7 +14,7 @@ Rules (all of this runs on init's daemon thread, never on the loop):
    disagree on the world size fail at once.
 4. Keys live under a prefix per launcher restart and per init call, so a retry or a
    re-init never reads a failed attempt's keys.
-5. Every wait is sliced (at most WAIT_SLICE seconds), so a cancelled init stops soon.
+5. Waiting polls with back-off up to WAIT_SLICE seconds, so a cancelled init stops soon.
 """
 
 from __future__ import annotations
@@ -81,8 +81,12 @@ def _open_once(world: WorldInfo, deadline: float) -> tuple[Any, int]:
         for port in ports:
             try:
                 store = dist.TCPStore(  # type: ignore[attr-defined]
-                    world.master_addr, port, world.world_size, is_master=True,
-                    timeout=_seconds(remaining), wait_for_workers=False,
+                    world.master_addr,
+                    port,
+                    world.world_size,
+                    is_master=True,
+                    timeout=_seconds(remaining),
+                    wait_for_workers=False,
                 )
             except Exception as error:
                 if _is_in_use(error) and world.port_is_derived:
@@ -104,7 +108,10 @@ def _open_once(world: WorldInfo, deadline: float) -> tuple[Any, int]:
     for port in ports:
         try:
             store = dist.TCPStore(  # type: ignore[attr-defined]
-                world.master_addr, port, world.world_size, is_master=False,
+                world.master_addr,
+                port,
+                world.world_size,
+                is_master=False,
                 timeout=_seconds(budget),
             )
         except Exception as error:
@@ -122,9 +129,7 @@ def _open_once(world: WorldInfo, deadline: float) -> tuple[Any, int]:
 
 def _carries_token(store: Any, world: WorldInfo) -> bool:
     try:
-        return bool(store.check([_OWNER_KEY])) and store.get(_OWNER_KEY).decode() == _token(
-            world
-        )
+        return bool(store.check([_OWNER_KEY])) and store.get(_OWNER_KEY).decode() == _token(world)
     except Exception:
         return False
 
@@ -148,18 +153,15 @@ def check_in(
         f"{world.world_size} {socket.gethostname()} {os.getpid()}",
     )
     keys = [f"{prefix}/rank/{rank}" for rank in range(world.world_size)]
-    while True:
+    # Polled with check(), not store.wait(): c10d logs a warning at every timed-out wait.
+    pause = 0.01
+    while not store.check(keys):
         if cancelled.is_set():
             raise InitCancelled
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
+        if time.monotonic() >= deadline:
             break
-        try:
-            store.wait(keys, _seconds(min(remaining, WAIT_SLICE)))
-            break
-        except Exception as error:
-            if "timeout" not in str(error).lower():
-                raise
+        time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+        pause = min(pause * 2, WAIT_SLICE)
     missing = [rank for rank, key in enumerate(keys) if not store.check([key])]
     if missing:
         raise GangInitError(

@@ -30,7 +30,7 @@ _TRANSIENT = (
 
 
 def _default_wait() -> wait_base:
-    return tenacity.wait_exponential_jitter(initial=0.1, max=2.0, jitter=0.1)
+    return tenacity.wait_exponential(multiplier=0.1, max=2.0) + tenacity.wait_random(0, 0.1)
 
 
 @dataclass(frozen=True)

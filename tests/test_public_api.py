@@ -21,6 +21,7 @@ AGANG_API = {
     "init",
     "init_sync",
     "WorldInfo",
+    "RetryPolicy",
     "Gang",
     "ProcessGroupGang",
     "FakeGang",
