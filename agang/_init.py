@@ -24,6 +24,7 @@ import math
 import os
 import threading
 import time
+import traceback
 from collections.abc import Mapping
 from datetime import timedelta
 
@@ -146,8 +147,14 @@ class _Plan:
         self.retry = retry or RetryPolicy()
         self.cancelled = threading.Event()
         self.attempts = 0
+        # A store the launcher keeps across inits (torchrun's agent, which restarts all
+        # ranks together) holds earlier inits' keys: count inits into the prefix. A store
+        # rank 0 hosts is new at every attempt, so ranks with different histories (a
+        # re-init beside a late first init) still meet.
         restart = self.env.get("TORCHELASTIC_RESTART_COUNT", "0")
-        self.prefix = f"agang/init/{restart}.{next(_init_calls)}"
+        self.prefix = f"agang/init/{restart}"
+        if self.world is not None and self.world.launcher_hosts_store:
+            self.prefix += f".{next(_init_calls)}"
 
     @property
     def deadline_seconds(self) -> float:
@@ -182,23 +189,7 @@ class _Plan:
         deadline = started + min(self.deadline_seconds, 10 * 365 * 86400.0)
         created = not dist.is_initialized()
         if created:
-            store, port, self.attempts = open_store(
-                world, deadline=deadline, policy=self.retry, cancelled=self.cancelled
-            )
-            check_in(store, world, self.prefix, deadline=deadline, cancelled=self.cancelled)
-            if port != world.master_port:
-                log.info(
-                    "agang: port %d was taken; the store is on port %d.", world.master_port, port
-                )
-            dist.init_process_group(
-                self.backend,
-                store=dist.PrefixStore(f"{self.prefix}/pg", store),  # type: ignore[attr-defined]
-                rank=world.rank,
-                world_size=world.world_size,
-                timeout=timedelta(seconds=max(1.0, deadline - time.monotonic())),
-                device_id=self.device if self.backend == "nccl" else None,
-            )
-            del store  # the group holds it; nothing here should outlive a failure
+            self._make_group(world, deadline)
             _prove(deadline)
         else:
             log.info("agang: torch.distributed is already initialized; wrapping its world.")
@@ -215,6 +206,40 @@ class _Plan:
             is_world=True,
             stream_ordered=self.stream_ordered,
         )
+
+    def _count_attempt(self) -> None:
+        self.attempts += 1
+
+    def _make_group(self, world: WorldInfo, deadline: float) -> None:
+        store, port = open_store(
+            world,
+            deadline=deadline,
+            policy=self.retry,
+            cancelled=self.cancelled,
+            on_attempt=self._count_attempt,
+        )
+        try:
+            check_in(store, world, self.prefix, deadline=deadline, cancelled=self.cancelled)
+            if port != world.master_port:
+                log.info(
+                    "agang: port %d was taken; the store is on port %d.", world.master_port, port
+                )
+            dist.init_process_group(
+                self.backend,
+                store=dist.PrefixStore(f"{self.prefix}/pg", store),  # type: ignore[attr-defined]
+                rank=world.rank,
+                world_size=world.world_size,
+                timeout=timedelta(seconds=max(1.0, deadline - time.monotonic())),
+                device_id=self.device if self.backend == "nccl" else None,
+            )
+        except BaseException as error:
+            # A failure's traceback keeps its frames' locals, and so a hosted store and its
+            # port, alive for as long as the caller keeps the error: drop them. (A re-init
+            # on the same port would otherwise find it in use.)
+            traceback.clear_frames(error.__traceback__)
+            raise
+        finally:
+            store = None  # on success the group holds its own reference
 
     def failed(self, error: BaseException | None, elapsed: float) -> GangInitError:
         world = self.world

@@ -23,6 +23,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -30,6 +31,7 @@ import torch.distributed as dist
 
 from agang._env import WorldInfo
 from agang._errors import GangInitError
+from agang._offload import start_thread
 from agang._retry import PortInUseError, RetryPolicy, retrying
 
 ATTEMPT_SECONDS = 2.0
@@ -55,21 +57,28 @@ def _is_in_use(error: BaseException) -> bool:
 
 
 def open_store(
-    world: WorldInfo, *, deadline: float, policy: RetryPolicy, cancelled: threading.Event
-) -> tuple[Any, int, int]:
+    world: WorldInfo,
+    *,
+    deadline: float,
+    policy: RetryPolicy,
+    cancelled: threading.Event,
+    on_attempt: Callable[[], None] = lambda: None,
+) -> tuple[Any, int]:
     """Connects to (or hosts) the store, retrying transient failures (rules 1, 2).
 
+    Args:
+        on_attempt: Called before each attempt, so a failure can say how many were made.
+
     Returns:
-        The store, the port it is on, and the number of attempts made.
+        The store, and the port it is on.
     """
-    attempts = 0
     for attempt in retrying(policy, deadline):
         with attempt:
-            attempts += 1
+            on_attempt()
             if cancelled.is_set():
                 raise InitCancelled
             store, port = _open_once(world, deadline)
-    return store, port, attempts
+    return store, port
 
 
 def _open_once(world: WorldInfo, deadline: float) -> tuple[Any, int]:
@@ -103,28 +112,49 @@ def _open_once(world: WorldInfo, deadline: float) -> tuple[Any, int]:
         raise PortInUseError(
             f"The ports {ports[0]}-{ports[-1]} agang derived are all in use.", port_is_ours=True
         )
-    budget = min(ATTEMPT_SECONDS, max(0.05, remaining)) / len(ports)
+    # At most half of what is left, so a deadline always leaves room for another try.
+    budget = min(ATTEMPT_SECONDS, max(0.05, remaining / 2)) / len(ports)
     last_error: BaseException | None = None
     for port in ports:
         try:
-            store = dist.TCPStore(  # type: ignore[attr-defined]
-                world.master_addr,
-                port,
-                world.world_size,
-                is_master=False,
-                timeout=_seconds(budget),
-            )
+            store = _connect(world, port, budget)
         except Exception as error:
             last_error = error
             continue
-        if world.port_is_derived and not _carries_token(store, world):
-            continue
+        if store is None:
+            continue  # a store, but another job's
         store.set_timeout(_seconds(deadline - time.monotonic()))
         return store, port
     assert last_error is not None or world.port_is_derived
     raise last_error or ConnectionRefusedError(
         f"timed out after trying ports {ports[0]}-{ports[-1]}: no store of this job there"
     )
+
+
+def _connect(world: WorldInfo, port: int, budget: float) -> Any:
+    def connect() -> Any:
+        return dist.TCPStore(  # type: ignore[attr-defined]
+            world.master_addr, port, world.world_size, is_master=False, timeout=_seconds(budget)
+        )
+
+    if not world.port_is_derived:
+        return connect()
+
+    def connect_to_ours() -> Any:
+        store = connect()
+        return store if _carries_token(store, world) else None
+
+    # A derived port may belong to a foreign listener. c10d's client can then block on
+    # it well past its own timeout (PyTorch PR 129261), in the handshake or in the first
+    # read, so the whole probe runs on a daemon thread that is given up on after the
+    # budget; one stuck there ends with that listener.
+    probe = start_thread(connect_to_ours, name=f"probe store port {port}")
+    try:
+        return probe.wait(budget + 0.5)
+    except TimeoutError:
+        raise ConnectionRefusedError(
+            f"timed out after {budget:.2f} s: port {port} answers, but not as this job's store"
+        ) from None
 
 
 def _carries_token(store: Any, world: WorldInfo) -> bool:

@@ -1,0 +1,110 @@
+"""examples/service.py as two real ranks: health while waiting, a sum, a stop, a failed init."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.gloo
+
+SERVICE = Path(__file__).resolve().parent.parent / "examples" / "service.py"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _start(
+    rank: int, world_size: int, master_port: int, port: int, *extra: str
+) -> subprocess.Popen:
+    env = {
+        **os.environ,
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(master_port),
+    }
+    command = [sys.executable, str(SERVICE), "--port", str(port), *extra]
+    return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def _get(port: int, path: str) -> dict[str, Any]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as reply:
+        return json.loads(reply.read())
+
+
+def _poll(port: int, done: Any, bound: float, what: str) -> dict[str, Any]:
+    """Polls /health until ``done(body)``, at most ``bound`` seconds (every 50 ms)."""
+    deadline = time.monotonic() + bound
+    last: object = None
+    for _ in range(int(bound / 0.05) + 1):
+        try:
+            last = _get(port, "/health")
+            if done(last):
+                return last  # type: ignore[return-value]
+        except (urllib.error.URLError, ConnectionError) as error:
+            last = error
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    raise AssertionError(f"{what} not seen on port {port} within {bound} s; last: {last!r}")
+
+
+def _stop(*procs: subprocess.Popen) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
+        if proc.stderr is not None:
+            proc.stderr.close()
+
+
+def test_service_starts_sums_and_stops() -> None:
+    master_port, port0, port1 = _free_port(), _free_port(), _free_port()
+    procs = [_start(0, 2, master_port, port0)]
+    try:
+        started = time.monotonic()
+        health = _poll(port0, lambda body: True, 5.0, "any health")
+        assert time.monotonic() - started < 2.0  # answers before torch is even imported
+        assert health == {"status": "starting", "rank": 0, "world_size": 2, "error": None}
+
+        procs.append(_start(1, 2, master_port, port1))
+        for port in (port0, port1):
+            health = _poll(port, lambda body: body["status"] != "starting", 20.0, "ready")
+            assert health["status"] == "ready", health
+
+        assert _get(port0, "/sum?value=1.5") == {"value": 1.5, "sum": 2.5, "world_size": 2}
+        assert _get(port0, "/sum?value=-4") == {"value": -4.0, "sum": -3.0, "world_size": 2}
+        assert _get(port0, "/stop") == {"status": "stopping"}
+        codes = [proc.wait(10) for proc in procs]
+        assert codes == [0, 0], [proc.stderr.read().decode() for proc in procs]  # type: ignore[union-attr]
+    finally:
+        _stop(*procs)
+
+
+def test_service_reports_missing_rank_and_exits_1() -> None:
+    master_port, port0 = _free_port(), _free_port()
+    proc = _start(0, 2, master_port, port0, "--timeout", "3", "--linger", "2")
+    try:
+        health = _poll(port0, lambda body: body["status"] == "failed", 15.0, "failed")
+        assert health["missing_ranks"] == [1], health
+        assert "Missing ranks: [1]" in health["error"], health
+        failed_at = time.monotonic()
+        assert proc.wait(10) == 1
+        assert time.monotonic() - failed_at > 1.0  # it lingered, serving "failed"
+    finally:
+        _stop(proc)
