@@ -20,6 +20,7 @@ import atexit
 import logging
 import queue
 import threading
+import time
 import weakref
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -35,6 +36,7 @@ from agang._errors import GangClosedError, GangInitError
 from agang._gang import Gang
 from agang._offload import run_blocking, start_thread
 from agang._reduce_op import ReduceOp, to_c10d
+from agang._retry import RetryPolicy, retrying
 from agang._validate import check_member_ranks
 
 log = logging.getLogger("agang")
@@ -345,7 +347,17 @@ class ProcessGroupGang(BaseGang):
         global_ranks = [dist.get_global_rank(self._pg, r) for r in members]
         backstop = timedelta(seconds=self._backstop)
 
+        def split() -> dist.ProcessGroup | None:
+            # NCCL splits the parent's communicator (cheaper than a new one); every rank
+            # of the parent takes part, and non-members get None.
+            group: dist.ProcessGroup | None = dist.split_group(
+                parent_pg=self._pg, split_ranks=[members], timeout=backstop
+            )
+            return group
+
         def create() -> dist.ProcessGroup | None:
+            if self._backend == "nccl" and hasattr(dist, "split_group"):
+                return split()
             if self._is_world:
                 # Every rank of the world takes part; non-members get a placeholder.
                 group = dist.new_group(global_ranks, timeout=backstop)
@@ -358,8 +370,19 @@ class ProcessGroupGang(BaseGang):
             return local
 
         deadline = self._op_timeout
+        stop_at = time.monotonic() + (deadline if deadline is not None else 1e9)
+
+        def create_with_retry() -> dist.ProcessGroup | None:
+            # A store hiccup (connection refused or reset) is retried within the deadline.
+            for attempt in retrying(RetryPolicy(), stop_at):
+                with attempt:
+                    group = create()
+            return group
+
         try:
-            group = await run_blocking(create, name=f"create gang {members}", seconds=deadline)
+            group = await run_blocking(
+                create_with_retry, name=f"create gang {members}", seconds=deadline
+            )
         except Exception as exc:
             raise GangInitError(
                 f"Creating a gang of ranks {members} of gang '{self.name}' failed: {exc}"
