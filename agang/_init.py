@@ -147,6 +147,7 @@ class _Plan:
         self.retry = retry or RetryPolicy()
         self.cancelled = threading.Event()
         self.attempts = 0
+        self.last_missing: tuple[int, ...] = ()  # as the store host last reported them
         # A store the launcher keeps across inits (torchrun's agent, which restarts all
         # ranks together) holds earlier inits' keys: count inits into the prefix. A store
         # rank 0 hosts is new at every attempt, so ranks with different histories (a
@@ -210,16 +211,26 @@ class _Plan:
     def _count_attempt(self) -> None:
         self.attempts += 1
 
+    def _note_missing(self, missing: list[int]) -> None:
+        self.last_missing = tuple(missing)
+
     def _make_group(self, world: WorldInfo, deadline: float) -> None:
-        store, port = open_store(
-            world,
-            deadline=deadline,
-            policy=self.retry,
-            cancelled=self.cancelled,
-            on_attempt=self._count_attempt,
-        )
         try:
-            check_in(store, world, self.prefix, deadline=deadline, cancelled=self.cancelled)
+            store, port = open_store(
+                world,
+                deadline=deadline,
+                policy=self.retry,
+                cancelled=self.cancelled,
+                on_attempt=self._count_attempt,
+                then=lambda store: check_in(
+                    store,
+                    world,
+                    self.prefix,
+                    deadline=deadline,
+                    cancelled=self.cancelled,
+                    on_missing=self._note_missing,
+                ),
+            )
             if port != world.master_port:
                 log.info(
                     "agang: port %d was taken; the store is on port %d.", world.master_port, port
@@ -246,7 +257,7 @@ class _Plan:
         assert world is not None
         address = world.store_address
         missing: tuple[int, ...] = ()
-        if isinstance(error, GangInitError):
+        if isinstance(error, GangInitError) and error.missing_ranks:
             missing = error.missing_ranks
             cause = f"failed: {error}"
         elif isinstance(error, PortInUseError) and not error.port_is_ours:
@@ -260,6 +271,9 @@ class _Plan:
             f"{address}, from {world.source}) {cause} (after {elapsed:.1f} s, "
             f"{self.attempts} attempt(s), deadline {self.timeout} s)."
         )
+        if not missing and self.last_missing:
+            missing = self.last_missing
+            message += " The store host gave up earlier, when ranks were missing."
         if missing:
             message += f" Missing ranks: {list(missing)}."
         if not isinstance(error, PortInUseError):

@@ -9,7 +9,10 @@ Rules (all of this runs on init's daemon thread, never on the loop):
    job's token, and the others try the same ports in order, keeping the store that
    carries their token. A port the user fixed is never moved: "in use" fails at once.
 3. Every rank checks in under its own key, ``<prefix>/rank/<r>``, with its world size,
-   host and pid. A deadline then names exactly the ranks that never did. A second
+   host and pid. A deadline then names exactly the ranks that never did: the host
+   publishes the list (``<prefix>/missing``) and keeps its store up for HOST_LINGER, so
+   the others learn it too. A rank with time left takes that as the end of a round and
+   joins the next one (a re-init after a failure); one near its own deadline fails too. A second
    check-in for the same rank (two processes started with one RANK) and ranks that
    disagree on the world size fail at once.
 4. Keys live under a prefix per launcher restart and per init call, so a retry or a
@@ -37,6 +40,9 @@ from agang._retry import PortInUseError, RetryPolicy, retrying
 ATTEMPT_SECONDS = 2.0
 PORT_CANDIDATES = 8
 WAIT_SLICE = 0.25
+# After its deadline the host keeps its store up this long, so that ranks still waiting
+# can read who was missing.
+HOST_LINGER = 0.5
 _OWNER_KEY = "agang/owner"
 
 
@@ -63,11 +69,15 @@ def open_store(
     policy: RetryPolicy,
     cancelled: threading.Event,
     on_attempt: Callable[[], None] = lambda: None,
+    then: Callable[[Any], None] = lambda store: None,
 ) -> tuple[Any, int]:
     """Connects to (or hosts) the store, retrying transient failures (rules 1, 2).
 
     Args:
         on_attempt: Called before each attempt, so a failure can say how many were made.
+        then: Run on the store within the same attempt (the check-in): if the store goes
+            away meanwhile (a failed attempt's host closing it), the whole attempt is
+            retried, so a rank never stays with a dying store.
 
     Returns:
         The store, and the port it is on.
@@ -78,6 +88,11 @@ def open_store(
             if cancelled.is_set():
                 raise InitCancelled
             store, port = _open_once(world, deadline)
+            try:
+                then(store)
+            except BaseException:
+                store = None  # let a hosted store go with the failed attempt
+                raise
     return store, port
 
 
@@ -165,7 +180,13 @@ def _carries_token(store: Any, world: WorldInfo) -> bool:
 
 
 def check_in(
-    store: Any, world: WorldInfo, prefix: str, *, deadline: float, cancelled: threading.Event
+    store: Any,
+    world: WorldInfo,
+    prefix: str,
+    *,
+    deadline: float,
+    cancelled: threading.Event,
+    on_missing: Callable[[list[int]], None] = lambda missing: None,
 ) -> None:
     """Checks this rank in and waits for every other rank (rules 3, 5).
 
@@ -173,26 +194,59 @@ def check_in(
         GangInitError: The deadline passed (``missing_ranks`` says who never came), the
             rank checked in twice, or the ranks disagree on the world size.
     """
-    if store.add(f"{prefix}/claim/{world.rank}", 1) > 1:
+    verdict = f"{prefix}/missing"
+    if store.check([verdict]):
+        # This store belongs to an attempt that already failed and is closing: the
+        # marker word makes it a transient error, so the next attempt finds the new one.
+        raise ConnectionResetError(
+            f"connection reset: the store at {world.store_address} is closing (its host "
+            f"gave up on an earlier attempt)"
+        )
+    me = f"{world.world_size} {socket.gethostname()} {os.getpid()}"
+    key = f"{prefix}/rank/{world.rank}"
+    # A second claim is a duplicate rank, unless it is this process retrying an attempt.
+    if store.add(f"{prefix}/claim/{world.rank}", 1) > 1 and not (
+        store.check([key]) and store.get(key).decode() == me
+    ):
         raise GangInitError(
             f"`RANK` must be unique, but rank {world.rank} checked in twice: two processes "
             f"were started with the same rank."
         )
-    store.set(
-        f"{prefix}/rank/{world.rank}",
-        f"{world.world_size} {socket.gethostname()} {os.getpid()}",
-    )
+    store.set(key, me)
     keys = [f"{prefix}/rank/{rank}" for rank in range(world.world_size)]
+    is_host = world.rank == 0 and not world.launcher_hosts_store
     # Polled with check(), not store.wait(): c10d logs a warning at every timed-out wait.
     pause = 0.01
     while not store.check(keys):
         if cancelled.is_set():
             raise InitCancelled
+        if not is_host and store.check([verdict]):
+            missing = [int(r) for r in store.get(verdict).decode().split(",")]
+            on_missing(missing)
+            if deadline - time.monotonic() > 2 * HOST_LINGER:
+                # The host ended this round, but this rank has time left: join the next
+                # round (the marker word makes this transient, so the attempt is retried).
+                raise ConnectionResetError(
+                    f"connection reset: the store host ended its round without ranks "
+                    f"{missing}; joining the next one"
+                )
+            raise GangInitError(
+                f"Ranks {missing} of {world.world_size} did not check in at the store "
+                f"{world.store_address} before the store host's deadline.",
+                missing_ranks=missing,
+            )
         if time.monotonic() >= deadline:
             break
         time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
         pause = min(pause * 2, WAIT_SLICE)
     missing = [rank for rank, key in enumerate(keys) if not store.check([key])]
+    if missing and is_host:
+        # Tell the ranks that are still waiting who never came, and keep the store up for
+        # them to read it (they may have started a little after this one).
+        store.set(verdict, ",".join(map(str, missing)))
+        linger_until = time.monotonic() + HOST_LINGER
+        while time.monotonic() < linger_until and not cancelled.is_set():
+            time.sleep(0.05)
     if missing:
         raise GangInitError(
             f"Ranks {missing} of {world.world_size} did not check in at the store "

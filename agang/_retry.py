@@ -26,6 +26,8 @@ _TRANSIENT = (
     "timed out after",  # c10d's client connect timeout
     "failed to connect",
     "broken pipe",
+    "failed to recv",  # the store went away mid-check-in: try the next one
+    "likely closed",
 )
 
 

@@ -243,10 +243,10 @@ def test_a8_init_again_after_a_failure_succeeds() -> None:
 
     # Rank 0 hosts the store, so it knows who never came; rank 1 may not have reached
     # the store in time at all. Both then succeed on their second init.
-    assert reports[0][0]["missing"] == [2], reports[0][0]
+    assert reports[0][0]["missing"] == [2], reports
     assert "error" in reports[1][0]
     for _, second in reports[:2]:
-        assert second.get("ok") == 3.0, second
+        assert second.get("ok") == 3.0, reports
     assert reports[2][0].get("ok") == 3.0
 
 
