@@ -119,3 +119,35 @@ def test_a_single_task_slurm_job_needs_no_network_settings() -> None:
 )
 def test_nodelists_expand_without_scontrol(nodelist: str, hosts: list[str]) -> None:
     assert parse_nodelist(nodelist) == hosts
+
+
+def test_local_ranks_get_their_share_of_the_cpus_when_omp_is_unset(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import os
+
+    import torch
+
+    from agang._init import _Plan
+
+    world = agang.WorldInfo(0, 2, 0, "127.0.0.1", 1, local_world_size=2)
+    plan = _Plan(
+        backend="gloo",
+        device=None,
+        timeout=1,
+        op_timeout=1,
+        env={},
+        world=world,
+        in_process=False,
+        stream_ordered=False,
+        retry=None,
+    )
+    chosen: list[int] = []
+    monkeypatch.setattr(torch, "set_num_threads", chosen.append)
+    plan._prepare_process(world)
+    assert chosen == [max(1, (os.cpu_count() or 1) // 2)]
+
+    chosen.clear()
+    plan.env = {"OMP_NUM_THREADS": "4"}
+    plan._prepare_process(world)
+    assert chosen == []  # the user's choice stands

@@ -300,3 +300,27 @@ def test_a5_create_and_close_cycles_leak_nothing() -> None:
     for report in reports:
         for resource in ("fds", "sockets", "threads"):
             assert report["after"][resource] <= report["before"][resource], report
+
+
+def test_a_duplicate_rank_fails_at_once() -> None:
+    port = free_port()
+    with ranks() as group:
+        group.start(_torchrun_env(0, 3, port), [8.0])
+        for _ in range(2):  # two processes both claim rank 1
+            group.start(_torchrun_env(1, 3, port), [8.0])
+        reports = group.reports(60)
+
+    duplicates = [r[0] for r in reports[1:] if "must be unique" in r[0].get("error", "")]
+    assert len(duplicates) == 1, reports
+    assert duplicates[0]["elapsed"] < 6.0  # at once, not at the 8 s deadline
+
+
+def test_ranks_that_disagree_on_the_world_size_fail_at_once() -> None:
+    port = free_port()
+    with ranks() as group:
+        group.start(_torchrun_env(0, 2, port), [30.0])
+        group.start(_torchrun_env(1, 3, port), [8.0])  # believes in a world of 3
+        host = group.reports(60)[0][0]
+
+    assert "`WORLD_SIZE` must be the same on every rank" in host["error"], host
+    assert host["elapsed"] < 15.0  # at once, not at the 30 s deadline
