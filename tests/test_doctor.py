@@ -16,6 +16,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import pytest
+from netutil import free_port
 
 from agang.__main__ import main
 from agang._doctor import diagnose
@@ -465,13 +466,6 @@ def listening_port() -> Iterator[int]:
         listener.bind(("127.0.0.1", 0))
         listener.listen()
         yield listener.getsockname()[1]
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-    return port
 
 
 def real_run(env: Mapping[str, str]) -> list[Finding]:

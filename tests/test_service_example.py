@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -14,16 +13,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from netutil import free_port
 
 pytestmark = pytest.mark.gloo
 
 SERVICE = Path(__file__).resolve().parent.parent / "examples" / "service.py"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _start(
@@ -74,7 +68,7 @@ def _stop(*procs: subprocess.Popen) -> None:
 
 
 def test_service_starts_sums_and_stops() -> None:
-    master_port, port0, port1 = _free_port(), _free_port(), _free_port()
+    master_port, port0, port1 = free_port(), free_port(), free_port()
     procs = [_start(0, 2, master_port, port0)]
     try:
         started = time.monotonic()
@@ -97,7 +91,7 @@ def test_service_starts_sums_and_stops() -> None:
 
 
 def test_service_reports_missing_rank_and_exits_1() -> None:
-    master_port, port0 = _free_port(), _free_port()
+    master_port, port0 = free_port(), free_port()
     proc = _start(0, 2, master_port, port0, "--timeout", "3", "--linger", "2")
     try:
         health = _poll(port0, lambda body: body["status"] == "failed", 15.0, "failed")
