@@ -39,7 +39,7 @@ from agang._gang import Gang
 from agang._handle import Handle
 from agang._offload import start_thread
 from agang._process_group_gang import ProcessGroupGang
-from agang._rendezvous import InitCancelled, check_in, open_store
+from agang._rendezvous import InitCancelled, check_in, end_round, open_store
 from agang._retry import PortInUseError, RetryPolicy
 from agang._validate import check_timeout
 
@@ -243,6 +243,7 @@ class _Plan:
                 timeout=timedelta(seconds=max(1.0, deadline - time.monotonic())),
                 device_id=self.device if self.backend == "nccl" else None,
             )
+            end_round(store, world, self.prefix)
         except BaseException as error:
             # A failure's traceback keeps its frames' locals, and so a hosted store and its
             # port, alive for as long as the caller keeps the error: drop them. (A re-init

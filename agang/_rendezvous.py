@@ -18,6 +18,10 @@ Rules (all of this runs on init's daemon thread, never on the loop):
 4. Keys live under a prefix per launcher restart and per init call, so a retry or a
    re-init never reads a failed attempt's keys.
 5. Waiting polls with back-off up to WAIT_SLICE seconds, so a cancelled init stops soon.
+6. Once its group is made, the host marks the round over on its store (an empty
+   ``<prefix>/missing``). A rank that reaches that store later, starting its next init
+   while this one is still being closed, gets a transient reset and finds the new store
+   instead of the old round's keys.
 """
 
 from __future__ import annotations
@@ -179,6 +183,12 @@ def _carries_token(store: Any, world: WorldInfo) -> bool:
         return False
 
 
+def end_round(store: Any, world: WorldInfo, prefix: str) -> None:
+    """Marks a successful round over on its store (rule 6), on the host only."""
+    if world.rank == 0 and not world.launcher_hosts_store:
+        store.set(f"{prefix}/missing", "")
+
+
 def check_in(
     store: Any,
     world: WorldInfo,
@@ -221,7 +231,13 @@ def check_in(
         if cancelled.is_set():
             raise InitCancelled
         if not is_host and store.check([verdict]):
-            missing = [int(r) for r in store.get(verdict).decode().split(",")]
+            text = store.get(verdict).decode()
+            if not text:
+                raise ConnectionResetError(
+                    f"connection reset: the store at {world.store_address} belongs to a "
+                    f"finished round"
+                )
+            missing = [int(r) for r in text.split(",")]
             on_missing(missing)
             if deadline - time.monotonic() > 2 * HOST_LINGER:
                 # The host ended this round, but this rank has time left: join the next
