@@ -446,10 +446,6 @@ class BaseGang(Gang):
             _busy.release(claim)
             self._complete(handle, output, error)
 
-        with self._lock:
-            if not (self._gate_held or self._deferred):
-                self._start_guarded(start, done)  # the common case: start now
-                return handle
         self._submit(lambda: self._start_guarded(start, done))
         return handle
 

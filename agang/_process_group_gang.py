@@ -3,9 +3,9 @@
 How an op's end reaches agang:
 1. Gloo collectives: the Work future's callback, on a Gloo worker thread (or inline when
    already done). It only finishes the op's post-processing and calls ``done``.
-2. Gloo send/recv have no future ("Work::getFuture not implemented"), so one waiter
-   thread per gang waits on them in issue order. A later send that finishes before an
-   earlier one is reported after it: late, never wrong.
+2. Gloo send/recv and reduce_scatter have no future ("Work::getFuture not implemented"),
+   so a waiter thread per gang and kind waits on them in issue order. A later send that
+   finishes before an earlier one is reported after it: late, never wrong.
 3. NCCL: the future only means "enqueued", so completion goes through
    ``_cuda_completion`` (an event on a side stream, one watcher thread per process).
 
@@ -100,12 +100,12 @@ def _real(tensor: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(tensor) if tensor.is_complex() else tensor
 
 
-class _PointToPointWaiter:
-    """A thread that waits on Work in issue order: Gloo send/recv, and Work with no future."""
+class _WorkWaiter:
+    """A thread that waits on Work in issue order, for Work that has no future."""
 
     def __init__(self, name: str) -> None:
         self._queue: queue.SimpleQueue[tuple[Any, Done] | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name=f"agang-p2p {name}", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"agang-wait {name}", daemon=True)
         self._thread.start()
 
     def watch(self, work: Any, done: Done) -> None:
@@ -152,8 +152,9 @@ class ProcessGroupGang(BaseGang):
         self._is_world = is_world
         self._stream_ordered = stream_ordered
         self._backstop = 0.0
-        self._p2p: _PointToPointWaiter | None = None
-        self._collective_waiter: _PointToPointWaiter | None = None
+        # Waiters by kind of Work: a recv that waits for its peer must not hold back the
+        # report of a finished collective, so the two kinds never share one.
+        self._waiters: dict[str, _WorkWaiter] = {}
         self._raise_backstop(op_timeout)
         # c10d copies the options on each call, so one object per op serves every call.
         self._all_reduce_options = {op: _all_reduce_options(op, backend) for op in ReduceOp}
@@ -208,17 +209,7 @@ class ProcessGroupGang(BaseGang):
             )
             return
 
-        def on_future(future: Any) -> None:
-            try:
-                future.value()  # raises c10d's error, if any
-                if post is not None:
-                    post()
-            except Exception as exc:
-                done(exc)
-            else:
-                done(None)
-
-        def after_wait(error: BaseException | None) -> None:
+        def finish(error: BaseException | None) -> None:
             if error is None and post is not None:
                 try:
                     post()
@@ -226,18 +217,28 @@ class ProcessGroupGang(BaseGang):
                     error = exc
             done(error)
 
+        def on_future(future: Any) -> None:
+            try:
+                future.value()  # raises c10d's error, if any
+            except Exception as exc:
+                finish(exc)
+            else:
+                finish(None)
+
         try:
             future = work.get_future()
         except RuntimeError:
-            # Gloo's reduce_scatter Work has no future ("Work::getFuture not implemented"):
-            # a thread waits on it instead, in issue order. Not the send/recv thread: a recv
-            # that waits for a peer must not hold back the report of a finished collective.
-            with self._lock:
-                if self._collective_waiter is None:
-                    self._collective_waiter = _PointToPointWaiter(f"{self.name} collectives")
-            self._collective_waiter.watch(work, after_wait)
+            # Gloo's reduce_scatter Work has no future ("Work::getFuture not implemented").
+            self._waiter("collectives").watch(work, finish)
             return
         future.add_done_callback(on_future)
+
+    def _waiter(self, kind: str) -> _WorkWaiter:
+        with self._lock:
+            waiter = self._waiters.get(kind)
+            if waiter is None:
+                waiter = self._waiters[kind] = _WorkWaiter(f"{self.name} {kind}")
+            return waiter
 
     # Primitives.
 
@@ -289,10 +290,7 @@ class ProcessGroupGang(BaseGang):
         if self._backend == "nccl":
             self._watch(work, done)
             return
-        with self._lock:
-            if self._p2p is None:
-                self._p2p = _PointToPointWaiter(self.name)
-        self._p2p.watch(work, done)
+        self._waiter("send/recv").watch(work, done)
 
     @override
     def _start_send(self, tensor: torch.Tensor, destination_rank: int, done: Done) -> None:
@@ -318,9 +316,8 @@ class ProcessGroupGang(BaseGang):
 
     @override
     def _release_backend(self, *, pending: bool) -> None:
-        for waiter in (self._p2p, self._collective_waiter):
-            if waiter is not None:
-                waiter.stop()
+        for waiter in self._waiters.values():
+            waiter.stop()
         try:
             if pending or self._broken is not None:
                 # destroy waits for pending NCCL kernels, and could wait for ever.
