@@ -8,9 +8,11 @@ Example:
 
 from agang._env import WorldInfo as WorldInfo
 from agang._errors import CollectiveError as CollectiveError
+from agang._errors import CollectiveMismatchError as CollectiveMismatchError
 from agang._errors import GangBrokenError as GangBrokenError
 from agang._errors import GangClosedError as GangClosedError
 from agang._errors import GangError as GangError
+from agang._errors import GangFullError as GangFullError
 from agang._errors import GangInitError as GangInitError
 from agang._errors import GangTimeoutError as GangTimeoutError
 from agang._errors import OpContext as OpContext
@@ -26,10 +28,12 @@ from agang._init import init as init
 from agang._init import init_sync as init_sync
 from agang._parallel_gangs import create_fsdp_gangs as create_fsdp_gangs
 from agang._parallel_gangs import create_parallel_gangs as create_parallel_gangs
+from agang._policy import InFlightLimits as InFlightLimits
 from agang._process_group_gang import ProcessGroupGang as ProcessGroupGang
 from agang._reduce_op import ReduceOp as ReduceOp
 from agang._retry import RetryPolicy as RetryPolicy
 from agang._statistics import GangStatistics as GangStatistics
+from agang._statistics import Quantiles as Quantiles
 
 __version__ = "0.1.0"
 
@@ -46,6 +50,8 @@ __all__ = [
     "Handle",
     "ReduceOp",
     "GangStatistics",
+    "Quantiles",
+    "InFlightLimits",
     # Parallel gangs
     "Gangs",
     "create_parallel_gangs",
@@ -61,5 +67,7 @@ __all__ = [
     "CollectiveError",
     "GangTimeoutError",
     "TensorBusyError",
+    "GangFullError",
+    "CollectiveMismatchError",
     "OpContext",
 ]

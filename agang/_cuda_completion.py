@@ -12,6 +12,8 @@ device" for ``await``, so:
 3. In stream-ordered mode the caller's current stream waits for the event instead and the
    op is reported done at once: ``await`` then means "ordered before later work on this
    stream", the cheap mode for callers who only need that.
+4. An op's ``post`` (copying a flat result back into its members) is queued on the same
+   stream right after the wait, before the event: it is part of what the event covers.
 """
 
 from __future__ import annotations
@@ -32,22 +34,18 @@ _watcher: _Watcher | None = None
 
 class _Watcher:
     def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[tuple[Any, Any, Done, Callable[[], None] | None]] = (
-            queue.SimpleQueue()
-        )
+        self._queue: queue.SimpleQueue[tuple[Any, Any, Done]] = queue.SimpleQueue()
         threading.Thread(target=self._run, name="agang-cuda-watcher", daemon=True).start()
 
-    def put(self, event: Any, work: Any, done: Done, post: Callable[[], None] | None) -> None:
-        self._queue.put((event, work, done, post))
+    def put(self, event: Any, work: Any, done: Done) -> None:
+        self._queue.put((event, work, done))
 
     def _run(self) -> None:
         while True:
-            event, work, done, post = self._queue.get()
+            event, work, done = self._queue.get()
             try:
                 event.synchronize()
                 work.is_completed()  # raises if the op failed or was aborted
-                if post is not None:
-                    post()  # NCCL posts are CPU-only (unpickling): no kernel to wait for
             except Exception as exc:
                 done(exc)
             else:
@@ -90,6 +88,8 @@ def watch(
     stream = _side_stream(device)
     with torch.cuda.stream(stream):
         work.wait()
+        if post is not None:
+            post()
         event = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
         event.record(stream)
-    _get_watcher().put(event, work, done, post)
+    _get_watcher().put(event, work, done)

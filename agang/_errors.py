@@ -121,3 +121,25 @@ class TensorBusyError(GangError, ValueError):
     This includes ops whose waiter was cancelled or timed out: c10d cannot cancel an op,
     so its tensors stay in use until it really ends.
     """
+
+
+class GangFullError(GangError):
+    """The gang is at its in-flight bound and its policy is to refuse (``when_full="raise"``).
+
+    Nothing was issued: the call can be made again once earlier ops have finished.
+    """
+
+
+class CollectiveMismatchError(CollectiveError):
+    """The ranks issued different collectives at the same position (order checking).
+
+    Raised on every rank, before the real op is started, instead of a hang or corrupt data.
+
+    Attributes:
+        context: This rank's op.
+        fingerprints: Each rank's fingerprint of its op at this position, by rank.
+    """
+
+    def __init__(self, message: str, context: OpContext, fingerprints: dict[int, str]) -> None:
+        super().__init__(message, context)
+        self.fingerprints = dict(fingerprints)

@@ -8,18 +8,20 @@ returns for a world of size 1.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, final
 
 import torch
 from typing_extensions import override
 
-from agang._base_gang import BaseGang, Done
+from agang._base_gang import BaseGang
 from agang._errors import GangError
 from agang._gang import Gang
 from agang._handle import Handle
+from agang._issuing import Done
+from agang._policy import GangPolicy, InFlightLimits, OnTimeout, make_policy
 from agang._reduce_op import ReduceOp
-from agang._validate import check_member_ranks, check_positive_int, check_rank, check_timeout
+from agang._validate import check_member_ranks, check_positive_int, check_rank
 
 
 def _repeat_reduce(tensor: torch.Tensor, op: ReduceOp, size: int) -> None:
@@ -43,6 +45,9 @@ class FakeGang(BaseGang):
         size: The simulated number of ranks.
         device: Where tensors must live.
         op_timeout: The default deadline of ops (they finish at once, so rarely matters).
+        on_timeout: ``"abort"`` (break the gang) or ``"raise"`` (fail only that op).
+        limits: The in-flight bounds; None for the defaults.
+        check_order: Accepted for symmetry; one simulated rank always agrees with itself.
 
     Example:
         >>> gang = agang.FakeGang(rank=0, size=4)
@@ -56,8 +61,19 @@ class FakeGang(BaseGang):
         size: int = 1,
         device: torch.device | str = "cpu",
         op_timeout: float | None = None,
+        on_timeout: OnTimeout = "abort",
+        limits: InFlightLimits | None = None,
+        check_order: bool | None = False,
+        policy: GangPolicy | None = None,
     ) -> None:
         check_positive_int(size, name="size")
+        if policy is None:
+            policy = make_policy(
+                op_timeout=op_timeout,
+                on_timeout=on_timeout,
+                limits=limits,
+                check_order=check_order,
+            )
         check_rank(rank, size, name="rank")
         super().__init__(
             rank=rank,
@@ -65,12 +81,20 @@ class FakeGang(BaseGang):
             device=torch.device(device),
             backend="fake",
             name="fake",
-            op_timeout=check_timeout(op_timeout, name="op_timeout"),
+            policy=policy,
         )
 
     @override
-    def _start_all_reduce(self, tensor: torch.Tensor, op: ReduceOp, done: Done) -> None:
+    def _start_all_reduce(
+        self,
+        tensor: torch.Tensor,
+        op: ReduceOp,
+        done: Done,
+        post: Callable[[], None] | None = None,
+    ) -> None:
         _repeat_reduce(tensor, op, self.size)
+        if post is not None:
+            post()
         done(None)
 
     @override
@@ -158,5 +182,11 @@ class FakeGang(BaseGang):
             rank=members.index(self.rank),
             size=len(members),
             device=self.device,
-            op_timeout=self._op_timeout,
+            policy=self._policy,
         )
+
+    @override
+    async def _create_lane(self, name: str, *, high_priority: bool) -> FakeGang:
+        lane = FakeGang(rank=self.rank, size=self.size, device=self.device, policy=self._policy)
+        lane._name = f"{self.name}/lane:{name}"
+        return lane

@@ -6,15 +6,16 @@ same order (one gang is one ordering domain).
 
 Timeouts: ``timeout=None`` means the gang's default deadline, ``math.inf`` means none, and
 a number is seconds from issue. When a deadline passes the handle raises
-:class:`~agang.GangTimeoutError` and the gang is broken: every later call raises
-:class:`~agang.GangBrokenError` at once.
+:class:`~agang.GangTimeoutError`; with the default policy (``on_timeout="abort"``) the
+gang is then broken: every later call raises :class:`~agang.GangBrokenError` at once.
 """
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 
@@ -76,6 +77,109 @@ class Gang(ABC):
 
         Example:
             >>> await gang.all_reduce(grad, ReduceOp.MEAN)
+        """
+
+    @abstractmethod
+    def coalesce(self) -> contextlib.AbstractContextManager[None]:
+        """A scope whose all-reduces are issued together, as few flat ops, when it ends.
+
+        Inside the scope, ``all_reduce`` returns its handle at once but holds the op;
+        when the scope ends, the held ops are grouped by reduce op, dtype and device (in
+        the order of their first member) and each group is issued as one flat
+        all-reduce. Each handle then resolves to its own tensor, updated in place, and
+        carries the sequence number of its group's op. Grouping follows program order
+        only, never timing, so every rank that makes the same calls groups them alike.
+
+        The scope belongs to the task (or thread) that opened it: other tasks' calls
+        pass straight through. Any other kind of op inside the scope first issues what
+        the scope holds, so program order is kept. Awaiting a held handle inside the
+        scope raises ``RuntimeError`` (it could never finish); await after the block.
+
+        Example:
+            >>> with gang.coalesce():
+            ...     handles = [gang.all_reduce(g) for g in grads]
+            >>> for handle in handles:
+            ...     await handle
+        """
+
+    @overload
+    def all_reduce_bucketed(
+        self,
+        tensors: Sequence[torch.Tensor],
+        op: ReduceOp = ...,
+        *,
+        bucket_bytes: int = ...,
+        timeout: float | None = ...,
+        per_bucket: Literal[False] = ...,
+    ) -> Handle[list[torch.Tensor]]: ...
+
+    @overload
+    def all_reduce_bucketed(
+        self,
+        tensors: Sequence[torch.Tensor],
+        op: ReduceOp = ...,
+        *,
+        bucket_bytes: int = ...,
+        timeout: float | None = ...,
+        per_bucket: Literal[True],
+    ) -> list[Handle[list[torch.Tensor]]]: ...
+
+    @abstractmethod
+    def all_reduce_bucketed(
+        self,
+        tensors: Sequence[torch.Tensor],
+        op: ReduceOp = ReduceOp.SUM,
+        *,
+        bucket_bytes: int = 25 * 1024 * 1024,
+        timeout: float | None = None,
+        per_bucket: bool = False,
+    ) -> Handle[list[torch.Tensor]] | list[Handle[list[torch.Tensor]]]:
+        """Reduces ``tensors`` in place, as size-capped flat buckets in list order.
+
+        The DDP gradient-bucket pattern: tensors are packed, in list order, into
+        buckets of at most ``bucket_bytes`` (one open bucket per dtype and device; a
+        tensor larger than the cap is a bucket of its own), and each bucket is one flat
+        all-reduce, issued as soon as it is full. Every rank must pass the same shapes
+        and dtypes in the same order.
+
+        Args:
+            tensors: The tensors, each overwritten with its result.
+            op: How to combine the ranks' values.
+            bucket_bytes: The most bytes a bucket holds.
+            timeout: Seconds before each bucket's deadline; None for the gang's default.
+            per_bucket: Return one handle per bucket (each resolving to its tensors)
+                instead of one handle for all.
+
+        Returns:
+            A handle whose ``await`` returns ``tensors`` as a list, or a list of handles.
+
+        Example:
+            >>> await gang.all_reduce_bucketed(grads, ReduceOp.MEAN, bucket_bytes=2**24)
+        """
+
+    @abstractmethod
+    async def lane(self, name: str, *, high_priority: bool = False) -> Gang:
+        """A gang over the same ranks with its own communicator and its own order.
+
+        Use a lane when two tasks issue collectives concurrently, e.g. gradient
+        all-reduces from backward hooks while another task broadcasts metrics: on one
+        gang, their interleaving could differ across ranks and deadlock or mix up data,
+        because one gang is one ordering domain. Give each task its own lane.
+
+        The first call for a name is a collective call on this gang (every rank makes
+        it, in the same order relative to this gang's other calls); later calls return
+        the same gang at once. Lanes inherit this gang's policy and close with it.
+
+        Args:
+            name: The lane's name; equal on every rank.
+            high_priority: NCCL: run the lane on a high-priority CUDA stream.
+
+        Returns:
+            The lane's gang.
+
+        Example:
+            >>> grads = await gang.lane("grads")
+            >>> metrics = await gang.lane("metrics")
         """
 
     @abstractmethod

@@ -45,7 +45,9 @@ class Handle(Generic[T]):
         "_callbacks",
         "_error",
         "_finished_at",
+        "_hold",
         "_lock",
+        "_observer",
         "_state",
         "_value",
         "issued_at",
@@ -72,6 +74,10 @@ class Handle(Generic[T]):
         self._error: BaseException | None = None
         self._finished_at: float | None = None
         self._callbacks: list[Callable[[], None]] = []
+        # Why waiting now would never end (the op is held in an open coalesce scope).
+        self._hold: str | None = None
+        # Told how long the loop took to resume the waiter after the op finished.
+        self._observer: Callable[[float], None] | None = None
 
     def __str__(self) -> str:
         return f"`{self.op}` (seq {self.seq})"
@@ -84,6 +90,7 @@ class Handle(Generic[T]):
         return self._wait_async().__await__()
 
     async def _wait_async(self) -> T:
+        self._check_not_held()
         await wait_async(self)
         return self.result()
 
@@ -146,6 +153,7 @@ class Handle(Generic[T]):
             >>> out = gang.all_reduce(t).wait()
         """
         seconds = check_timeout(timeout)
+        self._check_not_held()
         if self._state == _PENDING:
             # A bare lock, released by the finisher: cheaper than threading.Event.
             signal = threading.Lock()
@@ -160,6 +168,11 @@ class Handle(Generic[T]):
         return self.result()
 
     # Internal: used by the gangs and the wake-up bridge.
+
+    def _check_not_held(self) -> None:
+        hold = self._hold
+        if hold is not None and self._state == _PENDING:
+            raise RuntimeError(hold)
 
     def _finish(
         self, value: Any, error: BaseException | None, *, then: Callable[[], None] | None = None

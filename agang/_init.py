@@ -38,6 +38,7 @@ from agang._fake_gang import FakeGang
 from agang._gang import Gang
 from agang._handle import Handle
 from agang._offload import start_thread
+from agang._policy import InFlightLimits, OnTimeout, make_policy
 from agang._process_group_gang import ProcessGroupGang
 from agang._rendezvous import InitCancelled, check_in, end_round, open_store
 from agang._retry import PortInUseError, RetryPolicy
@@ -122,9 +123,19 @@ class _Plan:
         in_process: bool | None,
         stream_ordered: bool,
         retry: RetryPolicy | None,
+        on_timeout: object = "abort",
+        limits: object = None,
+        check_order: object = None,
     ) -> None:
         self.timeout = check_timeout(timeout)
-        self.op_timeout = check_timeout(op_timeout, name="op_timeout")
+        self.policy = make_policy(
+            op_timeout=op_timeout,
+            on_timeout=on_timeout,
+            limits=limits,
+            check_order=check_order,
+            env=None if env is None else dict(env),
+        )
+        self.op_timeout = self.policy.op_timeout
         if world is not None and not isinstance(world, WorldInfo):
             raise TypeError(
                 f"`world` must be an agang.WorldInfo or None, but is {world!r} instead."
@@ -163,7 +174,7 @@ class _Plan:
 
     def local_gang(self) -> Gang:
         log.info("agang: no multi-rank world in the environment; using an in-process gang.")
-        return FakeGang(rank=0, size=1, device=self.device, op_timeout=self.op_timeout)
+        return FakeGang(rank=0, size=1, device=self.device, policy=self.policy)
 
     def _prepare_process(self, world: WorldInfo) -> None:
         if self.backend == "nccl":
@@ -194,6 +205,12 @@ class _Plan:
             _prove(deadline)
         else:
             log.info("agang: torch.distributed is already initialized; wrapping its world.")
+        order_group = None
+        if self.policy.check_order:
+            # The side channel of order checks: a Gloo group over the world, so a check
+            # never queues behind the ops it guards (``_issuing`` rule 7).
+            seconds = max(1.0, deadline - time.monotonic())
+            order_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=seconds))
         if self.cancelled.is_set():
             if created:
                 dist.destroy_process_group()
@@ -203,9 +220,10 @@ class _Plan:
             device=self.device,
             backend=self.backend,
             name="root",
-            op_timeout=self.op_timeout,
+            policy=self.policy,
             is_world=True,
             stream_ordered=self.stream_ordered,
+            order_group=order_group,
         )
 
     def _count_attempt(self) -> None:
@@ -306,6 +324,9 @@ async def init(
     in_process: bool | None = None,
     stream_ordered: bool = False,
     retry: RetryPolicy | None = None,
+    on_timeout: OnTimeout = "abort",
+    limits: InFlightLimits | None = None,
+    check_order: bool | None = None,
 ) -> Gang:
     """Makes the gang of this process's world.
 
@@ -330,6 +351,15 @@ async def init(
             work on the current stream, instead of once it finished on the device.
         retry: How to retry transient failures; the default backs off exponentially with
             jitter until the deadline.
+        on_timeout: What a missed op deadline does: ``"abort"`` (default) aborts the
+            communicator, breaks the gang and fails every pending op with the cause;
+            ``"raise"`` fails only that op, whose tensors stay busy until c10d ends it.
+        limits: The in-flight bounds and what a call does past them
+            (:class:`agang.InFlightLimits`); None for 1,024 ops and 1 GiB, queued.
+        check_order: Compare every collective's fingerprint (op, shapes, dtypes, reduce
+            op, root) across ranks before starting it, and raise
+            :class:`agang.CollectiveMismatchError` on every rank on a mismatch. None reads
+            ``AGANG_CHECK_ORDER`` (``1`` turns it on); it must be equal on every rank.
 
     Returns:
         The root gang.
@@ -353,6 +383,9 @@ async def init(
         in_process=in_process,
         stream_ordered=stream_ordered,
         retry=retry,
+        on_timeout=on_timeout,
+        limits=limits,
+        check_order=check_order,
     )
     if plan.in_process:
         return plan.local_gang()
@@ -392,6 +425,9 @@ def init_sync(
     in_process: bool | None = None,
     stream_ordered: bool = False,
     retry: RetryPolicy | None = None,
+    on_timeout: OnTimeout = "abort",
+    limits: InFlightLimits | None = None,
+    check_order: bool | None = None,
 ) -> Gang:
     """:func:`init` for programs without an event loop; blocks at most ``timeout`` seconds.
 
@@ -409,6 +445,9 @@ def init_sync(
         in_process=in_process,
         stream_ordered=stream_ordered,
         retry=retry,
+        on_timeout=on_timeout,
+        limits=limits,
+        check_order=check_order,
     )
     if plan.in_process:
         return plan.local_gang()

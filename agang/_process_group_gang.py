@@ -17,6 +17,7 @@ an op whose waiters are all gone still ends, and frees its threads, eventually.
 from __future__ import annotations
 
 import atexit
+import hashlib
 import logging
 import queue
 import threading
@@ -31,10 +32,12 @@ import torch.distributed as dist
 from typing_extensions import override
 
 from agang import _cuda_completion
-from agang._base_gang import BaseGang, Done
+from agang._base_gang import BaseGang
 from agang._errors import GangClosedError, GangInitError
 from agang._gang import Gang
+from agang._issuing import Checked, Done
 from agang._offload import run_blocking, start_thread
+from agang._policy import GangPolicy
 from agang._reduce_op import ReduceOp, to_c10d
 from agang._retry import RetryPolicy, retrying
 from agang._validate import check_member_ranks
@@ -95,6 +98,17 @@ def _divider(tensor: torch.Tensor, size: int) -> Callable[[], None]:
     return divide
 
 
+def _then(first: Callable[[], None], second: Callable[[], None] | None) -> Callable[[], None]:
+    if second is None:
+        return first
+
+    def both() -> None:
+        first()
+        second()
+
+    return both
+
+
 def _real(tensor: torch.Tensor) -> torch.Tensor:
     # c10d reduces complex tensors as pairs of reals.
     return torch.view_as_real(tensor) if tensor.is_complex() else tensor
@@ -136,9 +150,10 @@ class ProcessGroupGang(BaseGang):
         device: torch.device,
         backend: str,
         name: str,
-        op_timeout: float | None,
+        policy: GangPolicy,
         is_world: bool,
         stream_ordered: bool = False,
+        order_group: dist.ProcessGroup | None = None,
     ) -> None:
         super().__init__(
             rank=process_group.rank(),
@@ -146,16 +161,19 @@ class ProcessGroupGang(BaseGang):
             device=device,
             backend=backend,
             name=name,
-            op_timeout=op_timeout,
+            policy=policy,
         )
+        if policy.check_order and order_group is None:
+            raise ValueError("`order_group` must be given when the policy checks order.")
         self._pg = process_group
+        self._order_group = order_group
         self._is_world = is_world
         self._stream_ordered = stream_ordered
         self._backstop = 0.0
         # Waiters by kind of Work: a recv that waits for its peer must not hold back the
         # report of a finished collective, so the two kinds never share one.
         self._waiters: dict[str, _WorkWaiter] = {}
-        self._raise_backstop(op_timeout)
+        self._raise_backstop(policy.op_timeout)
         # c10d copies the options on each call, so one object per op serves every call.
         self._all_reduce_options = {op: _all_reduce_options(op, backend) for op in ReduceOp}
         if is_world:
@@ -178,6 +196,8 @@ class ProcessGroupGang(BaseGang):
         if backstop > self._backstop:
             self._backstop = backstop
             self._pg.set_timeout(timedelta(seconds=backstop))
+            if self._order_group is not None:
+                self._order_group.set_timeout(timedelta(seconds=backstop))
 
     @override
     def _resolve_timeout(self, timeout: float | None) -> float | None:
@@ -243,10 +263,18 @@ class ProcessGroupGang(BaseGang):
     # Primitives.
 
     @override
-    def _start_all_reduce(self, tensor: torch.Tensor, op: ReduceOp, done: Done) -> None:
+    def _start_all_reduce(
+        self,
+        tensor: torch.Tensor,
+        op: ReduceOp,
+        done: Done,
+        post: Callable[[], None] | None = None,
+    ) -> None:
         options, divide = self._all_reduce_options[op]
         work = self._pg.allreduce([_real(tensor)], options)
-        self._watch(work, done, _divider(tensor, self._size) if divide else None)
+        if divide:
+            post = _then(_divider(tensor, self._size), post)
+        self._watch(work, done, post)
 
     @override
     def _start_all_gather(self, output: torch.Tensor, input: torch.Tensor, done: Done) -> None:
@@ -313,6 +341,8 @@ class ProcessGroupGang(BaseGang):
     def _abort_backend(self) -> None:
         # NCCL's abort can take a moment; never on the caller's (maybe the loop's) thread.
         _ = start_thread(self._pg.abort, name=f"abort gang '{self.name}'")
+        if self._order_group is not None:
+            _ = start_thread(self._order_group.abort, name=f"abort order checks '{self.name}'")
 
     @override
     def _release_backend(self, *, pending: bool) -> None:
@@ -322,6 +352,10 @@ class ProcessGroupGang(BaseGang):
             if pending or self._broken is not None:
                 # destroy waits for pending NCCL kernels, and could wait for ever.
                 self._pg.abort()
+            if self._order_group is not None:
+                if pending or self._broken is not None:
+                    self._order_group.abort()
+                dist.destroy_process_group(self._order_group)
             if self._is_world:
                 dist.destroy_process_group()
             else:
@@ -335,72 +369,154 @@ class ProcessGroupGang(BaseGang):
         # its destructor could run on its own worker thread and abort the process
         # ("Resource deadlock avoided": a thread joining itself).
         del self._pg
+        self._order_group = None
+
+    # Order checking (``_issuing`` rule 7).
+
+    @override
+    def _start_order_check(self, index: int, fingerprint: str, checked: Checked) -> None:
+        # Each rank's 8-byte digest is gathered on the side group; only on a mismatch
+        # are the fingerprints' texts exchanged, through the store, off the loop.
+        assert self._order_group is not None
+        digest = hashlib.blake2b(fingerprint.encode(), digest_size=8).digest()
+        mine = torch.tensor([int.from_bytes(digest, "little", signed=True)])
+        gathered = torch.empty(self._size, dtype=torch.int64)
+        work = _all_gather_flat(gathered, mine, group=self._order_group, async_op=True)
+
+        def on_gathered(future: Any) -> None:
+            try:
+                future.value()
+            except Exception as exc:
+                checked(None, exc)
+                return
+            digests = gathered.tolist()
+            if len(set(digests)) == 1:
+                checked(None, None)
+                return
+            _ = start_thread(
+                lambda: self._exchange_fingerprints(index, fingerprint, digests, checked),
+                name=f"order mismatch on '{self.name}'",
+            )
+
+        work.get_future().add_done_callback(on_gathered)
+
+    def _exchange_fingerprints(
+        self, index: int, fingerprint: str, digests: list[int], checked: Checked
+    ) -> None:
+        prefix = f"agang/order/{self.name}/{index}"
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            store.set(f"{prefix}/{self.rank}", fingerprint)
+            texts: dict[int, str] = {}
+            for digest in dict.fromkeys(digests):  # one rank per distinct fingerprint
+                ranks = [r for r, d in enumerate(digests) if d == digest]
+                key = f"{prefix}/{ranks[0]}"
+                text = fingerprint if self.rank in ranks else store.get(key).decode()
+                texts.update(dict.fromkeys(ranks, text))
+        except Exception as exc:
+            checked(None, exc)
+            return
+        checked(texts, None)
+
+    # Sub-gangs and lanes.
 
     @override
     async def create_gang(self, ranks: Sequence[int]) -> Gang | None:
         members = check_member_ranks(ranks, self.size)
+        child = await self._create_child(members, name=f"{self.name}{members}")
+        if child is not None:
+            with self._lock:
+                self._children.append(child)
+        return child
+
+    @override
+    async def _create_lane(self, name: str, *, high_priority: bool) -> ProcessGroupGang:
+        lane = await self._create_child(
+            list(range(self.size)), name=f"{self.name}/lane:{name}", high_priority=high_priority
+        )
+        assert lane is not None  # every rank is a member
+        return lane
+
+    async def _create_child(
+        self, members: list[int], *, name: str, high_priority: bool = False
+    ) -> ProcessGroupGang | None:
         self._check_usable()
         is_member = self.rank in members
         global_ranks = [dist.get_global_rank(self._pg, r) for r in members]
         backstop = timedelta(seconds=self._backstop)
+        options: Any = None
+        if high_priority and self._backend == "nccl":
+            options = dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)
 
         def split() -> dist.ProcessGroup | None:
             # NCCL splits the parent's communicator (cheaper than a new one); every rank
             # of the parent takes part, and non-members get None.
             group: dist.ProcessGroup | None = dist.split_group(
-                parent_pg=self._pg, split_ranks=[members], timeout=backstop
+                parent_pg=self._pg, split_ranks=[members], timeout=backstop, pg_options=options
             )
             return group
 
-        def create() -> dist.ProcessGroup | None:
-            if self._backend == "nccl" and hasattr(dist, "split_group"):
-                return split()
+        def new_group(backend: str | None, pg_options: Any) -> dist.ProcessGroup | None:
             if self._is_world:
                 # Every rank of the world takes part; non-members get a placeholder.
-                group = dist.new_group(global_ranks, timeout=backstop)
+                group = dist.new_group(
+                    global_ranks, timeout=backstop, backend=backend, pg_options=pg_options
+                )
                 return group if is_member else None
             if not is_member:
                 return None
             local: dist.ProcessGroup = dist.new_group(
-                global_ranks, timeout=backstop, use_local_synchronization=True
+                global_ranks,
+                timeout=backstop,
+                backend=backend,
+                pg_options=pg_options,
+                use_local_synchronization=True,
             )
             return local
+
+        def create() -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+            if self._backend == "nccl" and hasattr(dist, "split_group"):
+                group = split()
+            else:
+                group = new_group(None, options)
+            side = new_group("gloo", None) if self._policy.check_order else None
+            return group, side
 
         deadline = self._op_timeout
         stop_at = time.monotonic() + (deadline if deadline is not None else 1e9)
 
-        def create_with_retry() -> dist.ProcessGroup | None:
+        def create_with_retry() -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
             # A store hiccup (connection refused or reset) is retried within the deadline.
             for attempt in retrying(RetryPolicy(), stop_at):
                 with attempt:
-                    group = create()
-            return group
+                    groups = create()
+            return groups
 
         try:
-            group = await run_blocking(
+            made = await run_blocking(
                 create_with_retry, name=f"create gang {members}", seconds=deadline
             )
         except Exception as exc:
             raise GangInitError(
                 f"Creating a gang of ranks {members} of gang '{self.name}' failed: {exc}"
             ) from exc
+        group, side = made if made is not None else (None, None)
         if group is None:
             if is_member:
                 raise GangInitError(
                     f"Creating a gang of ranks {members} of gang '{self.name}' did not finish "
                     f"within {deadline} s; every rank of '{self.name}' must call create_gang "
-                    f"with the same ranks."
+                    f"(or lane) with the same ranks, in the same order."
                 )
             return None
         child = ProcessGroupGang(
             group,
             device=self.device,
             backend=self.backend,
-            name=f"{self.name}{members}",
-            op_timeout=self._op_timeout,
+            name=name,
+            policy=self._policy,
             is_world=False,
             stream_ordered=self._stream_ordered,
+            order_group=side,
         )
-        with self._lock:
-            self._children.append(child)
         return child

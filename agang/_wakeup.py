@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -23,6 +24,13 @@ if TYPE_CHECKING:
 def _resolve(future: asyncio.Future[None]) -> None:
     if not future.done():
         future.set_result(None)
+
+
+def _observe(handle: Handle[Any]) -> None:
+    # How long the loop took to run this task once the op had finished: its lag.
+    observer, finished_at = handle._observer, handle._finished_at
+    if observer is not None and finished_at is not None:
+        observer(time.monotonic() - finished_at)
 
 
 async def wait_async(handle: Handle[Any]) -> None:
@@ -51,6 +59,7 @@ async def _wait_asyncio(handle: Handle[Any], loop: asyncio.AbstractEventLoop) ->
         await future
     finally:
         handle._remove_done_callback(wake)
+    _observe(handle)
 
 
 async def _wait_trio(handle: Handle[Any]) -> None:
@@ -81,3 +90,4 @@ async def _wait_trio(handle: Handle[Any]) -> None:
         await event.wait()
     finally:
         handle._remove_done_callback(wake)
+    _observe(handle)

@@ -28,6 +28,8 @@ AGANG_API = {
     "Handle",
     "ReduceOp",
     "GangStatistics",
+    "Quantiles",
+    "InFlightLimits",
     "Gangs",
     "create_parallel_gangs",
     "create_fsdp_gangs",
@@ -41,6 +43,8 @@ AGANG_API = {
     "CollectiveError",
     "GangTimeoutError",
     "TensorBusyError",
+    "GangFullError",
+    "CollectiveMismatchError",
     "OpContext",
 }
 

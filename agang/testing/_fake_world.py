@@ -29,9 +29,11 @@ import torch
 from typing_extensions import override
 
 from agang import _deadline
-from agang._base_gang import BaseGang, Done
+from agang._base_gang import BaseGang
 from agang._errors import GangError
 from agang._gang import Gang
+from agang._issuing import Checked, Done
+from agang._policy import GangPolicy, InFlightLimits, OnTimeout, make_policy
 from agang._reduce_op import ReduceOp
 from agang._validate import check_member_ranks, check_positive_int, check_timeout
 
@@ -74,6 +76,7 @@ class _Communicator:
     world: FakeWorld
     size: int
     meetings: dict[int, dict[int, _Arrival]] = field(default_factory=dict)
+    checks: dict[int, dict[int, tuple[str, Checked]]] = field(default_factory=dict)
     channels: dict[tuple[int, int], deque[tuple[str, torch.Tensor, Done]]] = field(
         default_factory=dict
     )
@@ -101,12 +104,29 @@ class _Communicator:
             return
         self._finish_all(arrivals, None)
 
+    def check(self, index: int, rank: int, fingerprint: str, checked: Checked) -> None:
+        """Order checking: the ``index``-th fingerprints of every member meet here."""
+        with self.world._lock:
+            meeting = self.checks.setdefault(index, {})
+            meeting[rank] = (fingerprint, checked)
+            if len(meeting) < self.size:
+                return
+            del self.checks[index]
+        fingerprints = {r: fp for r, (fp, _) in meeting.items()}
+        agree = len(set(fingerprints.values())) == 1
+        for _, report in meeting.values():
+            self.world._schedule(functools.partial(report, None if agree else fingerprints, None))
+
     def withdraw(self, rank: int) -> list[Done]:
         """Takes back ``rank``'s ops that no peer has met yet; returns their ``done``."""
         with self.world._lock:
             dones = [
                 meeting.pop(rank).done for meeting in self.meetings.values() if rank in meeting
             ]
+            for meeting in self.checks.values():
+                if rank in meeting:
+                    report = meeting.pop(rank)[1]
+                    dones.append(functools.partial(report, None))
             for (source, destination), queue in list(self.channels.items()):
                 mine = "send" if source == rank else "recv" if destination == rank else None
                 dones += [done for kind, _, done in queue if kind == mine]
@@ -187,16 +207,17 @@ def _nothing(arrivals: list[_Arrival]) -> None:
 
 
 def _create_gang(arrivals: list[_Arrival]) -> None:
-    members = arrivals[0].key[0]
+    members, lane = arrivals[0].key
     parent = arrivals[0].args[1]
     communicator = _Communicator(parent.world, len(members))
+    name = f"{parent.name}/lane:{lane}" if lane else f"{parent.name}{list(members)}"
     for a in arrivals:
         if a.rank in members:
             a.args[0]["gang"] = FakeWorldGang(
                 communicator,
                 rank=members.index(a.rank),
-                name=f"{parent.name}{list(members)}",
-                op_timeout=parent.op_timeout,
+                name=name,
+                policy=parent.policy,
                 device=parent.device,
             )
 
@@ -213,6 +234,18 @@ _COMPUTE: dict[str, Callable[[list[_Arrival]], None]] = {
 }
 
 
+def _after(post: Callable[[], None], done: Done) -> Done:
+    def run_post_then_done(error: BaseException | None) -> None:
+        if error is None:
+            try:
+                post()
+            except Exception as exc:
+                error = exc
+        done(error)
+
+    return run_post_then_done
+
+
 def _shapes(*tensors: torch.Tensor) -> tuple[Any, ...]:
     return tuple((tuple(t.shape), t.dtype) for t in tensors)
 
@@ -227,7 +260,7 @@ class FakeWorldGang(BaseGang):
         *,
         rank: int,
         name: str,
-        op_timeout: float | None,
+        policy: GangPolicy,
         device: torch.device,
     ) -> None:
         super().__init__(
@@ -236,10 +269,9 @@ class FakeWorldGang(BaseGang):
             device=device,
             backend="fake",
             name=name,
-            op_timeout=op_timeout,
+            policy=policy,
         )
         self.communicator = communicator
-        self.op_timeout = op_timeout
         self._collective_index = 0
 
     @property
@@ -252,7 +284,15 @@ class FakeWorldGang(BaseGang):
         self.communicator.arrive(index, _Arrival(self.rank, kind, key, args, done))
 
     @override
-    def _start_all_reduce(self, tensor: torch.Tensor, op: ReduceOp, done: Done) -> None:
+    def _start_all_reduce(
+        self,
+        tensor: torch.Tensor,
+        op: ReduceOp,
+        done: Done,
+        post: Callable[[], None] | None = None,
+    ) -> None:
+        if post is not None:
+            done = _after(post, done)
         self._arrive("all_reduce", (op, *_shapes(tensor)), (tensor,), done)
 
     @override
@@ -291,6 +331,10 @@ class FakeWorldGang(BaseGang):
     def _start_barrier(self, done: Done) -> None:
         self._arrive("barrier", (), (), done)
 
+    @override
+    def _start_order_check(self, index: int, fingerprint: str, checked: Checked) -> None:
+        self.communicator.check(index, self.rank, fingerprint, checked)
+
     def _withdraw(self, reason: str) -> None:
         # As aborting a real communicator ends its unfinished work: the ops' tensors are
         # released, instead of staying busy (keyed by address) after they are freed.
@@ -311,20 +355,30 @@ class FakeWorldGang(BaseGang):
     @override
     async def create_gang(self, ranks: Sequence[int]) -> Gang | None:
         members = tuple(check_member_ranks(ranks, self.size))
-        slot: dict[str, Gang | None] = {"gang": None}
+        gang = await self._make_gang(members, "")
+        if gang is not None:
+            with self._lock:
+                self._children.append(gang)
+        return gang
+
+    @override
+    async def _create_lane(self, name: str, *, high_priority: bool) -> FakeWorldGang:
+        lane = await self._make_gang(tuple(range(self.size)), name)
+        assert lane is not None  # every rank is a member
+        return lane
+
+    async def _make_gang(self, members: tuple[int, ...], lane: str) -> FakeWorldGang | None:
+        slot: dict[str, FakeWorldGang | None] = {"gang": None}
         handle = self._issue(
             "create_gang",
             [],
             slot,
             None,
-            lambda done: self._arrive("create_gang", (members,), (slot, self), done),
+            lambda done: self._arrive("create_gang", (members, lane), (slot, self), done),
+            fingerprint=f"create_gang({list(members)}, lane={lane!r})",
         )
         await handle
-        gang = slot["gang"]
-        if isinstance(gang, BaseGang):
-            with self._lock:
-                self._children.append(gang)
-        return gang
+        return slot["gang"]
 
 
 @final
@@ -341,6 +395,11 @@ class FakeWorld:
         device: Where tensors must live.
         op_timeout: The gangs' default deadline in seconds, or None for none.
         latency: Seconds each op takes to complete once every rank has issued it.
+        on_timeout: ``"abort"`` (a timeout breaks the gang) or ``"raise"`` (only that op
+            fails).
+        limits: The in-flight bounds (:class:`agang.InFlightLimits`); None for defaults.
+        check_order: Compare each collective's fingerprint across ranks before starting
+            it; None reads ``AGANG_CHECK_ORDER``.
 
     Example:
         >>> world = FakeWorld(4)
@@ -356,18 +415,23 @@ class FakeWorld:
         device: torch.device | str = "cpu",
         op_timeout: float | None = 60.0,
         latency: float = 0.0,
+        on_timeout: OnTimeout = "abort",
+        limits: InFlightLimits | None = None,
+        check_order: bool | None = False,
     ) -> None:
         check_positive_int(size, name="size")
         self.latency = check_timeout(latency, name="latency") or 0.0
         self._lock = threading.RLock()
         communicator = _Communicator(self, size)
-        timeout = check_timeout(op_timeout, name="op_timeout")
+        policy = make_policy(
+            op_timeout=op_timeout, on_timeout=on_timeout, limits=limits, check_order=check_order
+        )
         self.gangs: list[FakeWorldGang] = [
             FakeWorldGang(
                 communicator,
                 rank=rank,
                 name="fake-world",
-                op_timeout=timeout,
+                policy=policy,
                 device=torch.device(device),
             )
             for rank in range(size)

@@ -1,0 +1,153 @@
+"""Deterministic coalescing: many all-reduces as a few flat ones, by program order only.
+
+Rules:
+1. Grouping depends on the calls and their arguments in program order, never on
+   timing: two ranks that make the same calls group them the same way, however their
+   loops are scheduled (a timing-based batcher would deadlock them).
+2. A group holds all-reduces with the same reduce op, dtype and device. Groups are
+   issued in the order of their first member; within a group, members keep call order.
+3. Buckets (``all_reduce_bucketed``) are groups with a size cap, filled in list order,
+   one open bucket per dtype and device: a bucket is issued once the next tensor would
+   take it past the cap; a tensor larger than the cap is a bucket of its own.
+4. A flat op copies its members into one buffer when it is issued, reduces the buffer,
+   and copies each member's part back before its handle finishes (stream-ordered on
+   CUDA). A group of one reduces the member in place, with no copy.
+5. A ``coalesce()`` scope belongs to the task (or thread) that opened it; other tasks'
+   calls on the gang pass straight through. Nested scopes join the outermost one.
+6. Inside a scope, any op other than ``all_reduce`` first issues what the scope holds,
+   so program order is kept across kinds of op.
+7. Awaiting a held member inside its open scope raises at once: it could never finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from agang import _busy
+from agang._handle import Handle
+from agang._reduce_op import ReduceOp
+
+
+def plan_buckets(items: Sequence[tuple[Hashable, int]], cap: int | None) -> list[list[int]]:
+    """Groups item indexes by key in list order; ``cap`` bytes per bucket (rules 2, 3).
+
+    Args:
+        items: ``(key, num_bytes)`` per item; only equal keys share a bucket.
+        cap: The most bytes a bucket may hold, or None for one group per key.
+
+    Returns:
+        The buckets, as lists of indexes, in the order they are to be issued.
+    """
+    done: list[tuple[int, list[int]]] = []  # (index of first member, members)
+    open_buckets: dict[Hashable, tuple[list[int], int]] = {}
+    for index, (key, num_bytes) in enumerate(items):
+        members, total = open_buckets.get(key, ([], 0))
+        if members and cap is not None and total + num_bytes > cap:
+            done.append((members[0], members))
+            members, total = [], 0
+        members.append(index)
+        open_buckets[key] = (members, total + num_bytes)
+    # A bucket that reached its cap is issued then, before the buckets still open at
+    # the end, which follow in the order of their first member.
+    done.extend(sorted((members[0], members) for members, _ in open_buckets.values()))
+    return [members for _, members in done]
+
+
+def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def unflatten_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+    parts = torch.split(flat, [t.numel() for t in tensors])
+    torch._foreach_copy_([t.view(-1) for t in tensors], list(parts))
+
+
+def current_owner() -> object:
+    """The task (asyncio or trio) or, outside any loop, the thread running now."""
+    loop = asyncio._get_running_loop()
+    if loop is not None:
+        return asyncio.current_task(loop)
+    try:
+        import trio
+
+        return trio.lowlevel.current_task()
+    except (ImportError, RuntimeError):
+        return threading.get_ident()
+
+
+@dataclass(eq=False)
+class Member:
+    """An all-reduce held in a scope until the scope ends."""
+
+    tensor: torch.Tensor
+    op: ReduceOp
+    timeout: float | None  # resolved: None means no deadline
+    handle: Handle[torch.Tensor]
+    claim: _busy.Claim
+
+
+@dataclass(eq=False)
+class Scope:
+    """One open ``coalesce()`` scope of one owner on one gang."""
+
+    owner: object
+    depth: int = 1
+    members: list[Member] = field(default_factory=list)
+
+    def take(self) -> list[Member]:
+        members, self.members = self.members, []
+        return members
+
+
+HELD = (
+    "This all_reduce is held by the open `coalesce()` scope that issued it and starts "
+    "when the scope ends; await it after the `with` block."
+)
+
+
+def group_members(members: Sequence[Member]) -> list[list[Member]]:
+    """The scope's members in flat groups (rule 2)."""
+    keys: list[tuple[Hashable, int]] = [
+        ((m.op, m.tensor.dtype, m.tensor.device), 0) for m in members
+    ]
+    return [[members[i] for i in bucket] for bucket in plan_buckets(keys, None)]
+
+
+def group_timeout(timeouts: Sequence[float | None]) -> float | None:
+    """The tightest deadline of a group's members; None when none has one."""
+    finite = [t for t in timeouts if t is not None]
+    return min(finite) if finite else None
+
+
+def all_of(handles: Sequence[Handle[Any]], value: Any, *, op: str) -> Handle[Any]:
+    """A handle that finishes with ``value`` once all ``handles`` have, or with the first
+    error among them (in order)."""
+    combined: Handle[Any] = Handle(
+        op=op,
+        seq=handles[0].seq if handles else -1,
+        num_bytes=sum(h.num_bytes for h in handles),
+        timeout=group_timeout([h.timeout for h in handles]),
+    )
+    if not handles:
+        combined._finish(value, None)
+        return combined
+    lock = threading.Lock()
+    remaining = [len(handles)]
+
+    def one_done() -> None:
+        with lock:
+            remaining[0] -= 1
+            if remaining[0]:
+                return
+        errors = [h.exception() for h in handles if h.exception() is not None]
+        combined._finish(None if errors else value, errors[0] if errors else None)
+
+    for handle in handles:
+        handle._add_done_callback(one_done)
+    return combined

@@ -1,0 +1,109 @@
+"""The per-gang policies users choose: in-flight bounds, timeout handling, order checks.
+
+A gang's policy is fixed when it is made and inherited by its sub-gangs and lanes, so
+every ordering domain of one program behaves alike.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+from agang._validate import check_positive_int, check_timeout
+
+WhenFull = Literal["queue", "raise", "block"]
+OnTimeout = Literal["abort", "raise"]
+
+_WHEN_FULL = ("queue", "raise", "block")
+_ON_TIMEOUT = ("abort", "raise")
+
+#: Environment variable that turns order checking on for every gang (``1``/``0``).
+CHECK_ORDER_ENV = "AGANG_CHECK_ORDER"
+
+
+@dataclass(frozen=True)
+class InFlightLimits:
+    """How much a gang keeps in flight in the backend, and what happens past that.
+
+    Args:
+        max_ops: Ops started in the backend at once, at most.
+        max_bytes: Bytes of started ops at once, at most; one op larger than this
+            still runs, alone.
+        when_full: What a call does when the gang is at a bound.
+            ``"queue"`` (default): the call returns its handle at once, numbered in call
+            order, and the op starts when room frees; ``await``-ing the handle waits for
+            both. ``"raise"``: the call raises :class:`agang.GangFullError` and issues
+            nothing. ``"block"``: the calling thread blocks until there is room (never
+            allowed on an event loop's thread, which it would stop).
+
+    Example:
+        >>> gang = await agang.init(limits=agang.InFlightLimits(max_ops=64))
+    """
+
+    max_ops: int = 1024
+    max_bytes: int = 1 << 30
+    when_full: WhenFull = "queue"
+
+    def __post_init__(self) -> None:
+        check_positive_int(self.max_ops, name="max_ops")
+        check_positive_int(self.max_bytes, name="max_bytes")
+        if self.when_full not in _WHEN_FULL:
+            raise ValueError(
+                f"`when_full` must be one of {', '.join(map(repr, _WHEN_FULL))}, "
+                f"but is {self.when_full!r} instead."
+            )
+
+
+@dataclass(frozen=True)
+class GangPolicy:
+    """Everything a gang decides per op, bundled so sub-gangs and lanes inherit it."""
+
+    op_timeout: float | None = None
+    on_timeout: OnTimeout = "abort"
+    limits: InFlightLimits = InFlightLimits()
+    check_order: bool = False
+
+
+def make_policy(
+    *,
+    op_timeout: object,
+    on_timeout: object = "abort",
+    limits: object = None,
+    check_order: object = None,
+    env: dict[str, str] | None = None,
+) -> GangPolicy:
+    """Checks the user's choices (naming the parameter) and bundles them.
+
+    ``check_order=None`` reads ``AGANG_CHECK_ORDER`` from ``env`` (default
+    ``os.environ``).
+    """
+    timeout = check_timeout(op_timeout, name="op_timeout")
+    if on_timeout not in _ON_TIMEOUT:
+        raise ValueError(
+            f"`on_timeout` must be one of {', '.join(map(repr, _ON_TIMEOUT))}, "
+            f"but is {on_timeout!r} instead."
+        )
+    if limits is None:
+        limits = InFlightLimits()
+    if not isinstance(limits, InFlightLimits):
+        raise TypeError(
+            f"`limits` must be an `agang.InFlightLimits` or None, "
+            f"but is of type `{type(limits).__name__}` instead."
+        )
+    if check_order is None:
+        value = (os.environ if env is None else env).get(CHECK_ORDER_ENV, "0").strip()
+        if value not in ("", "0", "1"):
+            raise ValueError(f"`{CHECK_ORDER_ENV}` must be 0 or 1, but is {value!r} instead.")
+        check_order = value == "1"
+    if not isinstance(check_order, bool):
+        raise TypeError(
+            f"`check_order` must be a bool or None, "
+            f"but is of type `{type(check_order).__name__}` instead."
+        )
+    return GangPolicy(
+        op_timeout=timeout,
+        on_timeout=on_timeout,  # type: ignore[arg-type]  # checked above
+        limits=limits,
+        check_order=check_order,
+    )

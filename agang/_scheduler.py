@@ -1,0 +1,213 @@
+"""The scheduler's core: which ops are in flight, which may start now, which are late.
+
+Pure: no threads, no clocks, no c10d. The gang (the driver, ``_issuing``) feeds it plain
+data under its lock, starts what it hands back, and reads the time itself. Tests drive
+it directly.
+
+Rules:
+1. Ops are admitted in sequence order and start in that order: an op never starts
+   before an op admitted earlier on the same gang (issue order = call order).
+2. The queue's first op starts when all of these hold:
+   a. it is *ready* (its order check, if any, has passed);
+   b. the gate is open: no two-phase op (object collectives) is between its phases;
+   c. the started ops leave room for it: fewer than ``max_ops`` started, and its bytes
+      fit under ``max_bytes`` -- or nothing at all is started, so an op bigger than the
+      byte bound still runs, alone, instead of waiting for ever.
+3. An op leaves the core once, when it finishes (with any outcome, started or not).
+   Finishing a started op frees its room; finishing a queued one (the gang broke or
+   closed) only removes it.
+4. Deadlines sit in one heap ordered by time, with lazy deletion: ``due(now)`` pops the
+   ops whose deadline has passed and that are still in flight, each at most once.
+   ``next_deadline()`` is the single time the driver's one timer must fire at.
+5. The flight recorder keeps the last ``history`` finished ops, oldest first, so a
+   timeout can show what this rank completed last, next to what it still has in flight.
+"""
+
+from __future__ import annotations
+
+import collections
+import heapq
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(eq=False)
+class Entry:
+    """One admitted op, as the core sees it."""
+
+    seq: int
+    op: str
+    num_bytes: int
+    issued_at: float
+    deadline: float | None
+    start: Callable[[], None]
+    item: Any = None  # the driver's own object for this op (its handle)
+    ready: bool = True
+    holds_gate: bool = False
+    started: bool = False
+    expired: bool = False
+
+
+@dataclass(frozen=True)
+class Record:
+    """A finished op, kept by the flight recorder."""
+
+    seq: int
+    op: str
+    num_bytes: int
+    seconds: float
+    outcome: str  # "ok", "failed", "timed out", "abandoned"
+
+    def describe(self) -> str:
+        milliseconds = 1000 * self.seconds
+        return f"{self.op} seq={self.seq} {self.num_bytes} B {milliseconds:.1f} ms {self.outcome}"
+
+
+@dataclass
+class Scheduler:
+    """In-flight registry, start queue, deadline heap and flight recorder of one gang."""
+
+    max_ops: int
+    max_bytes: int
+    history: int = 32
+    entries: dict[int, Entry] = field(default_factory=dict)
+    num_started: int = 0
+    bytes_started: int = 0
+    bytes_in_flight: int = 0
+    _queue: collections.deque[Entry] = field(default_factory=collections.deque)
+    _gate_holder: int | None = None
+    _deadlines: list[tuple[float, int]] = field(default_factory=list)
+    _recent: collections.deque[Record] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._recent = collections.deque(maxlen=self.history)
+
+    # Admission and starting (rules 1 and 2).
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self.entries)
+
+    @property
+    def num_queued(self) -> int:
+        return len(self._queue)
+
+    def would_queue(self) -> bool:
+        """True when an op admitted now could not start at once (rule 2)."""
+        return bool(self._queue) or self._gate_holder is not None
+
+    def is_full(self, num_bytes: int) -> bool:
+        """True when admitting ``num_bytes`` more would pass a bound (rule 2c).
+
+        Counts every admitted op, started or queued: for callers that would rather be
+        refused, or wait, than queue.
+        """
+        if not self.entries:
+            return False
+        return (
+            len(self.entries) >= self.max_ops or self.bytes_in_flight + num_bytes > self.max_bytes
+        )
+
+    def admit(self, entry: Entry) -> None:
+        if entry.seq in self.entries:
+            raise ValueError(f"seq {entry.seq} is already in flight")
+        self.entries[entry.seq] = entry
+        self.bytes_in_flight += entry.num_bytes
+        self._queue.append(entry)
+        if entry.deadline is not None:
+            heapq.heappush(self._deadlines, (entry.deadline, entry.seq))
+
+    def set_ready(self, seq: int) -> None:
+        entry = self.entries.get(seq)
+        if entry is not None:
+            entry.ready = True
+
+    def release_gate(self, seq: int) -> None:
+        if self._gate_holder == seq:
+            self._gate_holder = None
+
+    def _has_room(self, entry: Entry) -> bool:
+        if self.num_started == 0:
+            return True
+        return (
+            self.num_started < self.max_ops
+            and self.bytes_started + entry.num_bytes <= self.max_bytes
+        )
+
+    def take_next(self) -> Entry | None:
+        """Pops the op that may start now, marked started; None if none may (rule 2)."""
+        if not self._queue or self._gate_holder is not None:
+            return None
+        entry = self._queue[0]
+        if not entry.ready or not self._has_room(entry):
+            return None
+        self._queue.popleft()
+        entry.started = True
+        self.num_started += 1
+        self.bytes_started += entry.num_bytes
+        if entry.holds_gate:
+            self._gate_holder = entry.seq
+        return entry
+
+    # Finishing (rule 3) and the recorder (rule 5).
+
+    def finish(self, seq: int, *, seconds: float, outcome: str) -> Entry | None:
+        """Removes a finished op; returns it, or None if it had already left."""
+        entry = self.entries.pop(seq, None)
+        if entry is None:
+            return None
+        self.bytes_in_flight -= entry.num_bytes
+        if entry.started:
+            self.num_started -= 1
+            self.bytes_started -= entry.num_bytes
+        elif entry in self._queue:  # a dropped op is no longer queued
+            self._queue.remove(entry)
+        if self._gate_holder == seq:
+            self._gate_holder = None
+        self._recent.append(Record(seq, entry.op, entry.num_bytes, seconds, outcome))
+        return entry
+
+    def drop_queued(self) -> list[Entry]:
+        """Empties the queue (the gang broke or closed); returns the ops it held."""
+        dropped = list(self._queue)
+        self._queue.clear()
+        self._gate_holder = None
+        return dropped
+
+    def recent(self) -> list[Record]:
+        return list(self._recent)
+
+    # Deadlines (rule 4).
+
+    def next_deadline(self) -> float | None:
+        while self._deadlines:
+            deadline, seq = self._deadlines[0]
+            entry = self.entries.get(seq)
+            if entry is not None and not entry.expired:
+                return deadline
+            heapq.heappop(self._deadlines)
+        return None
+
+    def due(self, now: float) -> list[Entry]:
+        """Pops the ops whose deadline is at or before ``now``, marked expired."""
+        late = []
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, seq = heapq.heappop(self._deadlines)
+            entry = self.entries.get(seq)
+            if entry is not None and not entry.expired:
+                entry.expired = True
+                late.append(entry)
+        return late
+
+    def describe_in_flight(self, now: float, *, skip: int | None = None) -> list[str]:
+        lines = []
+        for entry in self.entries.values():
+            if entry.seq == skip:
+                continue
+            state = "started" if entry.started else ("queued" if entry.ready else "checking")
+            lines.append(
+                f"{entry.op} seq={entry.seq} {entry.num_bytes} B {state}, "
+                f"issued {now - entry.issued_at:.3f} s ago"
+            )
+        return lines
