@@ -100,6 +100,7 @@ def run_world(
     init_timeout: float | None = 60.0,
     op_timeout: float | None = 60.0,
     env: Mapping[str, str] | None = None,
+    init_options: Mapping[str, Any] | None = None,
 ) -> list[T]:
     """Runs ``async def fn(gang)`` on ``world_size`` local ranks and returns their results.
 
@@ -115,6 +116,8 @@ def run_world(
         init_timeout: The ranks' :func:`agang.init` deadline.
         op_timeout: The ranks' default op deadline.
         env: Extra environment variables for the ranks.
+        init_options: More keyword arguments for the ranks' :func:`agang.init`, such
+            as ``on_timeout``, ``limits`` or ``check_order``; they must pickle.
 
     Returns:
         The results, indexed by rank.
@@ -155,7 +158,11 @@ def run_world(
         "TORCHELASTIC_USE_AGENT_STORE": "True",
         **(env or {}),
     }
-    init_options = {"timeout": init_timeout, "op_timeout": op_timeout}
+    init_options = {
+        "timeout": init_timeout,
+        "op_timeout": op_timeout,
+        **(init_options or {}),
+    }
     processes = []
     connections: dict[Any, int] = {}  # receiving end of each rank's pipe -> rank
     for rank in range(world_size):
