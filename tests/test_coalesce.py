@@ -173,11 +173,16 @@ async def test_a_scope_left_by_an_exception_still_issues_its_ops() -> None:
     world = FakeWorld(2)
 
     async def program(gang: agang.Gang) -> float:
-        tensor = torch.ones(1)
-        with pytest.raises(KeyError), gang.coalesce():
-            handle = gang.all_reduce(tensor)
-            raise KeyError("user code failed")
-        return (await handle).item()
+        held: list[agang.Handle[torch.Tensor]] = []
+
+        def fail_inside_a_scope() -> None:
+            with gang.coalesce():
+                held.append(gang.all_reduce(torch.ones(1)))
+                raise KeyError("user code failed")
+
+        with pytest.raises(KeyError):
+            fail_inside_a_scope()
+        return (await held[0]).item()
 
     assert await world.run(program) == [2.0, 2.0]
 

@@ -37,7 +37,8 @@ def test_ops_start_in_admission_order_up_to_the_op_bound() -> None:
     assert take_all(scheduler) == [3]
     scheduler.finish(0, seconds=0.1, outcome="ok")
     assert take_all(scheduler) == [4]
-    assert scheduler.num_in_flight == 3 and scheduler.num_queued == 0
+    assert scheduler.num_in_flight == 3
+    assert scheduler.num_queued == 0
 
 
 def test_the_byte_bound_holds_ops_but_a_lone_huge_op_still_runs() -> None:
@@ -157,7 +158,7 @@ def test_the_flight_recorder_keeps_the_last_finished_ops() -> None:
         scheduler.finish(seq, seconds=0.001 * seq, outcome="ok")
 
     assert [r.seq for r in scheduler.recent()] == [2, 3, 4]
-    assert "all_reduce seq=4 10 B 4.0 ms ok" == scheduler.recent()[-1].describe()
+    assert scheduler.recent()[-1].describe() == "all_reduce seq=4 10 B 4.0 ms ok"
 
 
 def test_in_flight_lines_show_each_ops_state() -> None:
