@@ -80,6 +80,8 @@ class Handle(Generic[T]):
         self._observer: Callable[[float], None] | None = None
 
     def __str__(self) -> str:
+        if self.seq < 0:  # held in a coalesce scope, numbered when it ends
+            return f"`{self.op}` (not yet numbered)"
         return f"`{self.op}` (seq {self.seq})"
 
     def __repr__(self) -> str:

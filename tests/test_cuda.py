@@ -79,3 +79,24 @@ def test_waiting_does_not_spin_a_core(gang: agang.Gang) -> None:
     cpu, wall = time.process_time() - cpu_before, time.perf_counter() - wall_before
     assert wall > 0.05
     assert cpu < 0.5 * wall  # a spinning waiter would burn ~100% of a core
+
+
+def test_a_coalesce_scope_copies_results_back_on_the_device(gang: agang.Gang) -> None:
+    tensors = [torch.full((1000,), float(i), device=gang.device) for i in range(16)]
+    tensors.append(torch.ones(3, device=gang.device, dtype=torch.float16))
+    with gang.coalesce():
+        handles = [gang.all_reduce(t, agang.ReduceOp.MAX) for t in tensors]
+    outs = [h.wait(timeout=60) for h in handles]
+    assert [o[0].item() for o in outs] == [float(i) for i in range(16)] + [1.0]
+    out = gang.all_reduce_bucketed(tensors[:16], bucket_bytes=16_000).wait(timeout=60)
+    assert out[15][0].item() == 15.0
+
+
+def test_a_high_priority_lane(gang: agang.Gang) -> None:
+    import anyio
+
+    async def use_lane() -> float:
+        lane = await gang.lane("fast", high_priority=True)
+        return (await lane.all_reduce(torch.ones(4, device=gang.device)))[0].item()
+
+    assert anyio.run(use_lane) == 1.0
