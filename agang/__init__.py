@@ -23,6 +23,8 @@ from agang._gangs import Gangs as Gangs
 from agang._gangs import all_sum as all_sum
 from agang._gangs import broadcast_flag as broadcast_flag
 from agang._gangs import current_gangs as current_gangs
+from agang._gradient_sync import GradientSync as GradientSync
+from agang._gradient_sync import StepTimes as StepTimes
 from agang._handle import Handle as Handle
 from agang._init import init as init
 from agang._init import init_sync as init_sync
@@ -52,6 +54,9 @@ __all__ = [
     "GangStatistics",
     "Quantiles",
     "InFlightLimits",
+    # Data-parallel training
+    "GradientSync",
+    "StepTimes",
     # Parallel gangs
     "Gangs",
     "create_parallel_gangs",

@@ -28,6 +28,8 @@ AGANG_API = {
     "Handle",
     "ReduceOp",
     "GangStatistics",
+    "GradientSync",
+    "StepTimes",
     "Quantiles",
     "InFlightLimits",
     "Gangs",

@@ -1,0 +1,354 @@
+"""Data-parallel gradient synchronisation that overlaps the all-reduces with backward.
+
+Rules:
+1. Buckets are fixed at construction, equal on every rank: the trainable parameters in
+   reverse registration order (the order backward tends to produce their gradients, as
+   DDP assumes), packed by ``_coalesce.plan_buckets`` into flat buffers of at most
+   ``bucket_bytes`` per dtype and device.
+2. Each parameter's gradient lives in its bucket's buffer (a view, as DDP's
+   ``gradient_as_bucket_view``): autograd accumulates straight into it. Where autograd
+   handed over a fresh tensor instead (the first step, or after ``zero_grad`` set the
+   gradient to None), the hook copies it in and points ``.grad`` at the view again.
+3. A post-accumulate-grad hook counts each bucket's ready parameters; a full bucket is
+   all-reduced at once, while backward goes on. Buckets are issued strictly in index
+   order: a bucket that fills early waits for the ones before it, so every rank issues
+   the same ops in the same order whatever order its hooks fire in.
+4. ``wait()`` issues, in order, the buckets still open: a parameter that got no gradient
+   this step contributes zeros (like DDP with ``find_unused_parameters=True``; unlike
+   DDP, a parameter that no rank used ends with a zero gradient rather than None). Then
+   it waits for every bucket. Gradients are final after it returns.
+5. Inside ``no_sync()``, hooks do nothing: gradients accumulate locally, and the next
+   synchronised backward reduces the accumulated sum.
+6. The parameters (and buffers) are broadcast from ``source_rank`` when the object is
+   made; ``ready()`` waits for that, and a forward pass before it raises.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, final
+
+import torch
+
+from agang._coalesce import flatten, plan_buckets, unflatten_into
+from agang._gang import Gang
+from agang._handle import Handle
+from agang._reduce_op import ReduceOp
+from agang._validate import check_positive_int, check_rank, check_reduce_op, check_timeout
+
+DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
+
+
+@dataclass(eq=False)
+class _Bucket:
+    index: int
+    params: list[torch.nn.Parameter]
+    buffer: torch.Tensor
+    views: list[torch.Tensor]
+    num_pending: int = 0
+    ready: set[int] = field(default_factory=set)  # positions in ``params``
+    handle: Handle[torch.Tensor] | None = None
+
+
+@dataclass(frozen=True)
+class BucketTimes:
+    """One bucket's all-reduce in the last synchronised step (monotonic seconds)."""
+
+    index: int
+    num_bytes: int
+    issued_at: float
+    finished_at: float
+
+
+@dataclass(frozen=True)
+class StepTimes:
+    """When communication ran in the last synchronised step, and how much was hidden.
+
+    Attributes:
+        buckets: Each bucket's all-reduce, in issue order.
+        wait_started: When :meth:`GradientSync.wait` was called.
+        wait_finished: When it returned.
+        exposed: Seconds ``wait`` blocked for communication that backward did not hide.
+        communication: Seconds from the first bucket's issue to the last one's finish.
+        hidden_share: ``1 - exposed / communication``: the share of communication time
+            overlapped with compute (1.0 when nothing was left to wait for).
+    """
+
+    buckets: tuple[BucketTimes, ...]
+    wait_started: float
+    wait_finished: float
+
+    @property
+    def exposed(self) -> float:
+        return self.wait_finished - self.wait_started
+
+    @property
+    def communication(self) -> float:
+        if not self.buckets:
+            return 0.0
+        return max(b.finished_at for b in self.buckets) - min(b.issued_at for b in self.buckets)
+
+    @property
+    def hidden_share(self) -> float:
+        if self.communication <= 0:
+            return 1.0
+        return max(0.0, min(1.0, 1.0 - self.exposed / self.communication))
+
+
+@final
+class GradientSync:
+    """All-reduces a model's gradients bucket by bucket while backward runs (like DDP).
+
+    Args:
+        model: The replica on this rank; its trainable parameters are synchronised.
+        gang: The data-parallel gang.
+        bucket_bytes: The most bytes per bucket.
+        op: How gradients are combined; ``MEAN`` averages them, as DDP does.
+        source_rank: The rank whose parameters and buffers every replica starts from.
+        timeout: Seconds before each bucket's deadline; None for the gang's default.
+
+    Example:
+        >>> sync = agang.GradientSync(model, gang)
+        >>> await sync.ready()                  # parameters equal on every rank
+        >>> for batch in data:
+        ...     loss = model(batch).sum()
+        ...     loss.backward()                 # buckets are all-reduced meanwhile
+        ...     await sync.wait()               # gradients are averaged
+        ...     optimizer.step(); optimizer.zero_grad()
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        gang: Gang,
+        *,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        op: ReduceOp = ReduceOp.MEAN,
+        source_rank: int = 0,
+        timeout: float | None = None,
+    ) -> None:
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(
+                f"`model` must be a torch.nn.Module, but is of type `{type(model).__name__}` "
+                f"instead."
+            )
+        if not isinstance(gang, Gang):
+            raise TypeError(
+                f"`gang` must be an agang.Gang, but is of type `{type(gang).__name__}` instead."
+            )
+        self._gang = gang
+        self._op = check_reduce_op(op)
+        self._bucket_bytes = check_positive_int(bucket_bytes, name="bucket_bytes")
+        self._timeout = check_timeout(timeout)
+        source_rank = check_rank(source_rank, gang.size, name="source_rank")
+        params = list(dict.fromkeys(p for p in model.parameters() if p.requires_grad))
+        for i, param in enumerate(params):
+            if param.device != gang.device:
+                raise ValueError(
+                    f"`model` must have its parameters on the gang's device ({gang.device}), "
+                    f"but parameter {i} is on {param.device} instead."
+                )
+        self._lock = threading.Lock()
+        self._buckets = self._make_buckets(list(reversed(params)))
+        self._where = {id(p): (b, i) for b in self._buckets for i, p in enumerate(b.params)}
+        self._next_to_issue = 0
+        self._synchronising = True
+        self._last_step: StepTimes | None = None
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._on_gradient)  # type: ignore[no-untyped-call]
+            for p in params
+        ]
+        self._ready = self._broadcast_state(model, source_rank)
+        self._forward_check = model.register_forward_pre_hook(self._check_ready)
+
+    def _make_buckets(self, params: list[torch.nn.Parameter]) -> list[_Bucket]:
+        keys = [((p.dtype, p.device), p.numel() * p.element_size()) for p in params]
+        buckets = []
+        for index, members in enumerate(plan_buckets(keys, self._bucket_bytes)):
+            chosen = [params[i] for i in members]
+            buffer = torch.zeros(
+                sum(p.numel() for p in chosen), dtype=chosen[0].dtype, device=chosen[0].device
+            )
+            views = [
+                part.view_as(p)
+                for part, p in zip(
+                    torch.split(buffer, [p.numel() for p in chosen]), chosen, strict=True
+                )
+            ]
+            buckets.append(_Bucket(index, chosen, buffer, views, num_pending=len(chosen)))
+        return buckets
+
+    def _broadcast_state(self, model: torch.nn.Module, source_rank: int) -> Handle[Any]:
+        tensors = [t for t in (*model.parameters(), *model.buffers()) if t.numel()]
+        tensors = list({id(t): t for t in tensors}.values())
+        groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+        for tensor in tensors:
+            groups.setdefault((tensor.dtype, tensor.device), []).append(tensor)
+        handles = []
+        for members in groups.values():
+            flat = flatten([t.detach() for t in members])
+            handle = self._gang.broadcast(flat, source_rank, timeout=self._timeout)
+            handles.append((handle, flat, members))
+        done: Handle[Any] = Handle(op="broadcast parameters", seq=-1, num_bytes=0, timeout=None)
+        remaining = [len(handles)]
+
+        def copy_back() -> None:
+            with self._lock:
+                remaining[0] -= 1
+                if remaining[0]:
+                    return
+            for handle, flat, members in handles:
+                error = handle.exception()
+                if error is not None:
+                    done._finish(None, error)
+                    return
+                with torch.no_grad():
+                    unflatten_into(flat, [t.detach() for t in members])
+            done._finish(None, None)
+
+        if not handles:
+            done._finish(None, None)
+        for handle, _, _ in handles:
+            handle._add_done_callback(copy_back)
+        return done
+
+    # The user's side.
+
+    async def ready(self) -> None:
+        """Waits until every replica holds the source rank's parameters and buffers."""
+        await self._ready
+
+    def ready_sync(self, timeout: float | None = None) -> None:
+        """:meth:`ready` for synchronous code."""
+        self._ready.wait(timeout)
+
+    def _check_ready(self, module: torch.nn.Module, args: Any) -> None:
+        if not self._ready.done():
+            raise RuntimeError(
+                "The model ran forward before GradientSync's parameter broadcast finished; "
+                "`await sync.ready()` (or `sync.ready_sync()`) first."
+            )
+        self._ready.result()  # raises the broadcast's error, if any
+        self._forward_check.remove()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulates gradients locally; the next synchronised backward reduces the sum.
+
+        Example:
+            >>> with sync.no_sync():
+            ...     model(micro_batch).sum().backward()
+        """
+        self._synchronising = False
+        try:
+            yield
+        finally:
+            self._synchronising = True
+
+    async def wait(self) -> None:
+        """Issues the buckets still open, then waits for all; gradients are then final.
+
+        Raises:
+            GangError: A bucket's all-reduce failed or missed its deadline.
+        """
+        started = time.monotonic()
+        handles = self._finish_step()
+        for handle in handles:
+            await handle
+        self._end_step(handles, started)
+
+    def wait_sync(self, timeout: float | None = None) -> None:
+        """:meth:`wait` for synchronous code; ``timeout`` bounds each bucket's wait."""
+        started = time.monotonic()
+        handles = self._finish_step()
+        for handle in handles:
+            handle.wait(timeout)
+        self._end_step(handles, started)
+
+    @property
+    def num_buckets(self) -> int:
+        return len(self._buckets)
+
+    def last_step(self) -> StepTimes | None:
+        """When communication ran in the last synchronised step, for timelines."""
+        return self._last_step
+
+    def remove(self) -> None:
+        """Removes the hooks: the model trains without synchronisation again."""
+        for hook in self._hooks:
+            hook.remove()
+        self._forward_check.remove()
+
+    # The hooks' side (rules 2 and 3).
+
+    def _on_gradient(self, param: torch.Tensor) -> None:
+        if not self._synchronising:
+            return
+        bucket, position = self._where[id(param)]
+        view = bucket.views[position]
+        grad = param.grad
+        if grad is not None and grad.data_ptr() != view.data_ptr():
+            view.copy_(grad)
+            param.grad = view
+        with self._lock:
+            if position in bucket.ready:
+                raise RuntimeError(
+                    "A parameter got a second gradient before `GradientSync.wait()`: its "
+                    "bucket may be in flight already. Call `wait()` after each backward, or "
+                    "accumulate inside `with sync.no_sync():`."
+                )
+            bucket.ready.add(position)
+            bucket.num_pending -= 1
+            self._issue_ready_buckets()
+
+    def _issue_ready_buckets(self) -> None:
+        # The caller holds the lock (rule 3).
+        while self._next_to_issue < len(self._buckets):
+            bucket = self._buckets[self._next_to_issue]
+            if bucket.num_pending:
+                return
+            bucket.handle = self._gang.all_reduce(bucket.buffer, self._op, timeout=self._timeout)
+            self._next_to_issue += 1
+
+    def _finish_step(self) -> list[Handle[torch.Tensor]]:
+        """Rule 4: the open buckets, with zeros for the missing gradients, in order."""
+        with self._lock:
+            for bucket in self._buckets[self._next_to_issue :]:
+                for position, (param, view) in enumerate(
+                    zip(bucket.params, bucket.views, strict=True)
+                ):
+                    if position not in bucket.ready:
+                        view.zero_()
+                        bucket.ready.add(position)
+                        bucket.num_pending -= 1
+                        param.grad = view
+            self._issue_ready_buckets()
+            handles = [b.handle for b in self._buckets if b.handle is not None]
+        return handles
+
+    def _end_step(self, handles: list[Handle[torch.Tensor]], started: float) -> None:
+        finished = time.monotonic()
+        self._last_step = StepTimes(
+            tuple(
+                BucketTimes(
+                    b.index,
+                    b.buffer.numel() * b.buffer.element_size(),
+                    b.handle.issued_at,
+                    b.handle.issued_at + (b.handle.elapsed or 0.0),
+                )
+                for b in self._buckets
+                if b.handle is not None
+            ),
+            started,
+            finished,
+        )
+        with self._lock:
+            for bucket in self._buckets:
+                bucket.ready.clear()
+                bucket.num_pending = len(bucket.params)
+                bucket.handle = None
+            self._next_to_issue = 0

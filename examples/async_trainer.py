@@ -1,0 +1,209 @@
+"""Async data-parallel training: gradients are all-reduced while backward still runs.
+
+Each rank trains a replica of a small MLP on its own shard of synthetic regression data.
+``agang.GradientSync`` all-reduces the gradient buckets as backward produces them;
+``await sync.wait()`` collects them before the optimizer step, without ever blocking
+the event loop.
+
+    python examples/async_trainer.py                                  # one process
+    torchrun --standalone --nproc-per-node 2 examples/async_trainer.py --check-ddp
+
+``--check-ddp`` then trains the same model, data and seed with torch's
+DistributedDataParallel and checks that every step's loss and the final parameters match.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import socket
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+import agang
+
+DIMENSIONS = (64, 8)  # inputs, outputs
+
+
+@dataclass
+class Run:
+    losses: list[float]
+    parameters: list[torch.Tensor]
+    seconds: float
+    hidden_shares: list[float]
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--batch", type=int, default=64, help="samples per rank and step")
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=3)
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--bucket-mb", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--check-ddp", action="store_true", help="compare with torch DDP")
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args(argv)
+    if args.steps < 1 or args.batch < 1 or args.hidden < 1 or args.layers < 1:
+        parser.error("--steps, --batch, --hidden and --layers must be positive")
+    if args.bucket_mb <= 0:
+        parser.error("--bucket-mb must be positive")
+    return args
+
+
+def make_model(args: argparse.Namespace, rank: int, device: torch.device) -> torch.nn.Module:
+    # Seeded by rank on purpose: replicas start apart, and the broadcast (GradientSync's
+    # or DDP's) makes them equal.
+    torch.manual_seed(args.seed * 1000 + rank)
+    inputs, outputs = DIMENSIONS
+    layers: list[torch.nn.Module] = []
+    width = inputs
+    for _ in range(args.layers):
+        layers += [torch.nn.Linear(width, args.hidden), torch.nn.Tanh()]
+        width = args.hidden
+    layers.append(torch.nn.Linear(width, outputs))
+    return torch.nn.Sequential(*layers).to(device)
+
+
+def batch(
+    args: argparse.Namespace, rank: int, step: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's shard of step ``step``: a fixed teacher map plus noise."""
+    teacher = torch.Generator().manual_seed(args.seed)
+    weight = torch.randn(DIMENSIONS, generator=teacher)
+    data = torch.Generator().manual_seed((args.seed * 1_000_003 + step) * 1009 + rank)
+    x = torch.randn(args.batch, DIMENSIONS[0], generator=data)
+    y = torch.tanh(x @ weight) + 0.01 * torch.randn(args.batch, DIMENSIONS[1], generator=data)
+    return x.to(device), y.to(device)
+
+
+def progress(args: argparse.Namespace, rank: int, label: str) -> tqdm[int]:
+    return tqdm(range(args.steps), desc=label, disable=rank != 0 or args.no_progress, leave=False)
+
+
+async def train_with_agang(args: argparse.Namespace, gang: agang.Gang) -> Run:
+    model = make_model(args, gang.rank, gang.device)
+    sync = agang.GradientSync(model, gang, bucket_bytes=int(args.bucket_mb * 2**20))
+    await sync.ready()
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    losses, hidden = [], []
+    started = time.perf_counter()
+    bar = progress(args, gang.rank, "agang")
+    for step in bar:
+        x, y = batch(args, gang.rank, step, gang.device)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()  # buckets are all-reduced as backward produces them
+        await sync.wait()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+        last = sync.last_step()
+        if last is not None:
+            hidden.append(last.hidden_share)
+        bar.set_postfix(loss=f"{losses[-1]:.4f}")
+    seconds = time.perf_counter() - started
+    sync.remove()
+    return Run(losses, [p.detach().cpu() for p in model.parameters()], seconds, hidden)
+
+
+def train_with_ddp(args: argparse.Namespace, rank: int, device: torch.device) -> Run:
+    model = make_model(args, rank, device)
+    ddp = torch.nn.parallel.DistributedDataParallel(
+        model,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        bucket_cap_mb=args.bucket_mb,
+    )
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
+    losses = []
+    started = time.perf_counter()
+    for step in progress(args, rank, "DDP"):
+        x, y = batch(args, rank, step, device)
+        loss = torch.nn.functional.mse_loss(ddp(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    seconds = time.perf_counter() - started
+    return Run(losses, [p.detach().cpu() for p in model.parameters()], seconds, [])
+
+
+def compare(ours: Run, theirs: Run, *, tolerance: float = 1e-4) -> str | None:
+    """None if the runs match within ``tolerance`` (relative), else what differs."""
+    for step, (a, b) in enumerate(zip(ours.losses, theirs.losses, strict=True)):
+        if abs(a - b) > tolerance * max(abs(b), 1e-3):
+            return f"loss at step {step}: agang {a!r}, DDP {b!r}"
+    for i, (a, b) in enumerate(zip(ours.parameters, theirs.parameters, strict=True)):
+        if not torch.allclose(a, b, rtol=tolerance, atol=tolerance * 1e-2):
+            return f"parameter {i}: max difference {(a - b).abs().max().item():.3g}"
+    return None
+
+
+def largest_difference(ours: Run, theirs: Run) -> float:
+    return max(
+        (a - b).abs().max().item() for a, b in zip(ours.parameters, theirs.parameters, strict=True)
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+async def main(argv: list[str] | None = None, say: Callable[[str], None] = print) -> int:
+    args = parse(argv)
+    env = dict(os.environ)
+    if args.check_ddp and "WORLD_SIZE" not in env:
+        # DDP needs a real process group, even for one process.
+        env |= {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
+        env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    gang = await agang.init(env=env, in_process=False if args.check_ddp else None)
+    try:
+        run = await train_with_agang(args, gang)
+        total = torch.tensor([run.losses[-1]], device=gang.device)
+        final_loss = (await gang.all_reduce(total, agang.ReduceOp.MEAN)).item()
+        if gang.rank == 0:
+            hidden = statistics.mean(run.hidden_shares) if run.hidden_shares else 1.0
+            say(
+                f"agang: {gang.size} rank(s), {args.steps} steps in {run.seconds:.2f} s "
+                f"({args.steps / run.seconds:.1f} steps/s); communication hidden behind "
+                f"backward: {100 * hidden:.0f}%; final loss {final_loss:.5f} "
+                f"(first {run.losses[0]:.5f})"
+            )
+        if not args.check_ddp:
+            return 0
+        reference = train_with_ddp(args, gang.rank, gang.device)
+        mismatch = compare(run, reference)
+        verdict = torch.tensor([0 if mismatch is None else 1], device=gang.device)
+        await gang.all_reduce(verdict, agang.ReduceOp.MAX)
+        if mismatch is not None:
+            say(f"rank {gang.rank}: agang and DDP differ: {mismatch}")
+        elif gang.rank == 0:
+            say(
+                f"DDP check passed: {args.steps} losses and all parameters match "
+                f"(largest parameter difference {largest_difference(run, reference):.2g}); "
+                f"DDP took {reference.seconds:.2f} s"
+            )
+        return int(verdict.item())
+    finally:
+        await gang.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    try:
+        import uvloop
+
+        sys.exit(uvloop.run(main()))
+    except ImportError:  # pragma: no cover - uvloop is a dependency, but not on Windows
+        sys.exit(asyncio.run(main()))
