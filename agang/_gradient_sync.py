@@ -4,7 +4,9 @@ Rules:
 1. Buckets are fixed at construction, equal on every rank: the trainable parameters in
    reverse registration order (the order backward tends to produce their gradients, as
    DDP assumes), packed by ``_coalesce.plan_buckets`` into flat buffers of at most
-   ``bucket_bytes`` per dtype and device.
+   ``bucket_bytes`` per dtype and device. As in DDP, the first parameters (the last
+   layers, whose gradients come first) go into smaller buckets of at most
+   ``first_bucket_bytes``, so that communication starts early in backward.
 2. Each parameter's gradient lives in its bucket's buffer (a view, as DDP's
    ``gradient_as_bucket_view``): autograd accumulates straight into it. Where autograd
    handed over a fresh tensor instead (the first step, or after ``zero_grad`` set the
@@ -41,6 +43,7 @@ from agang._reduce_op import ReduceOp
 from agang._validate import check_positive_int, check_rank, check_reduce_op, check_timeout
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
+DEFAULT_FIRST_BUCKET_BYTES = 1024 * 1024
 
 
 @dataclass(eq=False)
@@ -107,6 +110,8 @@ class GradientSync:
         model: The replica on this rank; its trainable parameters are synchronised.
         gang: The data-parallel gang.
         bucket_bytes: The most bytes per bucket.
+        first_bucket_bytes: The most bytes in the first bucket (filled first by backward);
+            a small one lets communication start early, as in DDP.
         op: How gradients are combined; ``MEAN`` averages them, as DDP does.
         source_rank: The rank whose parameters and buffers every replica starts from.
         timeout: Seconds before each bucket's deadline; None for the gang's default.
@@ -127,6 +132,7 @@ class GradientSync:
         gang: Gang,
         *,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        first_bucket_bytes: int = DEFAULT_FIRST_BUCKET_BYTES,
         op: ReduceOp = ReduceOp.MEAN,
         source_rank: int = 0,
         timeout: float | None = None,
@@ -143,6 +149,9 @@ class GradientSync:
         self._gang = gang
         self._op = check_reduce_op(op)
         self._bucket_bytes = check_positive_int(bucket_bytes, name="bucket_bytes")
+        self._first_bucket_bytes = min(
+            check_positive_int(first_bucket_bytes, name="first_bucket_bytes"), self._bucket_bytes
+        )
         self._timeout = check_timeout(timeout)
         source_rank = check_rank(source_rank, gang.size, name="source_rank")
         params = list(dict.fromkeys(p for p in model.parameters() if p.requires_grad))
@@ -167,8 +176,19 @@ class GradientSync:
 
     def _make_buckets(self, params: list[torch.nn.Parameter]) -> list[_Bucket]:
         keys = [((p.dtype, p.device), p.numel() * p.element_size()) for p in params]
+        # The first parameters that fit under the first cap (at least one) are planned
+        # with it; the rest with the normal cap (rule 1).
+        split, total = 0, 0
+        while split < len(keys) and (
+            split == 0 or total + keys[split][1] <= self._first_bucket_bytes
+        ):
+            total += keys[split][1]
+            split += 1
+        plan = plan_buckets(keys[:split], self._first_bucket_bytes) + [
+            [split + i for i in bucket] for bucket in plan_buckets(keys[split:], self._bucket_bytes)
+        ]
         buckets = []
-        for index, members in enumerate(plan_buckets(keys, self._bucket_bytes)):
+        for index, members in enumerate(plan):
             chosen = [params[i] for i in members]
             buffer = torch.zeros(
                 sum(p.numel() for p in chosen), dtype=chosen[0].dtype, device=chosen[0].device
