@@ -143,7 +143,8 @@ def plot_timeline(timeline: dict[str, Any], path: Path) -> None:
     for index, num_bytes, issued, finished in timeline["buckets"]:
         axes.barh(0, (finished - issued) * 1e3, left=(issued - origin) * 1e3,
                   color="tab:green", edgecolor="black")  # fmt: skip
-        axes.text((issued - origin) * 1e3, -0.45, f"b{index}", fontsize=7)
+        label = f"b{index} {num_bytes / 2**20:.1f} MiB"
+        axes.text((issued - origin) * 1e3, -0.45 + 0.12 * index, label, fontsize=7)
     axes.set_yticks([0, 1], ["all-reduce\n(buckets)", "compute"])
     axes.set_xlabel("ms since forward started (rank 0, one agang step)")
     axes.set_title(f"GradientSync: {100 * timeline['hidden_share']:.0f}% of communication hidden")
