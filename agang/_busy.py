@@ -44,6 +44,8 @@ def acquire(tensors: Sequence[tuple[str, torch.Tensor]], holder: object) -> Clai
     Raises:
         TensorBusyError: Some memory is held by an unfinished op; nothing is marked.
     """
+    if len(tensors) == 1:
+        return _acquire_one(*tensors[0], holder)
     claim: Claim = []
     with _lock:
         for name, tensor in tensors:
@@ -64,6 +66,34 @@ def acquire(tensors: Sequence[tuple[str, torch.Tensor]], holder: object) -> Clai
             _ends.insert(index, end)
             _holders.insert(index, holder)
     return claim
+
+
+def _acquire_one(name: str, tensor: torch.Tensor, holder: object) -> Claim:
+    # The common case (one tensor), without the loops: it runs once per op.
+    size = tensor.numel() * tensor.element_size()
+    if not size:
+        return []
+    start = tensor.data_ptr()
+    end = start + size
+    with _lock:
+        index = bisect.bisect_left(_starts, end) - 1
+        if index >= 0 and _ends[index] > start:
+            _refuse(name, _holders[index])
+        index += 1
+        _starts.insert(index, start)
+        _ends.insert(index, end)
+        _holders.insert(index, holder)
+    return [(start, end)]
+
+
+def release_all(claims: Sequence[Claim]) -> None:
+    """Frees several ops' ranges under one lock (the members of a flat op)."""
+    with _lock:
+        for claim in claims:
+            for start, _ in claim:
+                index = bisect.bisect_left(_starts, start)
+                if index < len(_starts) and _starts[index] == start:
+                    del _starts[index], _ends[index], _holders[index]
 
 
 def release(claim: Claim) -> None:

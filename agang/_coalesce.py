@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Hashable, Sequence
+from collections.abc import Generator, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, final
 
 import torch
 
@@ -60,12 +60,13 @@ def plan_buckets(items: Sequence[tuple[Hashable, int]], cap: int | None) -> list
 
 
 def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    return torch.cat([t.reshape(-1) for t in tensors])
+    return torch.cat([t.view(-1) for t in tensors])
 
 
 def unflatten_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
-    parts = torch.split(flat, [t.numel() for t in tensors])
-    torch._foreach_copy_([t.view(-1) for t in tensors], list(parts))
+    """Copies ``flat``'s consecutive parts back into ``tensors`` (contiguous)."""
+    views = [t.view(-1) for t in tensors]
+    torch._foreach_copy_(views, list(torch.split(flat, [v.numel() for v in views])))
 
 
 def current_owner() -> object:
@@ -81,7 +82,7 @@ def current_owner() -> object:
         return threading.get_ident()
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Member:
     """An all-reduce held in a scope until the scope ends."""
 
@@ -92,6 +93,40 @@ class Member:
     claim: _busy.Claim
 
 
+@final
+class Coalesced:
+    """What a ``coalesce()`` scope issued: await it for all its tensors at once.
+
+    Each held all-reduce also has its own handle (:attr:`handles`); awaiting this object
+    instead costs one wake-up for the whole scope.
+
+    Example:
+        >>> with gang.coalesce() as batch:
+        ...     for grad in grads:
+        ...         gang.all_reduce(grad)
+        >>> await batch  # every grad reduced, in place
+    """
+
+    def __init__(self) -> None:
+        #: The handles of the scope's all-reduces, in call order.
+        self.handles: list[Handle[torch.Tensor]] = []
+        self._tensors: list[torch.Tensor] = []
+        self._flats: list[Handle[list[torch.Tensor]]] = []  # the flat ops, as issued
+        self._all: Handle[list[torch.Tensor]] | None = None
+
+    def _issued(self) -> Handle[list[torch.Tensor]]:
+        if self._all is None:
+            raise RuntimeError(HELD)
+        return self._all
+
+    def __await__(self) -> Generator[Any, None, list[torch.Tensor]]:
+        return self._issued().__await__()
+
+    def wait(self, timeout: float | None = None) -> list[torch.Tensor]:
+        """Blocks until every all-reduce of the scope finished; their tensors."""
+        return self._issued().wait(timeout)
+
+
 @dataclass(eq=False)
 class Scope:
     """One open ``coalesce()`` scope of one owner on one gang."""
@@ -99,6 +134,7 @@ class Scope:
     owner: object
     depth: int = 1
     members: list[Member] = field(default_factory=list)
+    issued: Coalesced = field(default_factory=Coalesced)
 
     def take(self) -> list[Member]:
         members, self.members = self.members, []
@@ -112,11 +148,13 @@ HELD = (
 
 
 def group_members(members: Sequence[Member]) -> list[list[Member]]:
-    """The scope's members in flat groups (rule 2)."""
-    keys: list[tuple[Hashable, int]] = [
-        ((m.op, m.tensor.dtype, m.tensor.device), 0) for m in members
-    ]
-    return [[members[i] for i in bucket] for bucket in plan_buckets(keys, None)]
+    """The scope's members in flat groups (rule 2): ``plan_buckets`` with no cap,
+    written out because it runs for every scope."""
+    groups: dict[tuple[Any, ...], list[Member]] = {}
+    for member in members:
+        tensor = member.tensor
+        groups.setdefault((member.op, tensor.dtype, tensor.device), []).append(member)
+    return list(groups.values())
 
 
 def group_timeout(timeouts: Sequence[float | None]) -> float | None:

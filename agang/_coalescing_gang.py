@@ -18,6 +18,7 @@ from typing_extensions import override
 from agang import _busy
 from agang._coalesce import (
     HELD,
+    Coalesced,
     Member,
     Scope,
     all_of,
@@ -116,7 +117,7 @@ class CoalescingGang(IssuingGang):
 
     @override
     @contextlib.contextmanager
-    def coalesce(self) -> Iterator[None]:
+    def coalesce(self) -> Iterator[Coalesced]:
         owner = current_owner()
         with self._lock:
             scope = self._scopes.get(owner)
@@ -126,7 +127,7 @@ class CoalescingGang(IssuingGang):
                 self._check_usable()
                 scope = self._scopes[owner] = Scope(owner)
         try:
-            yield
+            yield scope.issued
         finally:
             with self._lock:
                 scope.depth -= 1
@@ -136,13 +137,16 @@ class CoalescingGang(IssuingGang):
             if last:
                 # Also on an exception: the held ops were issued as far as the caller
                 # and the other ranks know, so they are started, not dropped.
-                self._issue_members(scope.take())
+                issued = scope.issued
+                self._issue_members(scope.take(), issued)
+                issued._all = all_of(issued._flats, issued._tensors, op="coalesce")
 
     def _hold(
         self, scope: Scope, tensor: torch.Tensor, op: ReduceOp, timeout: float | None
     ) -> Handle[torch.Tensor]:
-        self._check_usable()
-        seconds = self._resolve_timeout(timeout) if timeout is not None else self._op_timeout
+        if self._closed or self._broken is not None:
+            self._check_usable()
+        seconds = self._op_timeout if timeout is None else self._resolve_timeout(timeout)
         handle: Handle[torch.Tensor] = Handle(
             op="all_reduce",
             seq=-1,  # numbered when the scope ends
@@ -152,14 +156,16 @@ class CoalescingGang(IssuingGang):
         claim = _busy.acquire([("tensor", tensor)], handle)
         handle._hold = HELD
         scope.members.append(Member(tensor, op, seconds, handle, claim))
+        scope.issued.handles.append(handle)
+        scope.issued._tensors.append(tensor)
         return handle
 
     def _flush_scope_of(self, owner: object) -> None:
         scope = self._scopes.get(owner)
         if scope is not None and scope.members:
-            self._issue_members(scope.take())
+            self._issue_members(scope.take(), scope.issued)
 
-    def _issue_members(self, members: list[Member]) -> None:
+    def _issue_members(self, members: list[Member], issued: Coalesced) -> None:
         for group in group_members(members):
             tensors = [m.tensor for m in group]
             claims = [m.claim for m in group]
@@ -169,16 +175,22 @@ class CoalescingGang(IssuingGang):
             try:
                 flat = self._issue_flat(tensors, group[0].op, timeout, claims)
             except Exception as exc:  # the gang was closed or broke meanwhile
+                _busy.release_all(claims)
                 for member in group:
-                    _busy.release(member.claim)
                     member.handle._finish(None, exc)
+                failed: Handle[list[torch.Tensor]] = Handle(
+                    op="all_reduce", seq=-1, num_bytes=0, timeout=None
+                )
+                failed._finish(None, exc)
+                issued._flats.append(failed)
                 continue
+            issued._flats.append(flat)
             if len(group) > 1:
                 with self._lock:
                     self._counters.num_coalesced += len(group)
             for member in group:
                 member.handle.seq = flat.seq
-                _forward(flat, member.handle, member.tensor)
+            flat._add_done_callback(_finisher(flat, group))
 
     def _issue_flat(
         self,
@@ -201,8 +213,7 @@ class CoalescingGang(IssuingGang):
                 unflatten_into(flat, tensors)
 
         def done(error: BaseException | None) -> None:
-            for claim in claims:
-                _busy.release(claim)
+            _busy.release_all(claims)
             self._complete(handle, tensors, error)
 
         self._admit(
@@ -341,12 +352,15 @@ class _BucketHolder:
         return f"bucket {self.number} of this `all_reduce_bucketed` call"
 
 
-def _forward(flat: Handle[Any], member: Handle[torch.Tensor], tensor: torch.Tensor) -> None:
-    def forward() -> None:
-        error = flat.exception()
-        member._finish(None if error is not None else tensor, error)
+def _finisher(flat: Handle[Any], group: list[Member]) -> Callable[[], None]:
+    """Finishes every member of a flat op with its own tensor, or the op's error."""
 
-    flat._add_done_callback(forward)
+    def finish_members() -> None:
+        error = flat.exception()
+        for member in group:
+            member.handle._finish(None if error is not None else member.tensor, error)
+
+    return finish_members
 
 
 def start_guarded(start: Start, done: Done) -> None:

@@ -19,6 +19,7 @@ from typing import Any, Literal, overload
 
 import torch
 
+from agang._coalesce import Coalesced
 from agang._handle import Handle
 from agang._reduce_op import ReduceOp
 from agang._statistics import GangStatistics
@@ -80,7 +81,7 @@ class Gang(ABC):
         """
 
     @abstractmethod
-    def coalesce(self) -> contextlib.AbstractContextManager[None]:
+    def coalesce(self) -> contextlib.AbstractContextManager[Coalesced]:
         """A scope whose all-reduces are issued together, as few flat ops, when it ends.
 
         Inside the scope, ``all_reduce`` returns its handle at once but holds the op;
@@ -95,11 +96,14 @@ class Gang(ABC):
         the scope holds, so program order is kept. Awaiting a held handle inside the
         scope raises ``RuntimeError`` (it could never finish); await after the block.
 
+        Returns:
+            A context manager whose value, a :class:`agang.Coalesced`, is awaitable once
+            the scope has ended: it waits for all of the scope's all-reduces at once.
+
         Example:
-            >>> with gang.coalesce():
+            >>> with gang.coalesce() as batch:
             ...     handles = [gang.all_reduce(g) for g in grads]
-            >>> for handle in handles:
-            ...     await handle
+            >>> await batch  # or await each handle
         """
 
     @overload

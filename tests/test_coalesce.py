@@ -303,3 +303,25 @@ def test_fake_gang_scopes_and_buckets_work_synchronously() -> None:
     assert [h.wait(timeout=1).sum().item() for h in handles] == [12.0, 8.0]
     out = gang.all_reduce_bucketed([torch.ones(2)] * 1 + [torch.ones(3)], bucket_bytes=8).wait(1)
     assert [o.sum().item() for o in out] == [8.0, 12.0]
+
+
+@pytest.mark.anyio
+async def test_awaiting_the_scope_waits_for_all_of_it() -> None:
+    world = FakeWorld(2)
+
+    async def program(gang: agang.Gang) -> list[list[float]]:
+        tensors = [torch.ones(2), torch.ones(3, dtype=torch.float64), torch.ones(1)]
+        with gang.coalesce() as batch:
+            for tensor in tensors:
+                gang.all_reduce(tensor)
+            with pytest.raises(RuntimeError, match="held by the open"):
+                await batch
+            gang.barrier()  # flushes the first three: two flat ops
+            gang.all_reduce(torch.ones(1))
+        out = await batch
+        assert all(o is t for o, t in zip(out, tensors, strict=False))
+        assert len(batch.handles) == 4
+        return [o.tolist() for o in out]
+
+    expected = [[2.0, 2.0], [2.0, 2.0, 2.0], [2.0], [2.0]]
+    assert await world.run(program) == [expected, expected]

@@ -28,6 +28,7 @@ AGANG_API = {
     "Handle",
     "ReduceOp",
     "GangStatistics",
+    "Coalesced",
     "GradientSync",
     "StepTimes",
     "Quantiles",
