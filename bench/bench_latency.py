@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import multiprocessing
 import re
 import statistics
 import sys
@@ -46,17 +45,18 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import _common
 import anyio
 import torch
 import torch.distributed as dist
+from _common import WORLD_SIZE, format_bytes, format_seconds
 
 import agang
 
-WORLD_SIZE = 2
 WARMUP_OPS = 1
 DEFAULT_SIZES = "4,4K,256K,4M,64M"
 OUT_DIR = Path(__file__).resolve().parent / "out"
@@ -221,67 +221,9 @@ def _rank_main(env: dict[str, str], plans: list[SizePlan], conn: Connection) -> 
 # The parent: starts the ranks and collects their samples.
 
 
-def _rank_env(rank: int, port: int) -> dict[str, str]:
-    return {
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-        "RANK": str(rank),
-        "LOCAL_RANK": str(rank),
-        "WORLD_SIZE": str(WORLD_SIZE),
-        "TORCHELASTIC_USE_AGENT_STORE": "True",
-    }
-
-
-def _collect(conns: list[Connection], deadline: float) -> list[dict[int, Samples]]:
-    """Each rank's samples, in rank order; raises on a rank's error or at the deadline."""
-    results: dict[int, dict[int, Samples]] = {}
-    pending = dict(enumerate(conns))
-    while pending:  # bounded: every pass takes one result or raises
-        ready = wait(list(pending.values()), timeout=max(0.0, deadline - time.monotonic()))
-        if not ready:
-            raise TimeoutError(f"Ranks {sorted(pending)} did not finish before the deadline.")
-        for rank, conn in list(pending.items()):
-            if conn in ready:
-                results[rank] = _receive(rank, conn)
-                del pending[rank]
-    return [results[rank] for rank in range(len(conns))]
-
-
-def _receive(rank: int, conn: Connection) -> dict[int, Samples]:
-    try:
-        status, payload = conn.recv()
-    except EOFError:
-        raise RuntimeError(f"Rank {rank} exited without sending its results.") from None
-    if status != "ok":
-        raise RuntimeError(f"Rank {rank} failed:\n{payload}")
-    return payload  # type: ignore[no-any-return]
-
-
-def _stop(processes: list[multiprocessing.process.BaseProcess]) -> None:
-    for process in processes:
-        process.join(timeout=10.0)
-        if process.is_alive():
-            process.kill()
-            process.join(timeout=5.0)
-
-
 def run_ranks(plans: list[SizePlan], timeout: float) -> list[dict[int, Samples]]:
     """Runs the plan on WORLD_SIZE local ranks; returns each rank's samples."""
-    store = dist.TCPStore("127.0.0.1", 0, WORLD_SIZE, is_master=True, wait_for_workers=False)
-    context = multiprocessing.get_context("spawn")
-    processes, conns = [], []
-    try:
-        for rank in range(WORLD_SIZE):
-            receiver, sender = context.Pipe(duplex=False)
-            env = _rank_env(rank, store.port)
-            process = context.Process(target=_rank_main, args=(env, plans, sender), daemon=True)
-            process.start()
-            sender.close()
-            processes.append(process)
-            conns.append(receiver)
-        return _collect(conns, time.monotonic() + timeout)
-    finally:
-        _stop(processes)
+    return _common.run_ranks(_rank_main, plans, timeout)
 
 
 # Reporting.
@@ -322,19 +264,6 @@ def summarize(rank: int, by_size: dict[int, Samples]) -> list[Stats]:
                 )
             )
     return rows
-
-
-def format_bytes(num_bytes: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if num_bytes >= scale and num_bytes % scale == 0:
-            return f"{num_bytes // scale} {unit}"
-    return f"{num_bytes} B"
-
-
-def format_seconds(seconds: float) -> str:
-    if seconds < 1e-3:
-        return f"{seconds * 1e6:.0f} us"
-    return f"{seconds * 1e3:.2f} ms"
 
 
 def print_table(rows: list[Stats]) -> None:

@@ -1,0 +1,110 @@
+"""What the benchmarks share: starting 2 local Gloo ranks, collecting results, formatting.
+
+The parent hosts the TCPStore on 127.0.0.1 with port 0 (the kernel picks a free port,
+with no race) and starts each rank as a spawned process that joins it as a client, as
+torchrun's agent does (``TORCHELASTIC_USE_AGENT_STORE``). A rank's target is a
+module-level function ``target(env, payload, conn)`` that sends ``("ok", result)`` or
+``("error", traceback text)`` on ``conn``; :func:`run_ranks` returns the results in rank
+order, or raises with the failing rank's traceback, and never leaves a rank running.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+WORLD_SIZE = 2
+
+RankTarget = Callable[[dict[str, str], Any, Connection], None]
+
+
+def rank_env(rank: int, port: int) -> dict[str, str]:
+    """The torchrun-style environment of one local rank joining the store at ``port``."""
+    return {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(WORLD_SIZE),
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+    }
+
+
+def _receive(rank: int, conn: Connection) -> Any:
+    try:
+        status, payload = conn.recv()
+    except EOFError:
+        raise RuntimeError(f"Rank {rank} exited without sending its results.") from None
+    if status != "ok":
+        raise RuntimeError(f"Rank {rank} failed:\n{payload}")
+    return payload
+
+
+def _collect(conns: list[Connection], deadline: float) -> list[Any]:
+    """Each rank's result, in rank order; raises on a rank's error or at the deadline."""
+    results: dict[int, Any] = {}
+    pending = dict(enumerate(conns))
+    while pending:  # bounded: every pass takes one result or raises
+        ready = wait(list(pending.values()), timeout=max(0.0, deadline - time.monotonic()))
+        if not ready:
+            raise TimeoutError(f"Ranks {sorted(pending)} did not finish before the deadline.")
+        for rank, conn in list(pending.items()):
+            if conn in ready:
+                results[rank] = _receive(rank, conn)
+                del pending[rank]
+    return [results[rank] for rank in range(len(conns))]
+
+
+def _stop(processes: Sequence[BaseProcess]) -> None:
+    for process in processes:
+        process.join(timeout=10.0)
+        if process.is_alive():
+            process.kill()
+            process.join(timeout=5.0)
+
+
+def run_ranks(target: RankTarget, payload: Any, timeout: float) -> list[Any]:
+    """Runs ``target(env, payload, conn)`` on WORLD_SIZE local ranks; their results."""
+    store = TCPStore("127.0.0.1", 0, WORLD_SIZE, is_master=True, wait_for_workers=False)
+    context = multiprocessing.get_context("spawn")
+    processes: list[BaseProcess] = []
+    conns: list[Connection] = []
+    try:
+        for rank in range(WORLD_SIZE):
+            receiver, sender = context.Pipe(duplex=False)
+            env = rank_env(rank, store.port)
+            process = context.Process(target=target, args=(env, payload, sender), daemon=True)
+            process.start()
+            sender.close()
+            processes.append(process)
+            conns.append(receiver)
+        return _collect(conns, time.monotonic() + timeout)
+    finally:
+        _stop(processes)
+
+
+def percentile(values: Sequence[float], q: int) -> float:
+    """The q-th percentile (1..99, inclusive method), or the only value."""
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
+
+
+def format_bytes(num_bytes: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if num_bytes >= scale and num_bytes % scale == 0:
+            return f"{num_bytes // scale} {unit}"
+    return f"{num_bytes} B"
+
+
+def format_seconds(seconds: float) -> str:
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.0f} us"
+    return f"{seconds * 1e3:.2f} ms"
