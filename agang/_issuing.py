@@ -471,6 +471,8 @@ class IssuingGang(Gang):
         for handle, abandon in dropped:
             abandon(abandoned(handle))  # releases their tensors; nothing was started
         try:
+            # A woken waiter may have closed the gang meanwhile; the implementations
+            # cope with a backend that is already released.
             self._abort_backend()
         except Exception:
             log.exception("Aborting the communicator of gang '%s' failed.", self._name)

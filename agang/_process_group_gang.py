@@ -340,9 +340,11 @@ class ProcessGroupGang(BaseGang):
     @override
     def _abort_backend(self) -> None:
         # NCCL's abort can take a moment; never on the caller's (maybe the loop's) thread.
-        _ = start_thread(self._pg.abort, name=f"abort gang '{self.name}'")
-        if self._order_group is not None:
-            _ = start_thread(self._order_group.abort, name=f"abort order checks '{self.name}'")
+        group, order_group = getattr(self, "_pg", None), self._order_group
+        if group is not None:  # None: a close on another thread has released it already
+            _ = start_thread(group.abort, name=f"abort gang '{self.name}'")
+        if order_group is not None:
+            _ = start_thread(order_group.abort, name=f"abort order checks '{self.name}'")
 
     @override
     def _release_backend(self, *, pending: bool) -> None:
@@ -411,12 +413,28 @@ class ProcessGroupGang(BaseGang):
             for digest in dict.fromkeys(digests):  # one rank per distinct fingerprint
                 ranks = [r for r, d in enumerate(digests) if d == digest]
                 key = f"{prefix}/{ranks[0]}"
-                text = fingerprint if self.rank in ranks else store.get(key).decode()
+                if self.rank in ranks:
+                    text = fingerprint
+                else:
+                    if not self._await_key(store, key):
+                        return  # the gang broke or closed meanwhile: nobody is waiting
+                    text = store.get(key).decode()
                 texts.update(dict.fromkeys(ranks, text))
         except Exception as exc:
             checked(None, exc)
             return
         checked(texts, None)
+
+    def _await_key(self, store: Any, key: str) -> bool:
+        # Not a blocking get: it holds the store client's lock while it waits, so two
+        # exchanges at once (two mismatched positions, or two gangs) could deadlock
+        # across ranks. Bounded by the backstop; the op's own deadline fires first.
+        give_up = time.monotonic() + self._backstop
+        while not store.check([key]):
+            if self._broken is not None or self._closed or time.monotonic() > give_up:
+                return False
+            time.sleep(0.002)
+        return True
 
     # Sub-gangs and lanes.
 
