@@ -161,7 +161,7 @@ def main() -> None:
     payload = {
         "width": 1024,
         "depth": 6,
-        "batch": 32,
+        "batch": 16,
         "warmup": 2 if args.quick else 5,
         "steps": 5 if args.quick else 30,
     }
