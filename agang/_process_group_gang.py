@@ -66,6 +66,12 @@ def backstop_for(timeout: float | None) -> float:
 _open_world_gangs: weakref.WeakSet[ProcessGroupGang] = weakref.WeakSet()
 _EXIT_CLOSE_SECONDS = 5.0
 
+# Gloo groups closed with work still running. Gloo's abort() does nothing, and its
+# destructor waits for that work, which ends only when the peer's connections close:
+# run on close, it would block close for as long as the peer lives. So they are kept,
+# never destroyed (one leaked group per such close).
+_unfinished_groups: list[dist.ProcessGroup] = []
+
 
 @atexit.register
 def _close_open_gangs_at_exit() -> None:
@@ -350,8 +356,9 @@ class ProcessGroupGang(BaseGang):
     def _release_backend(self, *, pending: bool) -> None:
         for waiter in self._waiters.values():
             waiter.stop()
+        unfinished = pending or self._broken is not None
         try:
-            if pending or self._broken is not None:
+            if unfinished:
                 # destroy waits for pending NCCL kernels, and could wait for ever.
                 self._pg.abort()
             if self._order_group is not None:
@@ -366,6 +373,10 @@ class ProcessGroupGang(BaseGang):
             log.warning(
                 "Releasing the process group of gang '%s' failed.", self.name, exc_info=True
             )
+        if unfinished and self._backend == "gloo":
+            _unfinished_groups.append(self._pg)
+            if self._order_group is not None:
+                _unfinished_groups.append(self._order_group)
         # Drop our reference here, on the closing thread. Completion callbacks hold the
         # gang and are freed on c10d's threads; if the gang still held the group then,
         # its destructor could run on its own worker thread and abort the process

@@ -17,7 +17,10 @@ Rules:
    Finishing a started op frees its room; finishing a queued one (the gang broke or
    closed) only removes it.
 4. Deadlines sit in one heap ordered by time, with lazy deletion: ``due(now)`` pops the
-   ops whose deadline has passed and that are still in flight, each at most once.
+   ops whose deadline has passed and that are still in flight, each at most once. The
+   heap is compacted whenever it holds more than twice the ops in flight (plus a
+   floor), so finished ops' deadlines cost O(in flight) memory, not O(ops issued
+   within one deadline).
    ``next_deadline()`` is the single time the driver's one timer must fire at.
 5. The flight recorder keeps the last ``history`` finished ops, oldest first, so a
    timeout can show what this rank completed last, next to what it still has in flight.
@@ -30,6 +33,9 @@ import heapq
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+# Below this many stale deadlines the heap is left alone (rule 4).
+_COMPACT_FLOOR = 64
 
 
 @dataclass(eq=False)
@@ -166,6 +172,8 @@ class Scheduler:
         if self._gate_holder == seq:
             self._gate_holder = None
         self._recent.append(Record(seq, entry.op, entry.num_bytes, seconds, outcome))
+        if len(self._deadlines) > 2 * len(self.entries) + _COMPACT_FLOOR:
+            self._compact_deadlines()
         return entry
 
     def drop_queued(self) -> list[Entry]:
@@ -179,6 +187,16 @@ class Scheduler:
         return list(self._recent)
 
     # Deadlines (rule 4).
+
+    def _compact_deadlines(self) -> None:
+        """Drops the deadlines of ops no longer in flight (rule 4); amortized O(1)."""
+        live = []
+        for deadline, seq in self._deadlines:
+            entry = self.entries.get(seq)
+            if entry is not None and not entry.expired:
+                live.append((deadline, seq))
+        heapq.heapify(live)
+        self._deadlines = live
 
     def next_deadline(self) -> float | None:
         while self._deadlines:
