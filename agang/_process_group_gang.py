@@ -66,12 +66,6 @@ def backstop_for(timeout: float | None) -> float:
 _open_world_gangs: weakref.WeakSet[ProcessGroupGang] = weakref.WeakSet()
 _EXIT_CLOSE_SECONDS = 5.0
 
-# Gloo groups closed with work still running. Gloo's abort() does nothing, and its
-# destructor waits for that work, which ends only when the peer's connections close:
-# run on close, it would block close for as long as the peer lives. So they are kept,
-# never destroyed (one leaked group per such close).
-_unfinished_groups: list[dist.ProcessGroup] = []
-
 
 @atexit.register
 def _close_open_gangs_at_exit() -> None:
@@ -373,10 +367,9 @@ class ProcessGroupGang(BaseGang):
             log.warning(
                 "Releasing the process group of gang '%s' failed.", self.name, exc_info=True
             )
-        if unfinished and self._backend == "gloo":
-            _unfinished_groups.append(self._pg)
-            if self._order_group is not None:
-                _unfinished_groups.append(self._order_group)
+        # Not kept alive past close even when work is stuck in Gloo (its destructor then
+        # waits for the peer, up to the close bound): a group that outlived close was
+        # destroyed at interpreter exit instead and aborted the process (-6/-11, in CI).
         # Drop our reference here, on the closing thread. Completion callbacks hold the
         # gang and are freed on c10d's threads; if the gang still held the group then,
         # its destructor could run on its own worker thread and abort the process
