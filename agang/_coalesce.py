@@ -163,6 +163,13 @@ def group_timeout(timeouts: Sequence[float | None]) -> float | None:
     return min(finite) if finite else None
 
 
+def failed(op: str, error: BaseException) -> Handle[Any]:
+    """A handle that has already failed: for an op that could not be issued."""
+    handle: Handle[Any] = Handle(op=op, seq=-1, num_bytes=0, timeout=None)
+    handle._finish(None, error)
+    return handle
+
+
 def all_of(handles: Sequence[Handle[Any]], value: Any, *, op: str) -> Handle[Any]:
     """A handle that finishes with ``value`` once all ``handles`` have, or with the first
     error among them (in order)."""

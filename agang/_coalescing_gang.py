@@ -23,6 +23,7 @@ from agang._coalesce import (
     Scope,
     all_of,
     current_owner,
+    failed,
     flatten,
     group_members,
     group_timeout,
@@ -178,11 +179,7 @@ class CoalescingGang(IssuingGang):
                 _busy.release_all(claims)
                 for member in group:
                     member.handle._finish(None, exc)
-                failed: Handle[list[torch.Tensor]] = Handle(
-                    op="all_reduce", seq=-1, num_bytes=0, timeout=None
-                )
-                failed._finish(None, exc)
-                issued._flats.append(failed)
+                issued._flats.append(failed("all_reduce", exc))
                 continue
             issued._flats.append(flat)
             if len(group) > 1:
@@ -224,6 +221,8 @@ class CoalescingGang(IssuingGang):
         )
         return handle
 
+    # The overloads repeat the ABC's: mypy refuses a plain override of an overloaded
+    # method whose return is the union.
     @overload
     def all_reduce_bucketed(
         self,
@@ -283,8 +282,7 @@ class CoalescingGang(IssuingGang):
                 pairs = [(f"tensors[{i}]", checked[i]) for i in bucket]
                 claims.append(_busy.acquire(pairs, holder))
         except Exception:
-            for claim in claims:
-                _busy.release(claim)
+            _busy.release_all(claims)
             raise
         handles = []
         for number, bucket in enumerate(buckets):
@@ -292,13 +290,8 @@ class CoalescingGang(IssuingGang):
             try:
                 handles.append(self._issue_flat(members, op, seconds, [claims[number]]))
             except Exception as exc:  # the gang broke or closed meanwhile
-                for claim in claims[number:]:
-                    _busy.release(claim)
-                failed: Handle[list[torch.Tensor]] = Handle(
-                    op="all_reduce", seq=-1, num_bytes=0, timeout=seconds
-                )
-                failed._finish(None, exc)
-                handles.append(failed)
+                _busy.release_all(claims[number:])
+                handles.append(failed("all_reduce", exc))
                 break
         with self._lock:
             self._counters.num_coalesced += sum(len(b) for b in buckets if len(b) > 1)

@@ -36,7 +36,7 @@ from typing import Any, final
 
 import torch
 
-from agang._coalesce import flatten, plan_buckets, unflatten_into
+from agang._coalesce import all_of, flatten, plan_buckets, unflatten_into
 from agang._gang import Gang
 from agang._handle import Handle
 from agang._reduce_op import ReduceOp
@@ -208,32 +208,23 @@ class GradientSync:
         groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
         for tensor in tensors:
             groups.setdefault((tensor.dtype, tensor.device), []).append(tensor)
-        handles = []
+        broadcasts = []
         for members in groups.values():
             flat = flatten([t.detach() for t in members])
             handle = self._gang.broadcast(flat, source_rank, timeout=self._timeout)
-            handles.append((handle, flat, members))
+            broadcasts.append((handle, flat, members))
+        everything = all_of([b[0] for b in broadcasts], None, op="broadcast parameters")
         done: Handle[Any] = Handle(op="broadcast parameters", seq=-1, num_bytes=0, timeout=None)
-        remaining = [len(handles)]
 
         def copy_back() -> None:
-            with self._lock:
-                remaining[0] -= 1
-                if remaining[0]:
-                    return
-            for handle, flat, members in handles:
-                error = handle.exception()
-                if error is not None:
-                    done._finish(None, error)
-                    return
+            error = everything.exception()
+            if error is None:
                 with torch.no_grad():
-                    unflatten_into(flat, [t.detach() for t in members])
-            done._finish(None, None)
+                    for _, flat, members in broadcasts:
+                        unflatten_into(flat, [t.detach() for t in members])
+            done._finish(None, error)
 
-        if not handles:
-            done._finish(None, None)
-        for handle, _, _ in handles:
-            handle._add_done_callback(copy_back)
+        everything._add_done_callback(copy_back)
         return done
 
     # The user's side.

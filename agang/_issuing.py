@@ -68,6 +68,23 @@ Start = Callable[[Done], None]
 Checked = Callable[[dict[int, str] | None, BaseException | None], None]
 
 
+def after_post(post: Callable[[], None] | None, done: Done) -> Done:
+    """``done``, preceded on success by ``post`` (an op's post-processing); an error
+    ``post`` raises becomes the op's error."""
+    if post is None:
+        return done
+
+    def post_then_done(error: BaseException | None) -> None:
+        if error is None:
+            try:
+                post()
+            except Exception as exc:
+                error = exc
+        done(error)
+
+    return post_then_done
+
+
 class IssuingGang(Gang):
     """A gang's numbering, scheduling, deadlines and lifecycle; collectives build on it."""
 
@@ -332,9 +349,10 @@ class IssuingGang(Gang):
 
     def _complete(self, handle: Handle[Any], value: Any, error: BaseException | None) -> None:
         now = time.monotonic()
-        outcome = "ok" if error is None else "failed"
-        if handle.done() and handle.exception() is not None:
-            outcome = "timed out" if isinstance(handle.exception(), GangTimeoutError) else outcome
+        # A handle that already failed (its deadline passed) records as timed out.
+        earlier = handle._error
+        timed_out = isinstance(earlier, GangTimeoutError)
+        outcome = "timed out" if timed_out else ("ok" if error is None else "failed")
         with self._lock:
             self._scheduler.finish(handle.seq, seconds=now - handle.issued_at, outcome=outcome)
             if self._num_blocked:

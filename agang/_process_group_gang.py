@@ -35,7 +35,7 @@ from agang import _cuda_completion
 from agang._base_gang import BaseGang
 from agang._errors import GangClosedError, GangInitError
 from agang._gang import Gang
-from agang._issuing import Checked, Done
+from agang._issuing import Checked, Done, after_post
 from agang._offload import run_blocking, start_thread
 from agang._policy import GangPolicy
 from agang._reduce_op import ReduceOp, to_c10d
@@ -229,13 +229,7 @@ class ProcessGroupGang(BaseGang):
             )
             return
 
-        def finish(error: BaseException | None) -> None:
-            if error is None and post is not None:
-                try:
-                    post()
-                except Exception as exc:
-                    error = exc
-            done(error)
+        finish = after_post(post, done)
 
         def on_future(future: Any) -> None:
             try:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import multiprocessing
 import statistics
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
@@ -88,6 +89,19 @@ def run_ranks(target: RankTarget, payload: Any, timeout: float) -> list[Any]:
         return _collect(conns, time.monotonic() + timeout)
     finally:
         _stop(processes)
+
+
+def send_result(conn: Connection, measure: Callable[[], Any]) -> None:
+    """In a rank's process: sends ``("ok", measure())`` on ``conn``, or ``("error",
+    traceback)`` if it raised, then closes ``conn``: what :func:`run_ranks` expects."""
+    try:
+        result = measure()
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+    else:
+        conn.send(("ok", result))
+    finally:
+        conn.close()
 
 
 def percentile(values: Sequence[float], q: int) -> float:

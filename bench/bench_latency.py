@@ -42,7 +42,6 @@ import re
 import statistics
 import sys
 import time
-import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
@@ -53,7 +52,7 @@ import _common
 import anyio
 import torch
 import torch.distributed as dist
-from _common import WORLD_SIZE, format_bytes, format_seconds
+from _common import WORLD_SIZE, format_bytes, format_seconds, send_result
 
 import agang
 
@@ -204,18 +203,15 @@ def _measure_size(gang: agang.Gang, plan: SizePlan) -> Samples:
 
 def _rank_main(env: dict[str, str], plans: list[SizePlan], conn: Connection) -> None:
     """A rank's process: runs the plan and sends ("ok", samples) or ("error", text)."""
-    try:
+
+    def measure() -> dict[int, Any]:
         gang = agang.init_sync(env=env, in_process=False, timeout=60.0, op_timeout=120.0)
         try:
-            result = {plan.num_bytes: _measure_size(gang, plan) for plan in plans}
+            return {plan.num_bytes: _measure_size(gang, plan) for plan in plans}
         finally:
             gang.close_sync()
-    except BaseException:
-        conn.send(("error", traceback.format_exc()))
-    else:
-        conn.send(("ok", result))
-    finally:
-        conn.close()
+
+    send_result(conn, measure)
 
 
 # The parent: starts the ranks and collects their samples.

@@ -29,8 +29,8 @@ Usage:
     python bench/bench_scheduler.py --quick    # smoke test, under a minute
 
 Writes ``bench/out/scheduler.json``, then plots (``plot_scheduler.py``) ``coalesce.png``
-and ``scheduler_lag.png`` from it and, from ``bench/out/latency.json`` if
-``bench_latency.py`` wrote one (``plot_latency.py``), ``latency_vs_size.png``.
+and ``scheduler_lag.png`` from it. Latency against message size is ``bench_latency.py``'s
+``latency.png``.
 """
 
 from __future__ import annotations
@@ -42,7 +42,6 @@ import json
 import os
 import sys
 import time
-import traceback
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -51,12 +50,11 @@ from pathlib import Path
 from typing import Any
 
 import _common
-import plot_latency
 import plot_scheduler
 import torch
 import torch.distributed as dist
 import uvloop
-from _common import format_bytes, percentile
+from _common import format_bytes, percentile, send_result
 
 import agang
 
@@ -122,7 +120,7 @@ async def _agang_issued(gang: agang.Gang, ts: list[torch.Tensor]) -> None:
 async def _agang_coalesced(gang: agang.Gang, ts: list[torch.Tensor]) -> None:
     with gang.coalesce() as batch:
         for t in ts:
-            gang.all_reduce(t)
+            _ = gang.all_reduce(t)  # awaited through the scope
     await batch  # one wait for the scope (each handle could be awaited too)
 
 
@@ -293,7 +291,7 @@ def _rank_main(env: dict[str, str], plan: Plan, conn: Connection) -> None:
             seconds = result["seconds"]
             seconds[step] = seconds.get(step, 0.0) + time.monotonic() - started
 
-    try:
+    def measure() -> dict[str, Any]:
         for phase in range(plan.order_phases):
             check = phase % 2 == 1
             with timed("init"):
@@ -316,12 +314,9 @@ def _rank_main(env: dict[str, str], plan: Plan, conn: Connection) -> None:
             finally:
                 with timed("close"):
                     gang.close_sync()
-    except BaseException:
-        conn.send(("error", traceback.format_exc()))
-    else:
-        conn.send(("ok", result))
-    finally:
-        conn.close()
+        return result
+
+    send_result(conn, measure)
 
 
 # Reporting (rank 0 in the tables; both ranks in the JSON file).
@@ -487,10 +482,6 @@ def main(argv: list[str] | None = None) -> int:
     source = OUT_DIR / "scheduler.json"
     source.write_text(json.dumps(document, indent=1, default=str))
     written = [source, *plot_scheduler.plot(source, OUT_DIR)]
-    if plot_latency.plot(OUT_DIR / "latency.json", OUT_DIR / "latency_vs_size.png"):
-        written.append(OUT_DIR / "latency_vs_size.png")
-    else:
-        print("No bench/out/latency.json: run bench/bench_latency.py for latency_vs_size.png.")
     print(f"Wrote {', '.join(path.name for path in written)} in {OUT_DIR}.")
     return 0
 

@@ -24,14 +24,13 @@ import os
 import statistics
 import sys
 import time
-import traceback
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import format_seconds, percentile, run_ranks
+from _common import format_seconds, percentile, run_ranks, send_result
 
 OUT = Path(__file__).resolve().parent / "out"
 MODES = ("agang", "ddp", "naive")
@@ -114,17 +113,15 @@ async def measure(payload: dict[str, Any]) -> dict[str, Any]:
 
 
 def rank_main(env: dict[str, str], payload: dict[str, Any], conn: Connection) -> None:
-    try:
+    def run() -> dict[str, Any]:
         os.environ.update(env)
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         import torch
 
         torch.set_num_threads(1)
-        conn.send(("ok", asyncio.run(measure(payload))))
-    except BaseException:
-        conn.send(("error", traceback.format_exc()))
-    finally:
-        conn.close()
+        return asyncio.run(measure(payload))
+
+    send_result(conn, run)
 
 
 def plot_timeline(timeline: dict[str, Any], path: Path) -> None:

@@ -32,7 +32,7 @@ from agang import _deadline
 from agang._base_gang import BaseGang
 from agang._errors import GangError
 from agang._gang import Gang
-from agang._issuing import Checked, Done
+from agang._issuing import Checked, Done, after_post
 from agang._policy import GangPolicy, InFlightLimits, OnTimeout, make_policy
 from agang._reduce_op import ReduceOp
 from agang._validate import check_member_ranks, check_positive_int, check_timeout
@@ -234,18 +234,6 @@ _COMPUTE: dict[str, Callable[[list[_Arrival]], None]] = {
 }
 
 
-def _after(post: Callable[[], None], done: Done) -> Done:
-    def run_post_then_done(error: BaseException | None) -> None:
-        if error is None:
-            try:
-                post()
-            except Exception as exc:
-                error = exc
-        done(error)
-
-    return run_post_then_done
-
-
 def _shapes(*tensors: torch.Tensor) -> tuple[Any, ...]:
     return tuple((tuple(t.shape), t.dtype) for t in tensors)
 
@@ -291,8 +279,7 @@ class FakeWorldGang(BaseGang):
         done: Done,
         post: Callable[[], None] | None = None,
     ) -> None:
-        if post is not None:
-            done = _after(post, done)
+        done = after_post(post, done)
         self._arrive("all_reduce", (op, *_shapes(tensor)), (tensor,), done)
 
     @override
