@@ -25,7 +25,8 @@ from agang._wakeup import wait_async
 T = TypeVar("T")
 
 _PENDING = 0
-_DONE = 1
+_FINISHING = 1  # the outcome is set; the gang reacts to it before any waiter may see it
+_DONE = 2
 
 
 @final
@@ -85,7 +86,7 @@ class Handle(Generic[T]):
         return f"`{self.op}` (seq {self.seq})"
 
     def __repr__(self) -> str:
-        state = "pending" if self._state == _PENDING else ("failed" if self._error else "done")
+        state = "pending" if self._state != _DONE else ("failed" if self._error else "done")
         return f"<agang.Handle {self.op} seq={self.seq} bytes={self.num_bytes} {state}>"
 
     def __await__(self) -> Generator[Any, None, T]:
@@ -98,6 +99,10 @@ class Handle(Generic[T]):
 
     def done(self) -> bool:
         """Returns True once the op finished, successfully or not."""
+        return self._state == _DONE
+
+    def _settled(self) -> bool:
+        """Whether the outcome is set, even if waiters are not yet told (the gang's view)."""
         return self._state != _PENDING
 
     @property
@@ -114,7 +119,7 @@ class Handle(Generic[T]):
             asyncio.InvalidStateError: The op has not finished yet; await it or call
                 :meth:`wait` instead.
         """
-        if self._state == _PENDING:
+        if self._state != _DONE:
             raise asyncio.InvalidStateError(
                 f"{self.op} (seq {self.seq}) has not finished yet; await it or call wait()."
             )
@@ -128,7 +133,7 @@ class Handle(Generic[T]):
         Raises:
             asyncio.InvalidStateError: The op has not finished yet.
         """
-        if self._state == _PENDING:
+        if self._state != _DONE:
             raise asyncio.InvalidStateError(
                 f"{self.op} (seq {self.seq}) has not finished yet; await it or call wait()."
             )
@@ -156,7 +161,7 @@ class Handle(Generic[T]):
         """
         seconds = check_timeout(timeout)
         self._check_not_held()
-        if self._state == _PENDING:
+        if self._state != _DONE:
             # A bare lock, released by the finisher: cheaper than threading.Event.
             signal = threading.Lock()
             signal.acquire()
@@ -173,7 +178,7 @@ class Handle(Generic[T]):
 
     def _check_not_held(self) -> None:
         hold = self._hold
-        if hold is not None and self._state == _PENDING:
+        if hold is not None and self._state != _DONE:
             raise RuntimeError(hold)
 
     def _finish(
@@ -181,9 +186,9 @@ class Handle(Generic[T]):
     ) -> bool:
         """Finishes the handle, unless it already is; returns whether this call did.
 
-        ``then`` runs once the outcome is set but before any waiter is woken, so that
-        what it changes (the gang broken, counters) is seen by a waiter that wakes on
-        another thread and calls again at once.
+        ``then`` runs once the outcome is set but before :meth:`done` turns True or any
+        waiter is woken, so that what it changes (the gang broken, counters) is seen by a
+        waiter on another thread that finds the handle done and calls again at once.
         """
         with self._lock:
             if self._state != _PENDING:
@@ -191,19 +196,21 @@ class Handle(Generic[T]):
             self._value = value
             self._error = error
             self._finished_at = time.monotonic()
-            self._state = _DONE
-            callbacks, self._callbacks = self._callbacks, []
+            self._state = _FINISHING
         try:
             if then is not None:
                 then()
         finally:
+            with self._lock:
+                self._state = _DONE
+                callbacks, self._callbacks = self._callbacks, []
             for callback in callbacks:
                 callback()
         return True
 
     def _add_done_callback(self, callback: Callable[[], None]) -> None:
         with self._lock:
-            if self._state == _PENDING:
+            if self._state != _DONE:
                 self._callbacks.append(callback)
                 return
         callback()

@@ -461,7 +461,7 @@ class IssuingGang(Gang):
         """
         items = [entry.item for entry in self._scheduler.entries.values()]
         dropped = [entry.item for entry in self._scheduler.drop_queued()]
-        pending = [handle for handle, _ in items if not handle.done()]
+        pending = [handle for handle, _ in items if not handle._settled()]
         self._counters.num_failed += len(pending)
         self._ops_left_in_backend = any(e.started for e in self._scheduler.entries.values())
         if self._num_blocked:

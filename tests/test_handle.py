@@ -270,6 +270,34 @@ def test_wait_raises_the_error_of_a_failed_op() -> None:
         handle.wait(timeout=PATIENCE)
 
 
+def test_a_handle_is_not_done_until_its_gang_has_reacted() -> None:
+    """The finisher's follow-up (breaking the gang) runs before ``done()`` turns True, so
+    a caller that polls ``done()`` and calls again at once sees the gang already broken."""
+    handle: agang.Handle[None] = agang.Handle(op="all_reduce", seq=0, num_bytes=4, timeout=None)
+    reacting, may_go_on = threading.Event(), threading.Event()
+    seen: list[bool] = []
+
+    def react() -> None:
+        reacting.set()
+        assert may_go_on.wait(PATIENCE)
+
+    finisher = threading.Thread(
+        target=handle._finish, args=(None, RuntimeError("x")), kwargs={"then": react}
+    )
+    finisher.start()
+    try:
+        assert reacting.wait(PATIENCE)
+        seen.append(handle.done())
+        with pytest.raises(TimeoutError):
+            handle.wait(timeout=0)
+    finally:
+        may_go_on.set()
+        finisher.join(PATIENCE)
+    assert seen == [False]
+    assert handle.done()
+    assert isinstance(handle.exception(), RuntimeError)
+
+
 # Metadata.
 
 
