@@ -76,8 +76,9 @@ class BaseGang(CoalescingGang):
         self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *, timeout: float | None = None
     ) -> Handle[torch.Tensor]:
         tensor = self._check_tensor(tensor, "tensor")
-        op = check_reduce_op(op)
-        check_reduce_dtype(tensor, op, name="tensor")
+        if op is not ReduceOp.SUM:  # SUM is valid for every dtype a backend takes
+            op = check_reduce_op(op)
+            check_reduce_dtype(tensor, op, name="tensor")
         if self._scopes:
             scope = self._scopes.get(current_owner())
             if scope is not None:

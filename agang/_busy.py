@@ -45,7 +45,7 @@ def acquire(tensors: Sequence[tuple[str, torch.Tensor]], holder: object) -> Clai
         TensorBusyError: Some memory is held by an unfinished op; nothing is marked.
     """
     if len(tensors) == 1:
-        return _acquire_one(*tensors[0], holder)
+        return acquire_one(*tensors[0], holder)
     claim: Claim = []
     with _lock:
         for name, tensor in tensors:
@@ -68,9 +68,9 @@ def acquire(tensors: Sequence[tuple[str, torch.Tensor]], holder: object) -> Clai
     return claim
 
 
-def _acquire_one(name: str, tensor: torch.Tensor, holder: object) -> Claim:
-    # The common case (one tensor), without the loops: it runs once per op.
-    size = tensor.numel() * tensor.element_size()
+def acquire_one(name: str, tensor: torch.Tensor, holder: object) -> Claim:
+    """:func:`acquire` for one (contiguous) tensor, the common case, without the loops."""
+    size = tensor.nbytes
     if not size:
         return []
     start = tensor.data_ptr()
@@ -89,11 +89,23 @@ def _acquire_one(name: str, tensor: torch.Tensor, holder: object) -> Claim:
 def release_all(claims: Sequence[Claim]) -> None:
     """Frees several ops' ranges under one lock (the members of a flat op)."""
     with _lock:
-        for claim in claims:
-            for start, _ in claim:
-                index = bisect.bisect_left(_starts, start)
-                if index < len(_starts) and _starts[index] == start:
-                    del _starts[index], _ends[index], _holders[index]
+        freed = {start for claim in claims for start, _ in claim}
+        if len(freed) < 8:
+            for start in freed:
+                _remove(start)
+            return
+        # Many at once: one pass over the registry beats a bisect and a move of the
+        # list's tail per range.
+        kept = [i for i, start in enumerate(_starts) if start not in freed]
+        _starts[:] = [_starts[i] for i in kept]
+        _ends[:] = [_ends[i] for i in kept]
+        _holders[:] = [_holders[i] for i in kept]
+
+
+def _remove(start: int) -> None:
+    index = bisect.bisect_left(_starts, start)
+    if index < len(_starts) and _starts[index] == start:
+        del _starts[index], _ends[index], _holders[index]
 
 
 def release(claim: Claim) -> None:
@@ -102,9 +114,7 @@ def release(claim: Claim) -> None:
         return
     with _lock:
         for start, _ in claim:
-            index = bisect.bisect_left(_starts, start)
-            if index < len(_starts) and _starts[index] == start:
-                del _starts[index], _ends[index], _holders[index]
+            _remove(start)
 
 
 def num_busy() -> int:

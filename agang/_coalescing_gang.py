@@ -19,19 +19,18 @@ from agang import _busy
 from agang._coalesce import (
     HELD,
     Coalesced,
+    FlatBuffers,
     Member,
     Scope,
     all_of,
     current_owner,
     failed,
-    flatten,
     group_members,
     group_timeout,
     plan_buckets,
-    unflatten_into,
 )
 from agang._gang import Gang
-from agang._handle import Handle
+from agang._handle import Handle, finish_all
 from agang._issuing import Done, IssuingGang, Start
 from agang._policy import GangPolicy
 from agang._reduce_op import ReduceOp
@@ -72,6 +71,7 @@ class CoalescingGang(IssuingGang):
         )
         self._scopes: dict[object, Scope] = {}
         self._lanes: dict[str, tuple[bool, Handle[Gang]]] = {}
+        self._buffers = FlatBuffers()
 
     @abstractmethod
     def _start_all_reduce(
@@ -90,6 +90,10 @@ class CoalescingGang(IssuingGang):
 
     def _check_tensor(self, tensor: object, name: str) -> torch.Tensor:
         return check_tensor(tensor, name=name, device=self._device, backend=self._backend)
+
+    def _mark_closed(self) -> None:
+        super()._mark_closed()
+        self._buffers.clear()
 
     # Issuing.
 
@@ -151,12 +155,12 @@ class CoalescingGang(IssuingGang):
         handle: Handle[torch.Tensor] = Handle(
             op="all_reduce",
             seq=-1,  # numbered when the scope ends
-            num_bytes=tensor.numel() * tensor.element_size(),
+            num_bytes=tensor.nbytes,
             timeout=seconds,
         )
-        claim = _busy.acquire([("tensor", tensor)], handle)
+        claim = _busy.acquire_one("tensor", tensor, handle)
         handle._hold = HELD
-        scope.members.append(Member(tensor, op, seconds, handle, claim))
+        scope.members.append(Member(tensor, op, tensor.dtype, seconds, handle, claim))
         scope.issued.handles.append(handle)
         scope.issued._tensors.append(tensor)
         return handle
@@ -204,10 +208,11 @@ class CoalescingGang(IssuingGang):
         if len(tensors) == 1:
             flat, post = tensors[0], None
         else:
-            flat = flatten(tensors)
+            packed = self._buffers.pack(tensors)
+            flat = packed.flat
 
             def post() -> None:
-                unflatten_into(flat, tensors)
+                self._buffers.unpack(packed, tensors)  # c10d is done with the buffer
 
         def done(error: BaseException | None) -> None:
             _busy.release_all(claims)
@@ -350,8 +355,10 @@ def _finisher(flat: Handle[Any], group: list[Member]) -> Callable[[], None]:
 
     def finish_members() -> None:
         error = flat.exception()
-        for member in group:
-            member.handle._finish(None if error is not None else member.tensor, error)
+        if error is None:
+            finish_all([(m.handle, m.tensor) for m in group], None)
+        else:
+            finish_all([(m.handle, None) for m in group], error)
 
     return finish_members
 

@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Iterable
 from typing import Any, Generic, TypeVar, final
 
 from agang._validate import check_timeout
@@ -196,10 +196,17 @@ class Handle(Generic[T]):
             self._value = value
             self._error = error
             self._finished_at = time.monotonic()
-            self._state = _FINISHING
+            if then is None:
+                self._state = _DONE
+                callbacks, self._callbacks = self._callbacks, []
+            else:
+                self._state = _FINISHING
+        if then is None:
+            for callback in callbacks:
+                callback()
+            return True
         try:
-            if then is not None:
-                then()
+            then()
         finally:
             with self._lock:
                 self._state = _DONE
@@ -218,3 +225,20 @@ class Handle(Generic[T]):
     def _remove_done_callback(self, callback: Callable[[], None]) -> None:
         with self._lock, contextlib.suppress(ValueError):
             self._callbacks.remove(callback)
+
+
+def finish_all(outcomes: Iterable[tuple[Handle[Any], Any]], error: BaseException | None) -> None:
+    """Finishes many handles (a flat op's members) like ``_finish`` without ``then``,
+    with one timestamp and without a call per handle: it runs for every member."""
+    now = time.monotonic()
+    for handle, value in outcomes:
+        with handle._lock:
+            if handle._state != _PENDING:
+                continue
+            handle._value = value
+            handle._error = error
+            handle._finished_at = now
+            handle._state = _DONE
+            callbacks, handle._callbacks = handle._callbacks, []
+        for callback in callbacks:
+            callback()

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import agang
-from agang import ReduceOp
-from agang._coalesce import plan_buckets
+from agang import ReduceOp, _busy
+from agang._coalesce import FlatBuffers, plan_buckets
 from agang.testing import FakeWorld, reduce_tensors
 
 # The planner (``_coalesce`` rules 2 and 3).
@@ -44,6 +44,59 @@ def test_planning_depends_only_on_the_calls() -> None:
     assert plan_buckets(items, 64) == plan_buckets(list(items), 64)
     planned = sorted(i for bucket in plan_buckets(items, 64) for i in bucket)
     assert planned == list(range(200))  # every tensor exactly once
+
+
+# Flat buffers (rule 4) and the busy registry's batch release.
+
+
+def test_a_flat_buffer_is_reused_for_the_same_layout_and_copies_back_exactly() -> None:
+    buffers = FlatBuffers()
+    shapes = [(3,), (2, 2), (), (1, 5)]  # 1-D, 2-D, 0-dim and a size-1 dimension
+    for step in range(3):
+        tensors = [torch.full(shape, float(step * 10 + i)) for i, shape in enumerate(shapes)]
+        packed = buffers.pack(tensors)
+        if step == 0:
+            first = packed.flat
+        else:
+            assert packed.flat is first  # the finished op's buffer, not a new one
+        expected = torch.cat([t.reshape(-1) for t in tensors])
+        assert torch.equal(packed.flat, expected)
+        packed.flat.mul_(2)  # the "reduction"
+        buffers.unpack(packed, tensors)
+        for tensor, part in zip(tensors, expected.split([t.numel() for t in tensors]), strict=True):
+            assert torch.equal(tensor.reshape(-1), part * 2)
+
+
+def test_flat_buffers_keep_one_per_layout_within_their_byte_cap() -> None:
+    buffers = FlatBuffers(max_bytes=64)
+    small = [torch.ones(4), torch.ones(4)]  # 32 bytes
+    first, second = buffers.pack(small), buffers.pack(small)  # two in flight at once
+    assert first.flat is not second.flat
+    buffers.unpack(first, small)
+    buffers.unpack(second, small)  # the layout already has a kept buffer
+    assert buffers.pack(small).flat is first.flat
+    assert buffers.pack(small).flat is not first.flat  # it was taken: one per layout
+
+    large = [torch.ones(10), torch.ones(10)]  # 80 bytes: over the cap
+    packed = buffers.pack(large)
+    buffers.unpack(packed, large)
+    assert buffers.pack(large).flat is not packed.flat
+
+
+def test_releasing_many_claims_at_once_frees_exactly_those() -> None:
+    keep = [torch.zeros(8) for _ in range(5)]
+    free = [torch.zeros(8) for _ in range(40)]
+    kept_claims = [_busy.acquire_one("t", t, "kept") for t in keep]
+    before = _busy.num_busy()
+    claims = [_busy.acquire_one("t", t, "freed") for t in free]
+    _busy.release_all(claims[:3])  # few: one by one
+    _busy.release_all(claims[3:])  # many: one pass
+    assert _busy.num_busy() == before
+    for tensor in keep:
+        with pytest.raises(agang.TensorBusyError, match="kept"):
+            _busy.acquire_one("t", tensor, "again")
+    _busy.release_all(kept_claims)
+    assert _busy.num_busy() == before - len(keep)
 
 
 # Scopes on FakeWorld.
