@@ -81,12 +81,13 @@ Shapes = tuple[torch.Size, ...]
 class Packed:
     """A flat op's buffer: its members' elements, one after another."""
 
-    __slots__ = ("flat", "key", "parts")
+    __slots__ = ("flat", "flat_members", "key", "parts")
 
-    def __init__(self, flat: torch.Tensor, parts: list[torch.Tensor] | None, key: object) -> None:
+    def __init__(self, flat: torch.Tensor, flat_members: bool, key: object) -> None:
         self.flat = flat
-        # Views of ``flat`` shaped like the members, or None until first needed.
-        self.parts = parts
+        self.flat_members = flat_members  # every member is 1-D
+        # Views of ``flat`` shaped like the members, made when first needed.
+        self.parts: list[torch.Tensor] | None = None
         self.key = key
 
 
@@ -110,21 +111,21 @@ class FlatBuffers:
     def pack(self, tensors: list[torch.Tensor]) -> Packed:
         """The members copied into a kept buffer of their layout, or a new one."""
         first = tensors[0]
-        if first.device.type != "cpu":
-            return Packed(flatten(tensors), None, None)
-        key = (first.dtype, tuple([t.shape for t in tensors]))
-        with self._lock:
-            packed = self._kept.pop(key, None)
+        key = None
+        if first.device.type == "cpu":
+            key = (first.dtype, tuple([t.shape for t in tensors]))
+            with self._lock:
+                packed = self._kept.pop(key, None)
+                if packed is not None:
+                    self._bytes -= packed.flat.nbytes
             if packed is not None:
-                self._bytes -= packed.flat.nbytes
-        if packed is None:
-            return Packed(flatten(tensors), None, key)
-        if all(t.dim() == 1 for t in tensors):
-            torch.cat(tensors, out=packed.flat)
-        else:
-            assert packed.parts is not None
-            torch._foreach_copy_(packed.parts, tensors)
-        return packed
+                if packed.flat_members:
+                    torch.cat(tensors, out=packed.flat)
+                else:
+                    assert packed.parts is not None
+                    torch._foreach_copy_(packed.parts, tensors)
+                return packed
+        return Packed(flatten(tensors), all(t.dim() == 1 for t in tensors), key)
 
     def unpack(self, packed: Packed, tensors: list[torch.Tensor]) -> None:
         """Copies the reduced buffer back into the members; the buffer may then be
@@ -232,6 +233,12 @@ HELD = (
 def group_members(members: Sequence[Member]) -> list[list[Member]]:
     """The scope's members in flat groups (rule 2): ``plan_buckets`` with no cap,
     written out because it runs for every scope. Every member is on the gang's device."""
+    if not members:
+        return []
+    first = members[0]
+    op, dtype = first.op, first.dtype
+    if all(m.op is op and m.dtype is dtype for m in members):
+        return [list(members)]  # the common case, without a dict
     groups: dict[tuple[ReduceOp, torch.dtype], list[Member]] = {}
     for member in members:
         groups.setdefault((member.op, member.dtype), []).append(member)

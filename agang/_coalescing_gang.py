@@ -175,13 +175,12 @@ class CoalescingGang(IssuingGang):
             tensors = [m.tensor for m in group]
             claims = [m.claim for m in group]
             timeout = group_timeout([m.timeout for m in group])
-            for member in group:
-                member.handle._hold = None
             try:
                 flat = self._issue_flat(tensors, group[0].op, timeout, claims)
             except Exception as exc:  # the gang was closed or broke meanwhile
                 _busy.release_all(claims)
                 for member in group:
+                    member.handle._hold = None
                     member.handle._finish(None, exc)
                 issued._flats.append(failed("all_reduce", exc))
                 continue
@@ -189,8 +188,11 @@ class CoalescingGang(IssuingGang):
             if len(group) > 1:
                 with self._lock:
                     self._counters.num_coalesced += len(group)
+            seq = flat.seq
             for member in group:
-                member.handle.seq = flat.seq
+                handle = member.handle
+                handle.seq = seq
+                handle._hold = None
             flat._add_done_callback(_finisher(flat, group))
 
     def _issue_flat(
@@ -201,7 +203,7 @@ class CoalescingGang(IssuingGang):
         claims: list[_busy.Claim],
     ) -> Handle[list[torch.Tensor]]:
         """One all-reduce over ``tensors``, whose memory ``claims`` hold (rule 4)."""
-        num_bytes = sum(t.numel() * t.element_size() for t in tensors)
+        num_bytes = sum([t.nbytes for t in tensors])
         handle, _ = self._new_handle(
             "all_reduce", float("inf") if timeout is None else timeout, [], num_bytes
         )

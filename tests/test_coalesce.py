@@ -378,3 +378,20 @@ async def test_awaiting_the_scope_waits_for_all_of_it() -> None:
 
     expected = [[2.0, 2.0], [2.0, 2.0, 2.0], [2.0], [2.0]]
     assert await world.run(program) == [expected, expected]
+
+
+@pytest.mark.anyio
+async def test_an_empty_scope_and_one_emptied_by_another_op_finish_at_once() -> None:
+    world = FakeWorld(2)
+
+    async def program(gang: agang.Gang) -> tuple[list[torch.Tensor], list[float]]:
+        with gang.coalesce() as empty:
+            pass
+        tensor = torch.ones(2)
+        with gang.coalesce() as flushed:
+            gang.all_reduce(tensor)
+            gang.barrier()  # issues the held all_reduce: nothing is left at the end
+        await flushed
+        return await empty, tensor.tolist()
+
+    assert await world.run(program) == [([], [2.0, 2.0])] * 2
