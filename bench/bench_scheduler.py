@@ -27,6 +27,7 @@ Method:
 Usage:
     python bench/bench_scheduler.py            # full run, about 4 minutes
     python bench/bench_scheduler.py --quick    # smoke test, under a minute
+    python bench/bench_scheduler.py --coalescing-only 40   # part 1 alone, 40 rounds
 
 Writes ``bench/out/scheduler.json``, then plots (``plot_scheduler.py``) ``coalesce.png``
 and ``scheduler_lag.png`` from it. Latency against message size is ``bench_latency.py``'s
@@ -44,7 +45,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -83,6 +84,7 @@ class Plan:
     order_rounds: int  # per phase
     order_singles: int  # timed single ops per mode and round (after one warm-up)
     order_batches: int  # timed batches per mode and round (after one warm-up)
+    coalescing_only: bool = False  # part 1 alone (--coalescing-only)
 
 
 PLANS = {
@@ -292,6 +294,13 @@ def _rank_main(env: dict[str, str], plan: Plan, conn: Connection) -> None:
             seconds[step] = seconds.get(step, 0.0) + time.monotonic() - started
 
     def measure() -> dict[str, Any]:
+        if plan.coalescing_only:
+            gang = agang.init_sync(env=env, in_process=False, timeout=60.0, op_timeout=120.0)
+            try:
+                result["coalesce"], result["ops_per_scope"] = asyncio.run(_coalescing(gang, plan))
+            finally:
+                gang.close_sync()
+            return result
         for phase in range(plan.order_phases):
             check = phase % 2 == 1
             with timed("init"):
@@ -355,6 +364,8 @@ class Verdict:
 
 
 def summarize(result: dict[str, Any]) -> dict[str, Any]:
+    if "lag" not in result:  # --coalescing-only
+        return {"coalesce": {name: asdict(Stats.of(v)) for name, v in result["coalesce"].items()}}
     return {
         "coalesce": {name: asdict(Stats.of(v)) for name, v in result["coalesce"].items()},
         "lag": {
@@ -371,7 +382,7 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def report(summary: dict[str, Any], result: dict[str, Any], plan: Plan) -> list[Verdict]:
+def report_coalescing(summary: dict[str, Any], result: dict[str, Any]) -> list[Verdict]:
     coalesce = summary["coalesce"]
     print(f"1. Coalescing: {BATCH} all_reduces of 4 KiB, ms per batch (rank 0)\n")
     print(f"{'mode':<22} {'batches':>7} {'median':>8} {'p90':>8} {'vs coalesce':>12}")
@@ -390,7 +401,17 @@ def report(summary: dict[str, Any], result: dict[str, Any], plan: Plan) -> list[
         Verdict("coalesce / hand-flattened", overhead, f"<= {FLAT_TARGET:g}x",
                 overhead <= FLAT_TARGET),
     ]  # fmt: skip
+    return verdicts
 
+
+def print_verdicts(verdicts: list[Verdict]) -> None:
+    print("\nTargets (rank 0):")
+    for v in verdicts:
+        print(f"  {'PASS' if v.passed else 'MISS'}  {v.what:<44} {v.value:7.2f} ({v.limit})")
+
+
+def report(summary: dict[str, Any], result: dict[str, Any], plan: Plan) -> list[Verdict]:
+    verdicts = report_coalescing(summary, result)
     lag = summary["lag"]
     print(f"\n2. Loop lag of a {TICK * 1e3:g} ms ticker, ms (rank 0); batch: ms to issue and")
     print("   await N ops (median)\n")
@@ -426,9 +447,7 @@ def report(summary: dict[str, Any], result: dict[str, Any], plan: Plan) -> list[
             f"{on['median'] / off['median']:>6.2f}x {ms(off['p90']):>8} {ms(on['p90']):>8}"
         )
 
-    print("\nTargets (rank 0):")
-    for v in verdicts:
-        print(f"  {'PASS' if v.passed else 'MISS'}  {v.what:<44} {v.value:7.2f} ({v.limit})")
+    print_verdicts(verdicts)
     return verdicts
 
 
@@ -438,8 +457,16 @@ def report(summary: dict[str, Any], result: dict[str, Any], plan: Plan) -> list[
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0] if __doc__ else None)
     parser.add_argument("--quick", action="store_true", help="short smoke-test run")
+    parser.add_argument(
+        "--coalescing-only",
+        type=int,
+        metavar="ROUNDS",
+        help="run part 1 alone, ROUNDS rounds; print its table, write nothing",
+    )
     args = parser.parse_args(argv)
     plan = PLANS[args.quick]
+    if args.coalescing_only is not None:
+        plan = replace(plan, coalesce_rounds=args.coalescing_only, coalescing_only=True)
     load = os.getloadavg()[0]
     print(f"2 Gloo ranks on 127.0.0.1, torch {torch.__version__}, load average {load:.1f} "
           f"on {os.cpu_count()} CPUs; {plan}\n", flush=True)  # fmt: skip
@@ -447,6 +474,10 @@ def main(argv: list[str] | None = None) -> int:
     results = _common.run_ranks(_rank_main, plan, timeout=900.0)
     elapsed = time.monotonic() - started
     summaries = [summarize(result) for result in results]
+    if plan.coalescing_only:
+        print_verdicts(report_coalescing(summaries[0], results[0]))
+        print(f"\nRanks ran {elapsed:.0f} s; load average {os.getloadavg()[0]:.1f} at the end.")
+        return 0
     verdicts = report(summaries[0], results[0], plan)
     steps = ", ".join(f"{step} {sec:.0f} s" for step, sec in results[0]["seconds"].items())
     print(f"\nRanks ran {elapsed:.0f} s (rank 0: {steps}; the rest is process start-up); "
