@@ -11,7 +11,9 @@ How an op's end reaches agang:
 
 c10d's own timeout is a backstop behind agang's deadline: it is raised (``set_timeout``)
 past the longest deadline asked for, so c10d never fails an op before agang would, and
-an op whose waiters are all gone still ends, and frees its threads, eventually.
+an op whose waiters are all gone still ends, and frees its threads, eventually. A gang
+that breaks, or closes with work running, aborts its groups (``_abort``), which on Gloo
+too ends the running work at once.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import torch.distributed as dist
 from typing_extensions import override
 
 from agang import _cuda_completion
+from agang._abort import Aborter
 from agang._base_gang import BaseGang
 from agang._errors import GangClosedError, GangInitError
 from agang._gang import Gang
@@ -173,6 +176,7 @@ class ProcessGroupGang(BaseGang):
         # Waiters by kind of Work: a recv that waits for its peer must not hold back the
         # report of a finished collective, so the two kinds never share one.
         self._waiters: dict[str, _WorkWaiter] = {}
+        self._aborter = Aborter()
         self._raise_backstop(policy.op_timeout)
         # c10d copies the options on each call, so one object per op serves every call.
         self._all_reduce_options = {op: _all_reduce_options(op, backend) for op in ReduceOp}
@@ -333,12 +337,18 @@ class ProcessGroupGang(BaseGang):
 
     @override
     def _abort_backend(self) -> None:
-        # NCCL's abort can take a moment; never on the caller's (maybe the loop's) thread.
+        # An abort can take a moment; never on the caller's (maybe the loop's) thread.
+        groups = self._groups()
+        if groups:  # none: a close on another thread has released them already
+            _ = start_thread(lambda: self._aborter.abort(groups), name=f"abort gang '{self.name}'")
+
+    def _groups(self) -> list[tuple[dist.ProcessGroup, str]]:
+        """The gang's groups and their backends, while it holds them."""
         group, order_group = getattr(self, "_pg", None), self._order_group
-        if group is not None:  # None: a close on another thread has released it already
-            _ = start_thread(group.abort, name=f"abort gang '{self.name}'")
+        groups = [] if group is None else [(group, self._backend)]
         if order_group is not None:
-            _ = start_thread(order_group.abort, name=f"abort order checks '{self.name}'")
+            groups.append((order_group, "gloo"))
+        return groups
 
     @override
     def _release_backend(self, *, pending: bool) -> None:
@@ -347,11 +357,11 @@ class ProcessGroupGang(BaseGang):
         unfinished = pending or self._broken is not None
         try:
             if unfinished:
-                # destroy waits for pending NCCL kernels, and could wait for ever.
-                self._pg.abort()
+                # Work still running would make destroy (NCCL) or the group's destructor
+                # (Gloo) wait for it, for ever if the peer is hung: end it first (or let
+                # the abort that a failure started end).
+                self._aborter.abort(self._groups())
             if self._order_group is not None:
-                if pending or self._broken is not None:
-                    self._order_group.abort()
                 dist.destroy_process_group(self._order_group)
             if self._is_world:
                 dist.destroy_process_group()
@@ -361,10 +371,8 @@ class ProcessGroupGang(BaseGang):
             log.warning(
                 "Releasing the process group of gang '%s' failed.", self.name, exc_info=True
             )
-        # Not kept alive past close even when work is stuck in Gloo (its destructor then
-        # waits for the peer, up to the close bound): a group that outlived close was
-        # destroyed at interpreter exit instead and aborted the process (-6/-11, in CI).
-        # Drop our reference here, on the closing thread. Completion callbacks hold the
+        # Drop our reference here, on the closing thread (with no work left running, the
+        # destructor returns at once). Completion callbacks hold the
         # gang and are freed on c10d's threads; if the gang still held the group then,
         # its destructor could run on its own worker thread and abort the process
         # ("Resource deadlock avoided": a thread joining itself).

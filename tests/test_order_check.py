@@ -11,10 +11,10 @@ rank leaves while another still waits for it.
 | --- | --- | --- |
 | C1 order swapped | `test_c1_fake_world[*on]`, | `test_c1_fake_world[*off]`, |
 |   | `test_c1_gloo_checked`, | `test_c1_gloo_unchecked` |
-|   | `..._both_ops_in_flight` | (+ xfail: clean exit) |
+|   | `..._both_ops_in_flight` | (+ a clean exit) |
 | C2 an op skipped | `test_c2_*_names_the_rank` | `test_c2_*_unchecked_times_out_at_t` |
 | C3 [10] vs [20] | `test_c3_fake_world[on]`, | `test_c3_fake_world[off]`, |
-|   | `test_c3_gloo_checked` | `test_c3_gloo_unchecked_*` (+ xfail) |
+|   | `test_c3_gloo_checked` | `test_c3_gloo_unchecked_*` (+ xfail: Gloo aborts) |
 | C5 op, root, dtype | `test_c5_*` | (not a row) |
 
 Also: ``AGANG_CHECK_ORDER=1`` alone turns checking on (``test_env_*``); a mismatch
@@ -490,9 +490,9 @@ async def test_correct_programs_fake_world_order_checked(size: int) -> None:
 
 # Gloo: one world per configuration, every scenario on a lane of its own.
 #
-# Without order checking, ranks that disagree can leave ops stuck inside Gloo, and Gloo
-# can end the process (at once for C3, at exit for C1); those worlds report what their
-# ranks returned, and how the processes ended, separately.
+# Without order checking, ranks that disagree can leave ops stuck inside Gloo (C1, until
+# the broken gang aborts its group), and Gloo can end the process (C3, at once); those
+# worlds report what their ranks returned, and how the processes ended, separately.
 
 World = tuple[dict[int, Report], dict[int, str]]  # results and failures, by rank
 
@@ -585,7 +585,7 @@ def gloo_checked_by_env() -> World:
 
 @pytest.fixture(scope="module")
 def gloo_unchecked() -> World:
-    # C1 last and on the root gang: it leaves ops stuck in Gloo (see the xfail below).
+    # C1 last and on the root gang: it leaves ops stuck in Gloo until the gang aborts.
     return run_scenarios(
         ["c2-last"], "c1", async_backend="uvloop", init_options={"check_order": False}
     )
@@ -681,16 +681,10 @@ def test_c3_gloo_unchecked_every_process_survives(gloo_unchecked_c3: World) -> N
 
 
 @pytest.mark.gloo
-@pytest.mark.xfail(
-    strict=False,  # the crash comes in most runs, not all (a race at exit): see the reason
-    reason=(
-        "ops that C1 leaves stuck inside Gloo cannot be aborted: dropping the group on "
-        "close blocks (its destructor joins the stuck worker threads), and when the peer "
-        "exits the stuck work fails into a Python future callback during interpreter "
-        "finalization (SIGSEGV) or Gloo terminates (SIGABRT)"
-    ),
-)
 def test_c1_gloo_unchecked_processes_exit_cleanly(gloo_unchecked: World) -> None:
+    """The ops C1 leaves stuck inside Gloo end when the broken gang aborts its group
+    (``agang._abort``), so both ranks exit with code 0; before, that work failed into a
+    Python callback during interpreter finalization (SIGSEGV) or Gloo terminated."""
     _, failures = gloo_unchecked
 
     assert failures == {}

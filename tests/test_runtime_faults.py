@@ -6,7 +6,7 @@ eps = 0.5 s + 10 % of T, as in the matrix. Time bounds keep about a 10x margin b
 passing and the failing behaviour, or sit where the matrix puts them.
 
 Rows and tests (``F`` = this file, tests/test_runtime_faults.py; ``gloo_faults`` =
-tests/test_gloo_faults.py; xfail = strict xfail marking an agang bug, see its reason):
+tests/test_gloo_faults.py):
 
 | row | test (file::name) |
 | --- | --- |
@@ -16,10 +16,9 @@ tests/test_gloo_faults.py; xfail = strict xfail marking an agang bug, see its re
 | B4 | F::test_b4_straggler_at_half_the_deadline_succeeds (uvloop) |
 | B5 | F::test_b5_op_timeout_shorter_than_the_default_fires_on_time (uvloop); the longer |
 |    | half: gloo_faults::test_op_timeout_longer_than_the_default_is_honoured (asyncio) |
-| B7 | F::test_b7_close_wakes_pending_waiters_at_once_and_exits_cleanly (trio; turns |
-|    | into an xfail when a rank aborts at exit, an intermittent agang bug); |
-|    | F::test_b7_close_returns_within_a_second (trio, xfail); |
-|    | F::test_b7_closer_exits_cleanly_when_its_peer_dies_meanwhile (asyncio, xfail) |
+| B7 | F::test_b7_close_wakes_pending_waiters_at_once_and_exits_cleanly (trio); |
+|    | F::test_b7_close_returns_within_a_second (trio); |
+|    | F::test_b7_closer_exits_cleanly_when_its_peer_dies_meanwhile (asyncio) |
 | B8 | F::test_b8_peer_blocking_its_loop (asyncio) |
 | G  | 1,000 awaiters, issue order: F::test_g_loop_lag_with_ops_in_flight (asyncio) and |
 |    | gloo_faults::test_a_thousand_ops_in_flight_complete_correctly (uvloop, trio) |
@@ -41,7 +40,6 @@ that its pid is gone (reaped, not a zombie).
 from __future__ import annotations
 
 import atexit
-import contextlib
 import gc
 import math
 import os
@@ -309,11 +307,6 @@ async def _straggler_then_short_deadline(gang: agang.Gang) -> dict[str, Any]:
     short: dict[str, Any] = {"elapsed": None}
     if gang.rank == 1:
         await anyio.sleep(B5_TIMEOUT + eps(B5_TIMEOUT) + 0.5)  # stalls past rank 0's bound
-        # Then it joins, so Gloo can end rank 0's op (whose handle had long timed out);
-        # otherwise rank 0's close would wait for rank 1's exit (see the B7 xfails). If
-        # rank 0 has already torn its side down, this fails instead: either is fine.
-        with contextlib.suppress(agang.GangError):
-            await gang.all_reduce(torch.ones(4))
     else:
         started = time.monotonic()
         try:
@@ -421,62 +414,32 @@ async def _close_with_ops_in_flight(gang: agang.Gang) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def close_world() -> tuple[list[dict[str, Any]], dict[int, str]]:
-    """Both ranks' reports, and the ranks that crashed on their way out after reporting."""
-    try:
-        reports = run_world(_close_with_ops_in_flight, 2, async_backend="trio", timeout=60.0)
-    except WorldRunError as error:
-        crashed_on_exit = all("then exited with code" in f for f in error.failures.values())
-        if len(error.results) < 2 or not crashed_on_exit:
-            raise
-        return [error.results[rank] for rank in range(2)], error.failures
-    return reports, {}
+def close_world() -> list[dict[str, Any]]:
+    """Both ranks' reports; ``run_world`` raises if a rank failed or exited non-zero."""
+    return run_world(_close_with_ops_in_flight, 2, async_backend="trio", timeout=60.0)
 
 
 def test_b7_close_wakes_pending_waiters_at_once_and_exits_cleanly(
-    close_world: tuple[list[dict[str, Any]], dict[int, str]],
+    close_world: list[dict[str, Any]],
 ) -> None:
     """Every pending waiter gets ``GangClosedError`` within 100 ms of ``close`` (about
-    1 ms is typical), later calls are refused, and both ranks exit with code 0.
-
-    Rank 1, which exits last, aborts on its way out (SIGABRT, "terminate called without
-    an active exception") in most runs of this program: a bug, not yet isolated, that
-    also shows with nothing in flight at close, when a rank exits after its peer's
-    process is gone. It is reported as an xfail naming the rank, after every other
-    assertion has run, rather than as a pass or a flaky failure.
-    """
-    reports, crashed_on_exit = close_world
-    for report in reports:
+    1 ms is typical), later calls are refused, and both ranks exit with code 0 (the
+    fixture's ``run_world`` checks the codes): rank 1 exits after its peer is gone, which
+    aborted it at exit ("terminate called") while Gloo still ran the abandoned work."""
+    for report in close_world:
         assert report["other_errors"] == []
         assert sorted(report["woken"]) == list(range(report["num_pending"]))
         assert max(report["woken"].values()) < 0.1
         assert report["refused_after_close"]
-    assert all(_process_is_reaped(pid) for pid in reports[0]["pids"])
-    if crashed_on_exit:
-        pytest.xfail(
-            f"agang bug (intermittent): a rank that exited after its peer was gone "
-            f"aborted at exit: {crashed_on_exit}"
-        )
+    assert all(_process_is_reaped(pid) for pid in close_world[0]["pids"])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "agang limitation: with collectives in flight, dropping the Gloo group on close "
-        "runs its destructor, which waits for the running work until the peer's "
-        "connections close, so close() takes up to its 5 s bound. Keeping such groups "
-        "alive instead made them be destroyed at interpreter exit, which aborted the "
-        "process (SIGABRT/SIGSEGV in CI), a worse failure."
-    ),
-)
-def test_b7_close_returns_within_a_second(
-    close_world: tuple[list[dict[str, Any]], dict[int, str]],
-) -> None:
+def test_b7_close_returns_within_a_second(close_world: list[dict[str, Any]]) -> None:
     """``close`` returns within 1 s (the matrix's bound) on both ranks, although rank 0's
-    peer stays alive and silent until rank 0 has exited (a few ms is expected; before the
-    fix, a group with running work was destroyed on close and took 5 s)."""
-    reports, _ = close_world
-    assert [report["close_took"] < 1.0 for report in reports] == [True, True]
+    peer stays alive and silent until rank 0 has exited. Tens of ms are expected: close
+    aborts the Gloo group (``agang._abort``), whose destructor otherwise waited for the
+    running work until the peer's connections closed (5 s, close's own bound)."""
+    assert [report["close_took"] < 1.0 for report in close_world] == [True, True]
 
 
 async def _peer_dies_while_closer_exits(gang: agang.Gang) -> float:
@@ -498,22 +461,16 @@ async def _peer_dies_while_closer_exits(gang: agang.Gang) -> float:
     return close_took
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "agang bug: a rank that closed its gang with collectives in flight aborts "
-        "(SIGABRT, 'terminate called after throwing an instance of gloo::IoException') "
-        "when its peer's connections drop while it exits; Gloo's threads still run the "
-        "abandoned work at interpreter exit. Seen whether or not close() gave up at its "
-        "5 s cap, so it is not only a consequence of the slow close above."
-    ),
-)
 def test_b7_closer_exits_cleanly_when_its_peer_dies_meanwhile() -> None:
-    """The closing rank exits with code 0 although its peer dies while it exits; only
-    rank 1, killed without a result, may be reported as failed."""
+    """The closing rank closes within 1 s and exits with code 0 although its peer dies
+    while it exits; only rank 1, killed without a result, is reported as failed. Before
+    close aborted the Gloo group, rank 0 aborted at exit (SIGABRT, "terminate called
+    after throwing an instance of gloo::IoException"): Gloo still ran the abandoned work
+    when the peer's connections dropped."""
     with pytest.raises(WorldRunError) as raised:
         run_world(_peer_dies_while_closer_exits, 2, async_backend="asyncio", timeout=60.0)
     assert set(raised.value.failures) == {1}, raised.value.failures
+    assert raised.value.results[0] < 1.0
 
 
 # B8: a peer blocks its own event loop for 3T.
@@ -540,20 +497,11 @@ async def _peer_blocks_its_loop(gang: agang.Gang) -> dict[str, Any]:
             blocked_for = time.monotonic() - blocked_at
             finished_while_blocked = handle.done()
         lag = gang.statistics().loop_lag
-        # Catching up on op #1 lets Gloo end rank 0's side of it, whose handle timed out
-        # long ago; without this, rank 0's close would wait for this rank's exit (see the
-        # B7 xfails). Whether it succeeds is not what this row is about.
-        try:
-            await gang.all_reduce(torch.ones(4))
-            late_op = "ok"
-        except agang.GangError as error:
-            late_op = type(error).__name__
         return {
             "blocked_for": blocked_for,
             "finished_while_blocked": finished_while_blocked,
             "op_elapsed": handle.elapsed,
             "lag_max": None if lag is None else lag.max,
-            "late_op": late_op,
         }
     await anyio.sleep(0.3)  # rank 1 is blocked by now; its Gloo threads still serve op #0
     await gang.all_reduce(torch.ones(4))
