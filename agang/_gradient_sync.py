@@ -10,17 +10,22 @@ Rules:
 2. Each parameter's gradient lives in its bucket's buffer (a view, as DDP's
    ``gradient_as_bucket_view``): autograd accumulates straight into it. Where autograd
    handed over a fresh tensor instead (the first step, or after ``zero_grad`` set the
-   gradient to None), the hook copies it in and points ``.grad`` at the view again.
+   gradient to None), the hook, or ``wait()`` for a parameter that got no gradient in
+   the synchronised step (rule 4), copies it in and points ``.grad`` at the view again.
 3. A post-accumulate-grad hook counts each bucket's ready parameters; a full bucket is
    all-reduced at once, while backward goes on. Buckets are issued strictly in index
    order: a bucket that fills early waits for the ones before it, so every rank issues
    the same ops in the same order whatever order its hooks fire in.
-4. ``wait()`` issues, in order, the buckets still open: a parameter that got no gradient
-   this step contributes zeros (like DDP with ``find_unused_parameters=True``; unlike
-   DDP, a parameter that no rank used ends with a zero gradient rather than None). Then
-   it waits for every bucket. Gradients are final after it returns.
+4. ``wait()`` issues, in order, the buckets still open. A parameter that got no gradient
+   this step contributes what its ``.grad`` holds (a sum accumulated under
+   ``no_sync()``), or zeros where ``.grad`` is None (no gradient since ``zero_grad``
+   cleared it), as DDP with ``find_unused_parameters=True`` does. Unlike DDP, a
+   parameter whose ``.grad`` was None on every rank ends with a zero gradient rather
+   than None. Then it waits for every bucket. Gradients are final after it returns.
+   Reading ``.grad`` here is the only record needed: no per-hook bookkeeping.
 5. Inside ``no_sync()``, hooks do nothing: gradients accumulate locally, and the next
-   synchronised backward reduces the accumulated sum.
+   ``wait()`` reduces the accumulated sum, whether or not the synchronised backward
+   gives that parameter a gradient too (rule 4).
 6. The parameters (and buffers) are broadcast from ``source_rank`` when the object is
    made; ``ready()`` waits for that, and a forward pass before it raises.
 """
@@ -248,7 +253,10 @@ class GradientSync:
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Accumulates gradients locally; the next synchronised backward reduces the sum.
+        """Accumulates gradients locally; the next synchronised step reduces the sum.
+
+        The sum is reduced even for a parameter that the synchronised backward leaves
+        without a gradient (rule 4), as DDP with ``find_unused_parameters=True`` does.
 
         Example:
             >>> with sync.no_sync():
@@ -326,17 +334,25 @@ class GradientSync:
             self._next_to_issue += 1
 
     def _finish_step(self) -> list[Handle[torch.Tensor]]:
-        """Rule 4: the open buckets, with zeros for the missing gradients, in order."""
+        """Rule 4: the open buckets, with what ``.grad`` holds (or zeros), in order."""
         with self._lock:
             for bucket in self._buckets[self._next_to_issue :]:
                 for position, (param, view) in enumerate(
                     zip(bucket.params, bucket.views, strict=True)
                 ):
-                    if position not in bucket.ready:
+                    if position in bucket.ready:
+                        continue
+                    # No gradient this step, but ``.grad`` may hold one accumulated under
+                    # ``no_sync()``: in the view already, or in a fresh tensor when it was
+                    # None before. None means no gradient since the last clear.
+                    grad = param.grad
+                    if grad is None:
                         view.zero_()
-                        bucket.ready.add(position)
-                        bucket.num_pending -= 1
-                        param.grad = view
+                    elif grad.data_ptr() != view.data_ptr():
+                        view.copy_(grad)
+                    bucket.ready.add(position)
+                    bucket.num_pending -= 1
+                    param.grad = view
             self._issue_ready_buckets()
             handles = [b.handle for b in self._buckets if b.handle is not None]
         return handles

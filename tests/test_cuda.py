@@ -6,6 +6,7 @@ group with ``in_process=False``.
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Iterator
 
@@ -100,3 +101,31 @@ def test_a_high_priority_lane(gang: agang.Gang) -> None:
         return (await lane.all_reduce(torch.ones(4, device=gang.device)))[0].item()
 
     assert anyio.run(use_lane) == 1.0
+
+
+def test_gradient_sync_averages_into_buckets_on_the_device(gang: agang.Gang) -> None:
+    import anyio
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 256), torch.nn.Tanh(), torch.nn.Linear(256, 8)
+    ).to(gang.device)
+    reference = copy.deepcopy(model)
+    x = torch.randn(32, 64, device=gang.device)
+    reference(x).pow(2).sum().backward()
+
+    async def step() -> int:
+        sync = agang.GradientSync(model, gang)
+        await sync.ready()
+        model(x).pow(2).sum().backward()
+        await sync.wait()
+        sync.remove()
+        return sync.num_buckets
+
+    assert anyio.run(step) == 1  # ~75 KB: one bucket, under the first bucket's 1 MiB
+    grads = [p.grad for p in model.parameters()]
+    assert all(g is not None and g.device == gang.device for g in grads)
+    # Every gradient is a view of that one bucket: it lives on the device.
+    assert len({g.untyped_storage().data_ptr() for g in grads if g is not None}) == 1
+    for got, want in zip(grads, reference.parameters(), strict=True):
+        torch.testing.assert_close(got, want.grad)  # one rank: the mean is the gradient

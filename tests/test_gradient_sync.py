@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -38,6 +39,10 @@ def local_gradients(model: torch.nn.Module, x: torch.Tensor) -> list[torch.Tenso
     grads = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
     model.zero_grad()
     return grads
+
+
+def gradient_values(module: torch.nn.Module) -> list[float]:
+    return [v for p in module.parameters() for v in p.grad.flatten().tolist()]  # type: ignore[union-attr]
 
 
 @pytest.mark.anyio
@@ -97,6 +102,43 @@ async def test_no_sync_accumulates_then_reduces_the_sum() -> None:
         assert issued_inside == 1  # the start-up broadcast only
         for got, want in zip(grads, expected, strict=True):
             torch.testing.assert_close(got, want)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("set_to_none", [True, False])
+async def test_a_no_sync_gradient_is_reduced_when_the_synchronised_step_skips_it(
+    set_to_none: bool,
+) -> None:
+    # `late` is used only in the no_sync micro-batches. As with DDP's
+    # find_unused_parameters=True, the synchronised step all-reduces the sum they left,
+    # whether it sits in a fresh tensor (`.grad` was None) or in the bucket's view.
+    world = FakeWorld(2)
+
+    async def program(gang: agang.Gang) -> list[list[float]]:
+        torch.manual_seed(0)
+        early, late = torch.nn.Linear(2, 1), torch.nn.Linear(2, 1)
+        model = torch.nn.ModuleList([early, late])
+        sync = agang.GradientSync(model, gang)
+        await sync.ready()
+        x = torch.full((1, 2), float(gang.rank + 1))
+        seen = []
+        for _ in range(2):  # `.grad` None at first, then per `set_to_none`
+            with sync.no_sync():
+                for _ in range(2):
+                    late(x).sum().backward()
+            early(torch.ones(1, 2)).sum().backward()
+            await sync.wait()
+            seen += [gradient_values(late), gradient_values(early)]
+            model.zero_grad(set_to_none=set_to_none)
+        # No gradient at all since the last synchronised step: zeros, nothing stale.
+        early(torch.ones(1, 2)).sum().backward()
+        await sync.wait()
+        seen.append(gradient_values(late))
+        return seen
+
+    # Rank r's two micro-batches give `late` 2 * (r + 1) per weight and 2 for the bias.
+    step = [[3.0, 3.0, 2.0], [1.0, 1.0, 1.0]]
+    assert await world.run(program) == [[*step, *step, [0.0, 0.0, 0.0]]] * 2
 
 
 @pytest.mark.anyio
@@ -168,6 +210,50 @@ def test_a_forward_pass_before_the_broadcast_raises() -> None:
     agang.GradientSync(model, world[0])  # rank 1 has not joined the broadcast yet
     with pytest.raises(RuntimeError, match=r"await sync.ready\(\)"):
         model(torch.ones(1, 6))
+
+
+def test_the_synchronous_api_from_plain_threads() -> None:
+    # No event loop: each rank is a plain thread, and FakeWorld completes ops on the
+    # thread of the rank that arrives last.
+    world = FakeWorld(2)
+    reference = make_model(seed=0)
+    expected = [
+        sum(g) / 2
+        for g in zip(*(local_gradients(reference, data(r, 0)) for r in range(2)), strict=True)
+    ]
+    # Replicas start apart; made here, since `make_model` seeds the global generator.
+    models = [make_model(seed=rank) for rank in range(2)]
+    results: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    errors: list[BaseException] = []
+
+    def train(rank: int) -> None:
+        try:
+            model = models[rank]
+            sync = agang.GradientSync(model, world[rank])
+            sync.ready_sync(timeout=30)
+            model(data(rank, 0)).pow(2).sum().backward()
+            sync.wait_sync(timeout=30)
+            results[rank] = (
+                [p.detach().clone() for p in model.parameters()],
+                [p.grad.clone() for p in model.parameters()],  # type: ignore[union-attr]
+            )
+        except BaseException as error:  # re-raised on the test's thread
+            errors.append(error)
+
+    threads = [threading.Thread(target=train, args=(rank,)) for rank in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not any(thread.is_alive() for thread in threads)
+    if errors:
+        raise errors[0]
+    assert sorted(results) == [0, 1]
+    for params, grads in results.values():
+        for got, want in zip(params, reference.parameters(), strict=True):
+            torch.testing.assert_close(got, want.detach())
+        for got, want in zip(grads, expected, strict=True):
+            torch.testing.assert_close(got, want)
 
 
 @pytest.mark.gloo
