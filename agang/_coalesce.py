@@ -267,6 +267,7 @@ def all_of(handles: Sequence[Handle[Any]], value: Any, *, op: str) -> Handle[Any
         num_bytes=sum(h.num_bytes for h in handles),
         timeout=group_timeout([h.timeout for h in handles]),
     )
+    combined._before_wait = handles[0]._before_wait if handles else None
     if not handles:
         combined._finish(value, None)
         return combined

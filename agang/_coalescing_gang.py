@@ -160,6 +160,7 @@ class CoalescingGang(IssuingGang):
         )
         claim = _busy.acquire_one("tensor", tensor, handle)
         handle._hold = HELD
+        handle._before_wait = self._rearm_for_waiter
         scope.members.append(Member(tensor, op, tensor.dtype, seconds, handle, claim))
         scope.issued.handles.append(handle)
         scope.issued._tensors.append(tensor)

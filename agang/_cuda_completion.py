@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from agang import _exit
+
 Done = Callable[[BaseException | None], None]
 
 _lock = threading.Lock()
@@ -34,15 +36,19 @@ _watcher: _Watcher | None = None
 
 class _Watcher:
     def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[tuple[Any, Any, Done]] = queue.SimpleQueue()
-        threading.Thread(target=self._run, name="agang-cuda-watcher", daemon=True).start()
+        self._queue: queue.SimpleQueue[tuple[Any, Any, Done] | None] = queue.SimpleQueue()
+        _exit.start_daemon(self._run, name="agang-cuda-watcher")
+        _exit.add_stopper(self.stop)  # after the gangs closed and aborted their work
 
     def put(self, event: Any, work: Any, done: Done) -> None:
         self._queue.put((event, work, done))
 
+    def stop(self) -> None:
+        self._queue.put(None)
+
     def _run(self) -> None:
-        while True:
-            event, work, done = self._queue.get()
+        while (item := self._queue.get()) is not None:
+            event, work, done = item
             try:
                 event.synchronize()
                 work.is_completed()  # raises if the op failed or was aborted

@@ -11,19 +11,25 @@ Where the check runs (the *driver*):
 2. Anything else (trio, synchronous callers, other threads) uses one process-wide timer
    thread, started on first use. trio has no ``call_at``, and a system task per gang
    would tie the gang to one ``trio.run``; the thread is shared by all gangs.
-A gang re-arms on the current driver when the one it armed has closed, so a check is
-never lost with a finished ``asyncio.run``. All times are ``time.monotonic()`` seconds.
+A gang re-arms on the current driver when the one it armed has closed: when it arms
+again (a new op), and when a waiter starts on one of its ops (a synchronous ``wait`` or
+an ``await`` elsewhere after the ``asyncio.run`` that issued it has ended), so a check is
+never lost with a finished loop. Re-arming cancels the check it replaces, so a gang has
+one pending check, not one per re-arm. All times are ``time.monotonic()`` seconds.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import heapq
 import itertools
 import logging
 import threading
 import time
 from collections.abc import Callable
+
+from agang import _exit
 
 log = logging.getLogger("agang")
 
@@ -39,12 +45,29 @@ def alive(driver: object) -> bool:
     return True
 
 
-def call_at(driver: object, when: float, callback: Callable[[], None]) -> None:
-    """Runs ``callback`` at monotonic time ``when`` on ``driver``."""
+Cancel = Callable[[], None]
+
+
+def call_at(driver: object, when: float, callback: Callable[[], None]) -> Cancel:
+    """Runs ``callback`` at monotonic time ``when`` on ``driver``.
+
+    Returns:
+        A function that cancels the call, from any thread; harmless once it has run.
+    """
     if isinstance(driver, asyncio.AbstractEventLoop) and alive(driver):
-        driver.call_later(max(0.0, when - time.monotonic()), callback)
-        return
-    _timer_thread().call_at(when, callback)
+        return _cancel_on(driver, driver.call_later(max(0.0, when - time.monotonic()), callback))
+    return _timer_thread().call_at(when, callback)
+
+
+def _cancel_on(loop: asyncio.AbstractEventLoop, timer: asyncio.TimerHandle) -> Cancel:
+    def cancel() -> None:
+        if asyncio._get_running_loop() is loop:
+            timer.cancel()
+        elif alive(loop):  # TimerHandle.cancel is not thread-safe
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                loop.call_soon_threadsafe(timer.cancel)
+
+    return cancel
 
 
 class _TimerThread:
@@ -52,27 +75,46 @@ class _TimerThread:
 
     def __init__(self) -> None:
         self._condition = threading.Condition()
-        self._heap: list[tuple[float, int, Callable[[], None]]] = []
+        # (when, tie-breaker, [callback]): a cancelled entry's callback is None.
+        self._heap: list[tuple[float, int, list[Callable[[], None] | None]]] = []
         self._counter = itertools.count()
-        self._thread = threading.Thread(target=self._run, name="agang-deadlines", daemon=True)
-        self._thread.start()
+        self._stopped = False
+        _exit.start_daemon(self._run, name="agang-deadlines")
+        _exit.add_stopper(self.stop)
 
-    def call_at(self, when: float, callback: Callable[[], None]) -> None:
+    def call_at(self, when: float, callback: Callable[[], None]) -> Cancel:
+        slot: list[Callable[[], None] | None] = [callback]
         with self._condition:
-            heapq.heappush(self._heap, (when, next(self._counter), callback))
+            heapq.heappush(self._heap, (when, next(self._counter), slot))
+            self._condition.notify()
+
+        def cancel() -> None:
+            slot[0] = None  # popped and skipped when due
+
+        return cancel
+
+    def stop(self) -> None:
+        """Ends the thread (at exit); deadlines not yet due are dropped."""
+        with self._condition:
+            self._stopped = True
             self._condition.notify()
 
     def _run(self) -> None:
         while True:
             with self._condition:
-                while not self._heap or self._heap[0][0] > time.monotonic():
+                while not self._stopped and (not self._heap or self._heap[0][0] > time.monotonic()):
                     delay = self._heap[0][0] - time.monotonic() if self._heap else None
                     self._condition.wait(delay)
-                _, _, callback = heapq.heappop(self._heap)
+                if self._stopped:
+                    return
+                _, _, (callback,) = heapq.heappop(self._heap)
+            if callback is None:
+                continue
             try:
                 callback()
             except Exception:  # pragma: no cover - callbacks catch their own errors
                 log.exception("A deadline check failed.")
+            del callback  # what it holds is freed now, not while the thread waits
 
 
 _timer_lock = threading.Lock()

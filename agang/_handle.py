@@ -43,6 +43,7 @@ class Handle(Generic[T]):
     """
 
     __slots__ = (
+        "_before_wait",
         "_callbacks",
         "_error",
         "_finished_at",
@@ -79,6 +80,8 @@ class Handle(Generic[T]):
         self._hold: str | None = None
         # Told how long the loop took to resume the waiter after the op finished.
         self._observer: Callable[[float], None] | None = None
+        # Called when a waiter starts on the pending op (its gang re-arms a lost deadline).
+        self._before_wait: Callable[[], None] | None = None
 
     def __str__(self) -> str:
         if self.seq < 0:  # held in a coalesce scope, numbered when it ends
@@ -94,6 +97,8 @@ class Handle(Generic[T]):
 
     async def _wait_async(self) -> T:
         self._check_not_held()
+        if self._before_wait is not None and self._state != _DONE:
+            self._before_wait()
         await wait_async(self)
         return self.result()
 
@@ -162,6 +167,8 @@ class Handle(Generic[T]):
         seconds = check_timeout(timeout)
         self._check_not_held()
         if self._state != _DONE:
+            if self._before_wait is not None:
+                self._before_wait()
             # A bare lock, released by the finisher: cheaper than threading.Event.
             signal = threading.Lock()
             signal.acquire()

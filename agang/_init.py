@@ -390,7 +390,7 @@ async def init(
     if plan.in_process:
         return plan.local_gang()
     started = time.monotonic()
-    handle = start_thread(plan.connect, name="init")
+    handle = start_thread(plan.connect, name="init", join_at_exit=False)
     finished = False
     try:
         gang = await _await_within(handle, plan.deadline_seconds + _REPORT_GRACE)
@@ -452,7 +452,7 @@ def init_sync(
     if plan.in_process:
         return plan.local_gang()
     started = time.monotonic()
-    handle = start_thread(plan.connect, name="init")
+    handle = start_thread(plan.connect, name="init", join_at_exit=False)
     seconds = plan.deadline_seconds + _REPORT_GRACE
     try:
         gang = handle.wait(None if math.isinf(seconds) else seconds)

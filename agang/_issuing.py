@@ -116,6 +116,7 @@ class IssuingGang(Gang):
         self._scheduler = Scheduler(policy.limits.max_ops, policy.limits.max_bytes)
         self._armed_at: float | None = None
         self._armed_driver: object = None
+        self._armed_cancel: _deadline.Cancel | None = None
         self._counters = Counters()
         self._children: list[IssuingGang] = []
         self._ops_left_in_backend = False
@@ -230,6 +231,7 @@ class IssuingGang(Gang):
             self._counters.num_issued += 1
             self._counters.bytes_issued += num_bytes
         handle._observer = self._observe_lag
+        handle._before_wait = self._rearm_for_waiter
         return handle, claim
 
     def _wait_for_room(self, op: str, num_bytes: int, seconds: float | None) -> None:
@@ -401,9 +403,32 @@ class IssuingGang(Gang):
                 and _deadline.alive(driver)
             ):
                 return
+            replaced, self._armed_cancel = self._armed_cancel, None
             self._armed_at = deadline
             self._armed_driver = driver
-        _deadline.call_at(driver, deadline, lambda: self._check_deadlines(deadline, driver))
+        if replaced is not None:
+            replaced()
+        cancel = _deadline.call_at(
+            driver, deadline, lambda: self._check_deadlines(deadline, driver)
+        )
+        with self._lock:
+            if self._armed_at == deadline and self._armed_driver is driver:
+                self._armed_cancel = cancel
+
+    def _rearm_for_waiter(self) -> None:
+        """A waiter starts on a pending op: if the deadline check was armed on a driver
+        that is gone (an asyncio loop that closed), re-arm it where the waiter runs."""
+        armed_at, driver = self._armed_at, self._armed_driver
+        if armed_at is None or _deadline.alive(driver):  # the common case, without the lock
+            return
+        with self._lock:
+            if self._armed_at is None or _deadline.alive(self._armed_driver):
+                return
+            self._armed_at = None
+            self._armed_cancel = None
+            following = self._scheduler.next_deadline()
+        if following is not None:
+            self._arm(following)
 
     def _check_deadlines(self, armed_for: float, driver: object) -> None:
         now = time.monotonic()
@@ -413,6 +438,7 @@ class IssuingGang(Gang):
                 self._counters.lags.append(max(0.0, now - armed_for))
             if self._armed_at == armed_for:
                 self._armed_at = None
+                self._armed_cancel = None
             due = self._scheduler.due(now)
             following = self._scheduler.next_deadline()
         if following is not None:

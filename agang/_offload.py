@@ -9,19 +9,22 @@ end on its own (c10d gets a bounded timeout of its own from the caller).
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import anyio
 
+from agang import _exit
 from agang._handle import Handle
 
 T = TypeVar("T")
 
 
-def start_thread(fn: Callable[[], T], *, name: str) -> Handle[T]:
-    """Runs ``fn`` on a new daemon thread; the handle finishes with its result."""
+def start_thread(fn: Callable[[], T], *, name: str, join_at_exit: bool = True) -> Handle[T]:
+    """Runs ``fn`` on a new daemon thread; the handle finishes with its result.
+
+    ``join_at_exit=False`` for set-up calls that may stay blocked in c10d (``_exit``).
+    """
     handle: Handle[Any] = Handle(op=name, seq=0, num_bytes=0, timeout=None)
 
     def run() -> None:
@@ -32,17 +35,19 @@ def start_thread(fn: Callable[[], T], *, name: str) -> Handle[T]:
         else:
             handle._finish(value, None)
 
-    threading.Thread(target=run, name=f"agang: {name}", daemon=True).start()
+    _exit.start_daemon(run, name=f"agang: {name}", join_at_exit=join_at_exit)
     return handle
 
 
-async def run_blocking(fn: Callable[[], T], *, name: str, seconds: float | None) -> T | None:
+async def run_blocking(
+    fn: Callable[[], T], *, name: str, seconds: float | None, join_at_exit: bool = True
+) -> T | None:
     """Awaits ``fn()`` run on a daemon thread, giving up after ``seconds``.
 
     Returns:
         ``fn``'s result, or None if ``seconds`` passed first (the thread is left to end).
     """
-    handle = start_thread(fn, name=name)
+    handle = start_thread(fn, name=name, join_at_exit=join_at_exit)
     with anyio.move_on_after(seconds):
         return await handle
     return None

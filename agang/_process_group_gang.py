@@ -18,11 +18,9 @@ too ends the running work at once.
 
 from __future__ import annotations
 
-import atexit
 import hashlib
 import logging
 import queue
-import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -33,7 +31,7 @@ import torch
 import torch.distributed as dist
 from typing_extensions import override
 
-from agang import _cuda_completion
+from agang import _cuda_completion, _exit
 from agang._abort import Aborter
 from agang._base_gang import BaseGang
 from agang._errors import GangClosedError, GangInitError
@@ -65,26 +63,17 @@ def backstop_for(timeout: float | None) -> float:
 
 # A process group still alive at interpreter exit can abort the process ("terminate
 # called without an active exception", seen with raw c10d too once future callbacks
-# were used), so the world gangs still open are closed at exit, within a bound.
+# were used), so the world gangs still open are closed at exit (``_exit``, within its
+# bound): their running work is aborted, their threads end.
 _open_world_gangs: weakref.WeakSet[ProcessGroupGang] = weakref.WeakSet()
-_EXIT_CLOSE_SECONDS = 5.0
 
 
-@atexit.register
-def _close_open_gangs_at_exit() -> None:
-    gangs = [gang for gang in list(_open_world_gangs) if not gang.closed]
-    if not gangs:
-        return
+def _close_open_gangs() -> None:
+    for gang in [gang for gang in list(_open_world_gangs) if not gang.closed]:
+        gang.close_sync()
 
-    def close_all() -> None:
-        for gang in gangs:
-            gang.close_sync()
 
-    closer = threading.Thread(target=close_all, name="agang: close at exit", daemon=True)
-    closer.start()
-    closer.join(_EXIT_CLOSE_SECONDS)
-    if closer.is_alive():
-        log.warning("agang: gangs were still closing %g s into exit.", _EXIT_CLOSE_SECONDS)
+_exit.add_closer(_close_open_gangs)
 
 
 def _all_reduce_options(op: ReduceOp, backend: str) -> tuple[dist.AllreduceOptions, bool]:
@@ -122,8 +111,7 @@ class _WorkWaiter:
 
     def __init__(self, name: str) -> None:
         self._queue: queue.SimpleQueue[tuple[Any, Done] | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name=f"agang-wait {name}", daemon=True)
-        self._thread.start()
+        _exit.start_daemon(self._run, name=f"agang-wait {name}")
 
     def watch(self, work: Any, done: Done) -> None:
         self._queue.put((work, done))
@@ -197,11 +185,11 @@ class ProcessGroupGang(BaseGang):
 
     def _raise_backstop(self, timeout: float | None) -> None:
         backstop = backstop_for(timeout)
-        if backstop > self._backstop:
-            self._backstop = backstop
-            self._pg.set_timeout(timedelta(seconds=backstop))
-            if self._order_group is not None:
-                self._order_group.set_timeout(timedelta(seconds=backstop))
+        if backstop <= self._backstop:
+            return
+        for group, _ in self._groups():  # none once closed: the call is refused next
+            group.set_timeout(timedelta(seconds=backstop))
+        self._backstop = backstop
 
     @override
     def _resolve_timeout(self, timeout: float | None) -> float | None:
@@ -518,7 +506,10 @@ class ProcessGroupGang(BaseGang):
 
         try:
             made = await run_blocking(
-                create_with_retry, name=f"create gang {members}", seconds=deadline
+                create_with_retry,
+                name=f"create gang {members}",
+                seconds=deadline,
+                join_at_exit=False,
             )
         except Exception as exc:
             raise GangInitError(

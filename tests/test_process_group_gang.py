@@ -42,19 +42,35 @@ def test_create_gang_makes_a_working_sub_gang() -> None:
     assert reports[2]["pair_closed"]
 
 
+def _refusal(call: Any) -> str:
+    try:
+        call()
+    except Exception as error:
+        return type(error).__name__
+    return "accepted"
+
+
 async def _close_parent(gang: agang.Gang) -> dict[str, Any]:
-    """Closing the world closes its sub-gangs: they refuse ops afterwards."""
+    """Closing the world closes its sub-gangs: they refuse ops afterwards, also ops with a
+    deadline longer than any before (which raises c10d's own timeout on a live group)."""
     everyone = await gang.create_gang(list(range(gang.size)))
     assert everyone is not None
     await everyone.barrier()
     await gang.close()
-    try:
-        everyone.barrier()
-    except agang.GangClosedError:
-        return {"child_closed": everyone.closed, "refused": True}
-    return {"child_closed": everyone.closed, "refused": False}
+    return {
+        "child_closed": everyone.closed,
+        "child": _refusal(everyone.barrier),
+        "long_timeout": [
+            _refusal(lambda g=g: g.all_reduce(torch.ones(2), timeout=10_000.0))  # type: ignore[misc]
+            for g in (gang, everyone)
+        ],
+    }
 
 
 def test_closing_the_parent_closes_sub_gangs() -> None:
     for report in run_world(_close_parent, 2):
-        assert report == {"child_closed": True, "refused": True}
+        assert report == {
+            "child_closed": True,
+            "child": "GangClosedError",
+            "long_timeout": ["GangClosedError", "GangClosedError"],
+        }
