@@ -159,7 +159,8 @@ async def _peer_killed_mid_op(gang: agang.Gang) -> dict[str, Any]:
 
 
 def test_b1_peer_killed_during_a_64_mib_all_reduce() -> None:
-    """The survivor learns of the loss through an error, then refuses every op.
+    """The survivor learns of the loss through a ``CollectiveError`` (c10d's error as its
+    cause), then refuses every op, and closes within 1 s.
 
     Gloo sees the dead peer's connection reset within milliseconds; the bound is the
     matrix's T+eps (2.7 s here), and a hang would run into the world's deadline instead.
@@ -172,9 +173,11 @@ def test_b1_peer_killed_during_a_64_mib_all_reduce() -> None:
 
     assert report["in_flight_at_kill"]
     assert report["error"] is not None, "the op succeeded after its peer was killed"
+    # The peer's loss itself, from c10d (connection reset), not the deadline passing.
+    assert report["error"] == "CollectiveError"
     assert report["error_after"] < B1_TIMEOUT + eps(B1_TIMEOUT)
     _assert_refused_at_once(report["refusals"])
-    assert report["close_took"] < 5.0
+    assert report["close_took"] < 1.0
     assert all(_process_is_reaped(pid) for pid in report["pids"])
 
 
