@@ -187,6 +187,30 @@ class Gang(ABC):
         """
 
     @abstractmethod
+    async def wait_for_room(self, num_bytes: int = 0) -> None:
+        """Waits until the in-flight bounds leave room for one more op of ``num_bytes``.
+
+        Back-pressure for a task that issues in a loop: past the bounds
+        (:class:`agang.InFlightLimits`), a call still returns its handle at once and its op
+        waits in the gang's queue, so a producer that never awaits would grow that queue
+        without limit. Awaiting this before each call keeps what the gang holds within
+        the bounds instead. It is advice, not a reservation: another task may take the
+        room first. Always a checkpoint, even when there is room already.
+
+        Args:
+            num_bytes: The size of the op about to be issued (its tensors' bytes).
+
+        Raises:
+            GangClosedError: The gang is closed, or closes while waiting.
+            GangBrokenError: The gang is broken, or breaks while waiting.
+
+        Example:
+            >>> for grad in grads:
+            ...     await gang.wait_for_room(grad.nbytes)
+            ...     handles.append(gang.all_reduce(grad))
+        """
+
+    @abstractmethod
     def all_gather(
         self, output: torch.Tensor, input: torch.Tensor, *, timeout: float | None = None
     ) -> Handle[torch.Tensor]:

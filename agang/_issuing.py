@@ -32,7 +32,6 @@ Rules:
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import threading
@@ -49,16 +48,16 @@ from agang._errors import (
     CollectiveMismatchError,
     GangBrokenError,
     GangClosedError,
-    GangFullError,
     GangTimeoutError,
     OpContext,
 )
 from agang._gang import Gang
 from agang._handle import Handle
 from agang._policy import GangPolicy
+from agang._room import Room
 from agang._scheduler import Entry, Scheduler
 from agang._statistics import Counters, GangStatistics
-from agang._validate import check_timeout
+from agang._validate import check_non_negative_int, check_timeout
 
 log = logging.getLogger("agang")
 
@@ -108,12 +107,13 @@ class IssuingGang(Gang):
         self._closed = False
         self._broken: BaseException | None = None
         self._lock = threading.RLock()
-        self._room = threading.Condition(self._lock)
-        self._num_blocked = 0
         self._next_seq = 0
         self._next_check = 0
         self._draining = False
         self._scheduler = Scheduler(policy.limits.max_ops, policy.limits.max_bytes)
+        self._room = Room(
+            self._lock, self._scheduler.is_full, self._check_usable, policy.limits, name
+        )
         self._armed_at: float | None = None
         self._armed_driver: object = None
         self._armed_cancel: _deadline.Cancel | None = None
@@ -222,8 +222,7 @@ class IssuingGang(Gang):
         if num_bytes is None:
             num_bytes = sum(t.numel() * t.element_size() for _, t in busy)
         with self._lock:
-            if self._policy.limits.when_full != "queue":
-                self._wait_for_room(op, num_bytes, seconds)
+            self._room.wait_or_refuse(op, num_bytes, seconds)
             seq = self._next_seq
             handle: Handle[Any] = Handle(op=op, seq=seq, num_bytes=num_bytes, timeout=seconds)
             claim = _busy.acquire(busy, handle)  # raises before anything is committed
@@ -234,39 +233,9 @@ class IssuingGang(Gang):
         handle._before_wait = self._rearm_for_waiter
         return handle, claim
 
-    def _wait_for_room(self, op: str, num_bytes: int, seconds: float | None) -> None:
-        # The caller holds the lock (rule 2: refuse or wait before numbering).
-        if not self._scheduler.is_full(num_bytes):
-            return
-        limits = self._policy.limits
-        bounds = f"{limits.max_ops} ops, {limits.max_bytes} bytes"
-        if limits.when_full == "raise":
-            raise GangFullError(
-                f"`{op}` on gang '{self._name}' was refused: the gang is at its in-flight "
-                f"bound ({bounds}) and its policy is when_full='raise'. Await earlier ops "
-                f"first, or use when_full='queue'."
-            )
-        if asyncio._get_running_loop() is not None:
-            raise RuntimeError(
-                f"`{op}` on gang '{self._name}' would block the event loop: the gang is at "
-                f"its in-flight bound and its policy is when_full='block'. Use 'queue' on "
-                f"an event loop."
-            )
-        stop_at = None if seconds is None else time.monotonic() + seconds
-        self._num_blocked += 1
-        try:
-            while self._scheduler.is_full(num_bytes):
-                self._check_usable()
-                left = None if stop_at is None else stop_at - time.monotonic()
-                if left is not None and left <= 0:
-                    raise GangFullError(
-                        f"`{op}` on gang '{self._name}' waited {seconds:g} s for room under "
-                        f"the gang's in-flight bound ({bounds}) in vain."
-                    )
-                self._room.wait(left)
-            self._check_usable()
-        finally:
-            self._num_blocked -= 1
+    @override
+    async def wait_for_room(self, num_bytes: int = 0) -> None:
+        await self._room.wait(check_non_negative_int(num_bytes, name="num_bytes"))
 
     def _admit(
         self,
@@ -357,8 +326,9 @@ class IssuingGang(Gang):
         outcome = "timed out" if timed_out else ("ok" if error is None else "failed")
         with self._lock:
             self._scheduler.finish(handle.seq, seconds=now - handle.issued_at, outcome=outcome)
-            if self._num_blocked:
-                self._room.notify_all()
+            room_waiters = self._room.wake()
+        for waiter in room_waiters:
+            waiter._finish(None, None)
         if error is None:
 
             def count_completed() -> None:
@@ -490,8 +460,7 @@ class IssuingGang(Gang):
         pending = [handle for handle, _ in items if not handle._settled()]
         self._counters.num_failed += len(pending)
         self._ops_left_in_backend = any(e.started for e in self._scheduler.entries.values())
-        if self._num_blocked:
-            self._room.notify_all()
+        pending.extend(self._room.wake())  # they fail with the others, and re-check
         return pending, dropped
 
     def _break(self, cause: BaseException) -> None:

@@ -64,6 +64,16 @@ def check_positive_int(value: object, *, name: str) -> int:
     return value
 
 
+def check_non_negative_int(value: object, *, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(
+            f"`{name}` must be an int, but is of type `{type(value).__name__}` instead."
+        )
+    if value < 0:
+        raise ValueError(f"`{name}` must be 0 or more, but is {value} instead.")
+    return value
+
+
 def check_rank(rank: object, size: int, *, name: str, self_rank: int | None = None) -> int:
     """Checks that ``rank`` is a rank of a gang of ``size`` (and, if given, not ``self_rank``)."""
     if isinstance(rank, bool) or not isinstance(rank, int):

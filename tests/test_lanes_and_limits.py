@@ -173,6 +173,64 @@ def test_when_full_block_waits_on_a_thread_and_refuses_on_a_loop() -> None:
     assert got[0].wait(timeout=5).item() == 2.0
 
 
+@pytest.mark.anyio
+async def test_wait_for_room_keeps_a_producer_within_the_bounds() -> None:
+    """A producer that awaits room before each call never makes the gang queue: at most
+    ``max_ops`` are ever admitted, although rank 1 joins only one op at a time, late."""
+    limits = agang.InFlightLimits(max_ops=3)
+    world = FakeWorld(2, limits=limits)
+    most_admitted = 0
+
+    async def producer() -> list[float]:
+        nonlocal most_admitted
+        handles = []
+        for _ in range(12):
+            await world[0].wait_for_room(4)
+            handles.append(world[0].all_reduce(torch.ones(1)))
+            stats = world[0].statistics()
+            most_admitted = max(most_admitted, stats.num_in_flight)
+            assert stats.num_queued == 0
+        return [(await handle).item() for handle in handles]
+
+    async def slow_peer() -> None:
+        for _ in range(12):
+            await anyio.sleep(0.01)
+            await world[1].all_reduce(torch.ones(1))
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(slow_peer)
+        sums = await producer()
+    assert sums == [2.0] * 12
+    assert most_admitted == 3
+
+
+@pytest.mark.anyio
+async def test_wait_for_room_yields_and_fails_with_the_gang() -> None:
+    world = FakeWorld(2, limits=agang.InFlightLimits(max_ops=1))
+    await world[0].wait_for_room()  # room at once: still a checkpoint, and no error
+    pending = world[0].all_reduce(torch.ones(1))  # rank 1 never joins: the gang is full
+
+    async def close_soon() -> None:
+        await anyio.sleep(0.05)
+        await world[0].close()
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(close_soon)
+        with anyio.fail_after(5), pytest.raises(agang.GangClosedError):
+            await world[0].wait_for_room()
+    assert pending.done()
+    with pytest.raises(agang.GangClosedError):
+        await world[0].wait_for_room()
+
+
+def test_wait_for_room_checks_num_bytes() -> None:
+    gang = agang.FakeGang(rank=0, size=2)
+    with pytest.raises(ValueError, match="`num_bytes` must be 0 or more, but is -1"):
+        anyio.run(gang.wait_for_room, -1)
+    with pytest.raises(TypeError, match="`num_bytes` must be an int"):
+        anyio.run(gang.wait_for_room, 1.5)
+
+
 def test_in_flight_limits_are_checked() -> None:
     with pytest.raises(ValueError, match="`max_ops`"):
         agang.InFlightLimits(max_ops=0)

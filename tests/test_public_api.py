@@ -141,7 +141,15 @@ def test_closed_and_broken_are_not_timeouts_or_bad_input() -> None:
 
 def test_gang_is_an_abstract_interface_with_every_collective() -> None:
     assert inspect.isabstract(agang.Gang)
-    for name in [*COLLECTIVES, "create_gang", "close", "close_sync", "statistics"]:
+    for name in [
+        *COLLECTIVES,
+        "create_gang",
+        "lane",
+        "wait_for_room",
+        "close",
+        "close_sync",
+        "statistics",
+    ]:
         assert name in agang.Gang.__abstractmethods__, name
     for name in ["rank", "size", "device", "backend", "name", "closed"]:
         assert isinstance(inspect.getattr_static(agang.Gang, name), property), name
@@ -157,7 +165,7 @@ def test_collectives_are_plain_methods_that_return_a_handle(name: str) -> None:
     assert "timeout" in inspect.signature(method).parameters
 
 
-@pytest.mark.parametrize("name", ["create_gang", "close"])
+@pytest.mark.parametrize("name", ["create_gang", "lane", "wait_for_room", "close"])
 def test_calls_that_can_wait_are_async(name: str) -> None:
     assert inspect.iscoroutinefunction(getattr(agang.Gang, name))
 
