@@ -98,6 +98,9 @@ class GangTimeoutError(CollectiveError, TimeoutError):
         elapsed: Seconds from issue to expiry.
         in_flight: One line per op still in flight on this gang when the deadline passed.
         recent: One line per op completed most recently on this gang, oldest first.
+        absent_ranks: With order checking on, the ranks that had not issued this op by
+            the deadline (they skipped it, or are stalled or late before it); empty when
+            every rank had, or when unknown.
     """
 
     def __init__(
@@ -108,11 +111,13 @@ class GangTimeoutError(CollectiveError, TimeoutError):
         elapsed: float,
         in_flight: Sequence[str] = (),
         recent: Sequence[str] = (),
+        absent_ranks: Sequence[int] = (),
     ) -> None:
         super().__init__(message, context)
         self.elapsed = elapsed
         self.in_flight = tuple(in_flight)
         self.recent = tuple(recent)
+        self.absent_ranks = tuple(absent_ranks)
 
 
 class TensorBusyError(GangError, ValueError):

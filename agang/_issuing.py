@@ -18,7 +18,10 @@ Rules:
    thread), armed for the core's next deadline. When one passes, the handle fails with
    ``GangTimeoutError`` carrying the flight recorder; with ``on_timeout="abort"`` the
    gang then breaks, with ``"raise"`` only that handle fails and its op stays in flight
-   (tensors busy) until c10d ends it.
+   (tensors busy) until c10d ends it. An op still in its order check when its deadline
+   passes is failed once the gang has asked which ranks never reached that check
+   (``_start_census``): the error names them (fault matrix C2: a rank that skipped the
+   last op). Asking takes at most a fraction of a second.
 5. Any failure of a started op breaks the gang: every pending handle fails with
    ``GangBrokenError`` (the first cause attached), queued ops are dropped unstarted, the
    communicator is aborted, and every later call raises at once without touching c10d.
@@ -32,6 +35,7 @@ Rules:
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import threading
@@ -180,6 +184,12 @@ class IssuingGang(Gang):
         """
         return start
 
+    def _start_census(self, index: int, report: Callable[[list[int] | None], None]) -> None:
+        """Reports which ranks had not reached this gang's ``index``-th order check, once
+        its op's deadline passed there; None when that cannot be known (the default).
+        May report later, from another thread."""
+        report(None)
+
     def _start_order_check(self, index: int, fingerprint: str, checked: Checked) -> None:
         """Compares this rank's ``index``-th collective's fingerprint with every rank's.
 
@@ -264,7 +274,7 @@ class IssuingGang(Gang):
             self._scheduler.admit(entry)
             if checked:
                 assert fingerprint is not None
-                index = self._next_check
+                index = entry.check_index = self._next_check
                 self._next_check += 1
                 self._check_order(entry, index, fingerprint)
             self._drain()
@@ -415,9 +425,17 @@ class IssuingGang(Gang):
             self._arm(following)
         for entry in due:
             handle, _ = entry.item
-            self._expire(handle, now)
+            index = entry.check_index
+            if index is not None and not entry.ready:
+                # Still in its order check: ask who never reached it (rule 4), then fail.
+                self._start_census(index, functools.partial(self._expire, handle, index))
+            else:
+                self._expire(handle)
 
-    def _expire(self, handle: Handle[Any], now: float) -> None:
+    def _expire(
+        self, handle: Handle[Any], index: int | None = None, absent: list[int] | None = None
+    ) -> None:
+        now = time.monotonic()
         with self._lock:
             in_flight = self._scheduler.describe_in_flight(now, skip=handle.seq)
             recent = [record.describe() for record in self._scheduler.recent()]
@@ -429,13 +447,21 @@ class IssuingGang(Gang):
             if abort
             else "Its tensors stay busy until the op really ends; the gang stays usable."
         )
+        if absent:
+            why = (
+                f"ranks {absent} had not issued collective #{index} of this gang (order "
+                f"checking got no fingerprint of theirs): they skipped it, or are stalled "
+                f"or late before it."
+            )
+        else:
+            why = "a peer may be late, stopped, or issuing its ops in another order."
         error = GangTimeoutError(
-            f"{context.describe()} timed out after {elapsed:.3f} s; a peer may be late, "
-            f"stopped, or issuing its ops in another order. {consequence}",
+            f"{context.describe()} timed out after {elapsed:.3f} s; {why} {consequence}",
             context,
             elapsed=elapsed,
             in_flight=in_flight,
             recent=recent,
+            absent_ranks=absent or (),
         )
 
         def count_timed_out() -> None:

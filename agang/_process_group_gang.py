@@ -50,6 +50,11 @@ _BACKSTOP_FACTOR = 1.5
 _BACKSTOP_MARGIN = 30.0
 _DEFAULT_BACKSTOP = 1800.0
 
+# A rank whose op timed out in its order check waits this long for the other ranks stuck
+# at the same check to say so (they time out at about the same moment); the rest are
+# named as absent (``_issuing`` rule 4).
+_CENSUS_SECONDS = 0.25
+
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
@@ -395,6 +400,36 @@ class ProcessGroupGang(BaseGang):
             )
 
         work.get_future().add_done_callback(on_gathered)
+
+    @override
+    def _start_census(self, index: int, report: Callable[[list[int] | None], None]) -> None:
+        group = getattr(self, "_pg", None)
+        if group is None:  # closed meanwhile
+            report(None)
+            return
+        # Keyed by c10d's group name: equal on every rank, and unique for the store's life.
+        prefix = f"agang/census/{group.group_name}/{index}"
+        _ = start_thread(
+            lambda: report(self._absent_from_check(prefix)), name=f"census '{self.name}'"
+        )
+
+    def _absent_from_check(self, prefix: str) -> list[int] | None:
+        """Says, through the store, that this rank is stuck at the check; returns the
+        ranks that have not said so within ``_CENSUS_SECONDS``, or None if the store
+        cannot tell."""
+        keys = [f"{prefix}/{rank}" for rank in range(self.size)]
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            store.set(keys[self.rank], "1")
+            give_up_at = time.monotonic() + _CENSUS_SECONDS
+            while True:
+                absent = [rank for rank, key in enumerate(keys) if not store.check([key])]
+                if not absent or time.monotonic() >= give_up_at:
+                    return absent
+                time.sleep(0.01)
+        except Exception:
+            log.debug("The order-check census of gang '%s' failed.", self.name, exc_info=True)
+            return None
 
     def _exchange_fingerprints(
         self, index: int, fingerprint: str, digests: list[int], checked: Checked

@@ -50,6 +50,7 @@ class Entry:
     start: Callable[[], None]
     item: Any = None  # the driver's own object for this op (its handle)
     ready: bool = True
+    check_index: int | None = None  # its order check's position, when checked
     holds_gate: bool = False
     started: bool = False
     expired: bool = False

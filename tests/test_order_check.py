@@ -12,7 +12,8 @@ rank leaves while another still waits for it.
 | C1 order swapped | `test_c1_fake_world[*on]`, | `test_c1_fake_world[*off]`, |
 |   | `test_c1_gloo_checked`, | `test_c1_gloo_unchecked` |
 |   | `..._both_ops_in_flight` | (+ a clean exit) |
-| C2 an op skipped | `test_c2_*_names_the_rank` | `test_c2_*_unchecked_times_out_at_t` |
+| C2 an op skipped | `test_c2_*_names_the_rank` (a middle | `test_c2_*_unchecked_times_out_at_t` |
+|   | op, and the last: `..._last_op_*`) | |
 | C3 [10] vs [20] | `test_c3_fake_world[on]`, | `test_c3_fake_world[off]`, |
 |   | `test_c3_gloo_checked` | `test_c3_gloo_unchecked_*` (+ xfail: Gloo aborts) |
 | C5 op, root, dtype | `test_c5_*` | (not a row) |
@@ -173,9 +174,10 @@ async def _c2_skips_a_middle_op(gang: agang.Gang, deadline: float) -> Report:
 
 
 async def _c2_skips_the_last_op(gang: agang.Gang, deadline: float) -> Report:
-    """C2 (unchecked): rank 1 skips the last of three all_reduces; nothing shows it but
-    the other ranks' wait. Only the skipped op has the deadline T: the others wait for a
-    peer that a busy machine may hold back."""
+    """C2: rank 1 skips the last of three all_reduces; nothing shows it but the other
+    ranks' wait (checked: their timeout names rank 1, which never reached the check).
+    Only the skipped op has the deadline T: the others wait for a peer that a busy
+    machine may hold back."""
     calls: list[Issue] = [lambda: gang.all_reduce(torch.ones(4)) for _ in range(2)]
     if gang.rank != SKIPPER:
         calls.append(lambda: gang.all_reduce(torch.ones(4), timeout=deadline))
@@ -406,6 +408,20 @@ def check_c2_timed_out(reports: Sequence[Report], timeout: float) -> None:
         check_broken(report, "GangTimeoutError")
 
 
+def check_c2_last_named(reports: Sequence[Report], timeout: float) -> None:
+    """Checked, the last op skipped: no later op can mismatch, so the others time out at
+    T, and their error names the skipper, which never posted that op's fingerprint."""
+    for rank, report in enumerate(reports):
+        if rank == SKIPPER:
+            assert [h["error"] for h in report["handles"]] == [None, None]
+            continue
+        last = report["handles"][-1]
+        assert last["error"] == "GangTimeoutError"
+        assert timeout * 0.95 <= last["elapsed"] < timeout + slack(timeout)
+        assert f"ranks [{SKIPPER}] had not issued collective #2 of this gang" in last["message"]
+        check_broken(report, "GangTimeoutError")
+
+
 def check_c3(reports: Sequence[Report], checked: bool, timeout: float) -> None:
     if checked:
         fingerprints = {0: "all_reduce(SUM, float32[10])", 1: "all_reduce(SUM, float32[20])"}
@@ -447,6 +463,11 @@ async def test_c2_fake_world_names_the_rank() -> None:
     check_c2_named(reports, T_FAKE)
     message = mismatches(reports[0])[0]["message"]
     assert "ranks [0, 2] issued broadcast(source_rank=0, float32[4])" in message
+
+
+@pytest.mark.anyio
+async def test_c2_fake_world_last_op_skipped_names_the_rank() -> None:
+    check_c2_last_named(await run_fake(_c2_skips_the_last_op, 3, check_order=True), T_FAKE)
 
 
 @pytest.mark.anyio
@@ -560,7 +581,7 @@ def reports_of(world: World, name: str) -> list[Report]:
 
 @pytest.fixture(scope="module")
 def gloo_checked() -> World:
-    names = ["c1-awaited", "c2-middle", "c3", "c5-op", "c5-root", "c5-dtype"]
+    names = ["c1-awaited", "c2-middle", "c2-last", "c3", "c5-op", "c5-root", "c5-dtype"]
     return run_scenarios(
         names,
         correct_first=True,
@@ -624,6 +645,11 @@ def test_c1_gloo_unchecked(gloo_unchecked: World) -> None:
 @pytest.mark.gloo
 def test_c2_gloo_names_the_rank(gloo_checked: World) -> None:
     check_c2_named(reports_of(gloo_checked, "c2-middle"), T_GLOO_CHECKED)
+
+
+@pytest.mark.gloo
+def test_c2_gloo_last_op_skipped_names_the_rank(gloo_checked: World) -> None:
+    check_c2_last_named(reports_of(gloo_checked, "c2-last"), T_GLOO_CHECKED)
 
 
 @pytest.mark.gloo

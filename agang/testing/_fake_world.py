@@ -77,6 +77,8 @@ class _Communicator:
     size: int
     meetings: dict[int, dict[int, _Arrival]] = field(default_factory=dict)
     checks: dict[int, dict[int, tuple[str, Checked]]] = field(default_factory=dict)
+    # The ranks that posted each unsettled check's fingerprint, withdrawn ones included.
+    reached: dict[int, set[int]] = field(default_factory=dict)
     channels: dict[tuple[int, int], deque[tuple[str, torch.Tensor, Done]]] = field(
         default_factory=dict
     )
@@ -109,13 +111,22 @@ class _Communicator:
         with self.world._lock:
             meeting = self.checks.setdefault(index, {})
             meeting[rank] = (fingerprint, checked)
+            self.reached.setdefault(index, set()).add(rank)
             if len(meeting) < self.size:
                 return
             del self.checks[index]
+            del self.reached[index]
         fingerprints = {r: fp for r, (fp, _) in meeting.items()}
         agree = len(set(fingerprints.values())) == 1
         for _, report in meeting.values():
             self.world._schedule(functools.partial(report, None if agree else fingerprints, None))
+
+    def absent_from_check(self, index: int) -> list[int]:
+        """The ranks that never posted the ``index``-th fingerprint (one that posted it
+        and then withdrew, its gang broken, did reach the check)."""
+        with self.world._lock:
+            reached = self.reached.get(index, set())
+            return [rank for rank in range(self.size) if rank not in reached]
 
     def withdraw(self, rank: int) -> list[Done]:
         """Takes back ``rank``'s ops that no peer has met yet; returns their ``done``."""
@@ -321,6 +332,10 @@ class FakeWorldGang(BaseGang):
     @override
     def _start_order_check(self, index: int, fingerprint: str, checked: Checked) -> None:
         self.communicator.check(index, self.rank, fingerprint, checked)
+
+    @override
+    def _start_census(self, index: int, report: Callable[[list[int] | None], None]) -> None:
+        report(self.communicator.absent_from_check(index))
 
     def _withdraw(self, reason: str) -> None:
         # As aborting a real communicator ends its unfinished work: the ops' tensors are
