@@ -4,40 +4,46 @@ A program is a list of steps (all_reduce, broadcast, all_gather, a coalesce scop
 bucketed all-reduce), each on the root gang or on lane "a" or "b", with the places where
 every outstanding handle is awaited; between those, several steps are in flight at once,
 so a rank that mixed up its order would meet the wrong op. Every rank builds its inputs
-from (seed, rank, step, member) alone, so the expected outputs are computed in plain
-torch (``agang.testing.reduce_tensors``) in the test process.
+from (seed, rank, step, member) alone, so the test process computes the expected outputs
+itself: a sum, product, min, max or mean over the ranks' stacked inputs in plain torch,
+written here and not taken from agang (FakeWorld's own reduction is agang's code).
 
-One generator draws programs, through a small ``Chooser`` interface: Hypothesis drives it
-for FakeWorld (many examples, shrinking), and ``random.Random(seed)`` drives it for Gloo,
-where a fixed list of programs runs in one ``run_world`` per configuration (a world costs
-seconds to start; an example costs milliseconds once it runs).
+Hypothesis draws the programs, and shrinks a failing one, on both kinds of world: on
+FakeWorld, many examples on every async backend; on Gloo, one world per configuration
+stays up for the whole test and runs each program as it is drawn (``ServedWorld``, in
+``property_world.py``): a world costs seconds to start, an example tens of milliseconds.
+Each test first runs ``tour``, one program with every kind of step on every gang, every
+reduce op, scalars, zero-element tensors and steps in flight, so every run meets them all
+whatever Hypothesis draws next; and the strategy is shown to reach each of them too.
 """
 
 from __future__ import annotations
 
 import functools
-import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, example, find, given, settings
 from hypothesis import strategies as st
+from property_world import ServedWorld
 
 import agang
 from agang import ReduceOp
-from agang.testing import FakeWorld, reduce_tensors, run_world
-
-T = TypeVar("T")
+from agang.testing import FakeWorld
 
 DTYPES = ("float32", "float64", "int64")
 INTEGER_OPS = (ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX)
 FLOAT_OPS = (*INTEGER_OPS, ReduceOp.MEAN)
 LANES = (None, "a", "b")
-KINDS = ("all_reduce", "broadcast", "all_gather", "coalesce", "bucketed")
+BUCKET_BYTES = (1, 8, 24, 64, 1 << 20)
 MAX_STEPS = 8
+FAKE_WORLD_SIZES = st.integers(2, 4)
+# Examples per Gloo configuration: on a 2-core machine, about 8 s on 2 ranks and 16 s on
+# 3 ranks (trio, order-checked), start-up included; tens of ms an example.
+GLOO_EXAMPLES = 250
 
 
 # Programs: plain, picklable data.
@@ -103,81 +109,134 @@ class Program:
     awaits: frozenset[int]  # after these steps, every outstanding handle is awaited
 
 
-# The generator, driven by Hypothesis or by random.Random.
+# The strategies that draw programs. Each is built once (per lane and size): Hypothesis
+# validates every new strategy object, which costs more than drawing from it.
+
+# Up to 3 dimensions of 0 to 4: scalars and zero-element tensors included.
+SPECS = st.builds(Spec, st.sampled_from(DTYPES), st.lists(st.integers(0, 4), max_size=3).map(tuple))
+REDUCE_OPS = {True: st.sampled_from(FLOAT_OPS), False: st.sampled_from(INTEGER_OPS)}
 
 
-class Chooser(Protocol):
-    def integer(self, low: int, high: int) -> int:
-        """An integer in [low, high]."""
-
-    def choice(self, options: Sequence[T]) -> T: ...
-
-
-class RandomChooser:
-    def __init__(self, seed: int) -> None:
-        self._random = random.Random(seed)
-
-    def integer(self, low: int, high: int) -> int:
-        return self._random.randint(low, high)
-
-    def choice(self, options: Sequence[T]) -> T:
-        return self._random.choice(options)
+@functools.cache
+@st.composite
+def all_reduces(draw: st.DrawFn, lane: str | None) -> AllReduce:
+    spec = draw(SPECS)
+    return AllReduce(lane, draw(REDUCE_OPS[spec.is_float]), spec)
 
 
-class DrawChooser:
-    def __init__(self, draw: st.DrawFn) -> None:
-        self._draw = draw
-
-    def integer(self, low: int, high: int) -> int:
-        return self._draw(st.integers(low, high))
-
-    def choice(self, options: Sequence[T]) -> T:
-        return self._draw(st.sampled_from(options))
-
-
-def draw_spec(choose: Chooser, dtypes: Sequence[str] = DTYPES) -> Spec:
-    # Up to 3 dimensions of 0 to 4: scalars and zero-element tensors included.
-    shape = tuple(choose.integer(0, 4) for _ in range(choose.integer(0, 3)))
-    return Spec(choose.choice(dtypes), shape)
-
-
-def draw_all_reduce(choose: Chooser, lane: str | None) -> AllReduce:
-    spec = draw_spec(choose)
-    return AllReduce(lane, choose.choice(FLOAT_OPS if spec.is_float else INTEGER_OPS), spec)
-
-
-def draw_step(choose: Chooser, size: int) -> Step:
-    lane = choose.choice(LANES)
-    kind = choose.choice(KINDS)
-    if kind == "all_reduce":
-        return draw_all_reduce(choose, lane)
-    if kind == "broadcast":
-        return Broadcast(lane, choose.integer(0, size - 1), draw_spec(choose))
-    if kind == "all_gather":
-        return AllGather(lane, draw_spec(choose))
-    if kind == "coalesce":
-        members: list[AllReduce | Broadcast] = []
-        for _ in range(choose.integer(1, 5)):
-            if choose.integer(0, 5) == 0:
-                members.append(Broadcast(lane, choose.integer(0, size - 1), draw_spec(choose)))
-            else:
-                members.append(draw_all_reduce(choose, lane))
-        return Coalesced(lane, tuple(members))
-    tensors = tuple(draw_spec(choose) for _ in range(choose.integer(1, 6)))
-    ops = FLOAT_OPS if all(t.is_float for t in tensors) else INTEGER_OPS
-    bucket_bytes = choose.choice((1, 8, 24, 64, 1 << 20))
-    return Bucketed(lane, choose.choice(ops), tensors, bucket_bytes)
-
-
-def draw_program(choose: Chooser, size: int) -> Program:
-    steps = tuple(draw_step(choose, size) for _ in range(choose.integer(1, MAX_STEPS)))
-    awaits = frozenset(i for i in range(len(steps)) if choose.integer(0, 2) == 0)
-    return Program(size, choose.integer(0, 2**16), steps, awaits)
+@functools.cache
+def broadcasts(lane: str | None, size: int) -> st.SearchStrategy[Broadcast]:
+    return st.builds(Broadcast, st.just(lane), st.integers(0, size - 1), SPECS)
 
 
 @st.composite
-def programs(draw: st.DrawFn) -> Program:
-    return draw_program(DrawChooser(draw), draw(st.integers(2, 4)))
+def coalesce_members(draw: st.DrawFn, lane: str | None, size: int) -> AllReduce | Broadcast:
+    # Mostly all-reduces, which the scope holds; now and then a broadcast, which first
+    # issues what the scope holds. Shrinking goes towards all-reduces.
+    if draw(st.integers(0, 5)) == 5:
+        return draw(broadcasts(lane, size))
+    return draw(all_reduces(lane))
+
+
+def coalesce_scopes(lane: str | None, size: int) -> st.SearchStrategy[Coalesced]:
+    members = st.lists(coalesce_members(lane, size), min_size=1, max_size=5).map(tuple)
+    return st.builds(Coalesced, st.just(lane), members)
+
+
+@st.composite
+def bucketed_all_reduces(draw: st.DrawFn, lane: str | None) -> Bucketed:
+    tensors = tuple(draw(st.lists(SPECS, min_size=1, max_size=6)))
+    op = draw(REDUCE_OPS[all(spec.is_float for spec in tensors)])
+    return Bucketed(lane, op, tensors, draw(st.sampled_from(BUCKET_BYTES)))
+
+
+@functools.cache
+def steps(size: int) -> st.SearchStrategy[Step]:
+    """Every kind of step, on every gang, alike likely."""
+    kinds: list[st.SearchStrategy[Step]] = []
+    for lane in LANES:
+        kinds += [
+            all_reduces(lane),
+            broadcasts(lane, size),
+            st.builds(AllGather, st.just(lane), SPECS),
+            coalesce_scopes(lane, size),
+            bucketed_all_reduces(lane),
+        ]
+    return st.one_of(kinds)
+
+
+@st.composite
+def programs(draw: st.DrawFn, sizes: st.SearchStrategy[int] = FAKE_WORLD_SIZES) -> Program:
+    size = draw(sizes)
+    drawn = tuple(draw(st.lists(steps(size), min_size=1, max_size=MAX_STEPS)))
+    # Where a step's handles are not awaited, the next steps are issued with it in flight.
+    awaited = draw(st.lists(st.booleans(), min_size=len(drawn), max_size=len(drawn)))
+    awaits = frozenset(index for index, yes in enumerate(awaited) if yes)
+    return Program(size, draw(st.integers(0, 2**16)), drawn, awaits)
+
+
+# What programs must exercise, and one program that exercises it all.
+
+EVERY_FEATURE: frozenset[object] = frozenset(
+    {
+        (kind.__name__, lane)
+        for kind in (AllReduce, Broadcast, AllGather, Coalesced, Bucketed)
+        for lane in LANES
+    }
+    | set(FLOAT_OPS)
+    | {"scalar", "zero elements", "in flight"}
+)
+
+
+def features(program: Program) -> set[object]:
+    """What ``program`` exercises: each kind of step on each gang, each reduce op of a
+    lone all-reduce, scalars, zero-element tensors, and steps left in flight while the
+    next ones are issued."""
+    found: set[object] = {(type(step).__name__, step.lane) for step in program.steps}
+    found |= {step.op for step in program.steps if isinstance(step, AllReduce)}
+    specs = [spec for step in program.steps for spec in tensor_specs(step)]
+    if any(spec.shape == () for spec in specs):
+        found.add("scalar")
+    if any(0 in spec.shape for spec in specs):
+        found.add("zero elements")
+    if any(index not in program.awaits for index in range(len(program.steps) - 1)):
+        found.add("in flight")
+    return found
+
+
+def missing_features(program_list: Sequence[Program]) -> set[object]:
+    return set(EVERY_FEATURE).difference(*map(features, program_list))
+
+
+def tour(size: int) -> Program:
+    """Every feature in one program. Each property test runs it first (an explicit
+    example), so every run meets them all, whatever Hypothesis draws after it."""
+    tour_steps: list[Step] = []
+    for lane in LANES:
+        tour_steps += [
+            *(AllReduce(lane, op, Spec("float32", (2, 3))) for op in FLOAT_OPS),
+            AllReduce(lane, ReduceOp.PRODUCT, Spec("int64", ())),
+            Broadcast(lane, size - 1, Spec("float64", (0, 2))),
+            AllGather(lane, Spec("int64", (3,))),
+            Coalesced(
+                lane,
+                (
+                    AllReduce(lane, ReduceOp.SUM, Spec("float32", (4,))),
+                    Broadcast(lane, 0, Spec("int64", ())),
+                    AllReduce(lane, ReduceOp.MEAN, Spec("float64", (2,))),
+                    AllReduce(lane, ReduceOp.MAX, Spec("int64", (1, 2))),
+                ),
+            ),
+            Bucketed(
+                lane,
+                ReduceOp.MIN,
+                (Spec("float32", (3,)), Spec("float32", ()), Spec("int64", (2, 2))),
+                bucket_bytes=8,
+            ),
+        ]
+    # Awaited halfway and at the end only: the other steps are issued with earlier
+    # ones in flight.
+    return Program(size, seed=1, steps=tuple(tour_steps), awaits=frozenset({len(tour_steps) // 2}))
 
 
 # Inputs, and what the outputs must be.
@@ -203,6 +262,25 @@ def tensor_specs(step: Step) -> list[Spec]:
     return [step.tensor]
 
 
+# The reference: each reduce op as plain torch computes it over the ranks' inputs, stacked
+# on a new first dimension, written here rather than taken from agang (FakeWorld reduces
+# with agang.testing.reduce_tensors, so that would check FakeWorld against itself). agang
+# reduces in place, so a result keeps its inputs' dtype, which assert_close checks too;
+# MEAN is defined on floating dtypes only (agang raises TypeError for an integer tensor:
+# it divides after a SUM), so programs draw it for float tensors alone.
+PLAIN_REDUCTIONS: dict[ReduceOp, Callable[[torch.Tensor], torch.Tensor]] = {
+    ReduceOp.SUM: lambda stacked: stacked.sum(dim=0),
+    ReduceOp.PRODUCT: lambda stacked: stacked.prod(dim=0),
+    ReduceOp.MIN: lambda stacked: stacked.amin(dim=0),
+    ReduceOp.MAX: lambda stacked: stacked.amax(dim=0),
+    ReduceOp.MEAN: lambda stacked: stacked.mean(dim=0),
+}
+
+
+def plain_reduction(values: Sequence[torch.Tensor], op: ReduceOp) -> torch.Tensor:
+    return PLAIN_REDUCTIONS[op](torch.stack(list(values)))
+
+
 def expected_outputs(program: Program, index: int, rank: int) -> list[torch.Tensor]:
     """What rank ``rank`` must hold after step ``index``, in plain torch."""
     step = program.steps[index]
@@ -213,7 +291,7 @@ def expected_outputs(program: Program, index: int, rank: int) -> list[torch.Tens
     def one(member: int, part: AllReduce | Broadcast | AllGather) -> torch.Tensor:
         values = inputs(member, part.tensor)
         if isinstance(part, AllReduce):
-            return reduce_tensors(values, part.op)
+            return plain_reduction(values, part.op)
         if isinstance(part, Broadcast):
             return values[part.source_rank]
         return torch.stack(values)
@@ -221,7 +299,7 @@ def expected_outputs(program: Program, index: int, rank: int) -> list[torch.Tens
     if isinstance(step, Coalesced):
         return [one(m, member) for m, member in enumerate(step.members)]
     if isinstance(step, Bucketed):
-        return [reduce_tensors(inputs(m, spec), step.op) for m, spec in enumerate(step.tensors)]
+        return [plain_reduction(inputs(m, spec), step.op) for m, spec in enumerate(step.tensors)]
     return [one(0, step)]
 
 
@@ -323,6 +401,7 @@ def _describe_failure(where: str, note: str) -> Callable[[str], str]:
     check_order=st.booleans(),
     latency=st.sampled_from([0.0, 0.001]),
 )
+@example(program=tour(3), check_order=True, latency=0.001)
 async def test_random_programs_on_fake_world(
     program: Program, check_order: bool, latency: float
 ) -> None:
@@ -334,54 +413,61 @@ async def test_random_programs_on_fake_world(
         await gang.close()
 
 
-# Gloo: a fixed, seeded list of programs, all run in one world per configuration.
+# Gloo: one world per configuration stays up for the test; each example runs on it.
 
 
-def gloo_programs(size: int) -> list[Program]:
-    return [draw_program(RandomChooser(seed * 10 + size), size) for seed in range(16)]
-
-
-def test_the_seeded_programs_draw_every_kind_of_step() -> None:
-    # The seeded lists are no weaker than the Hypothesis strategy: they meet every kind
-    # of step on every gang, every reduce op, scalars, zero-element tensors, and steps
-    # left in flight while later ones are issued.
-    for size in (2, 3):
-        program_list = gloo_programs(size)
-        steps = [step for program in program_list for step in program.steps]
-        assert {(type(step).__name__, step.lane) for step in steps} == {
-            (kind.__name__, lane)
-            for kind in (AllReduce, Broadcast, AllGather, Coalesced, Bucketed)
-            for lane in LANES
-        }
-        assert {step.op for step in steps if isinstance(step, AllReduce)} == set(FLOAT_OPS)
-        specs = [spec for step in steps for spec in tensor_specs(step)]
-        assert any(0 in spec.shape for spec in specs)
-        assert any(spec.shape == () for spec in specs)
-        assert any(len(p.awaits) < len(p.steps) - 1 for p in program_list)
-
-
-async def _run_programs(gang: agang.Gang, program_list: Sequence[Program]) -> list[Outcome]:
-    return [await run_program(gang, program) for program in program_list]
-
-
-@pytest.mark.gloo
-@pytest.mark.parametrize(
-    ("size", "async_backend", "check_order"),
-    [(2, "asyncio", False), (3, "trio", True)],
-    ids=["2-ranks-asyncio-unchecked", "3-ranks-trio-order-checked"],
+@pytest.fixture(
+    scope="module",
+    params=[
+        pytest.param((2, "asyncio", False), id="2-ranks-asyncio-unchecked"),
+        pytest.param((3, "trio", True), id="3-ranks-trio-order-checked"),
+    ],
 )
-def test_random_programs_on_gloo(size: int, async_backend: str, check_order: bool) -> None:
-    program_list = gloo_programs(size)
-    runner: Callable[[agang.Gang], Any] = functools.partial(
-        _run_programs, program_list=program_list
-    )
-    outcomes = run_world(
-        runner,
+def gloo_world(request: pytest.FixtureRequest) -> Iterator[ServedWorld]:
+    size, async_backend, check_order = request.param
+    with ServedWorld(
+        run_program,
         size,
         async_backend=async_backend,
         op_timeout=30.0,
         init_options={"check_order": check_order},
-    )
+    ) as world:
+        yield world
 
-    for number, program in enumerate(program_list):
-        check_outcomes(program, [by_rank[number] for by_rank in outcomes])
+
+@pytest.mark.gloo
+@pytest.mark.timeout(300)  # room for Hypothesis to shrink a failing program on the world
+def test_random_programs_on_gloo(gloo_world: ServedWorld) -> None:
+    @settings(max_examples=GLOO_EXAMPLES, deadline=None, database=None)
+    @given(program=programs(st.just(gloo_world.size)))
+    @example(program=tour(gloo_world.size))
+    def gives_plain_results(program: Program) -> None:
+        check_outcomes(program, gloo_world.request(program))
+
+    gives_plain_results()
+    assert missing_features(gloo_world.requests) == set()
+
+
+# The programs' reach.
+
+
+def test_the_tour_has_every_feature() -> None:
+    for size in (2, 3, 4):
+        assert missing_features([tour(size)]) == set()
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_the_strategy_reaches_every_feature(size: int) -> None:
+    # Hypothesis explores and shrinks only within what the strategy can draw. Drawing
+    # stops once every feature has been met (after about a hundred programs, typically).
+    met: set[object] = set()
+
+    def meets_the_last_feature(program: Program) -> bool:
+        met.update(features(program))
+        return met >= EVERY_FEATURE
+
+    find(
+        programs(st.just(size)),
+        meets_the_last_feature,
+        settings=settings(max_examples=5000, phases=[Phase.generate], database=None),
+    )
