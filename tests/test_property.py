@@ -43,7 +43,7 @@ MAX_STEPS = 8
 FAKE_WORLD_SIZES = st.integers(2, 4)
 # Examples per Gloo configuration: on a 2-core machine, about 8 s on 2 ranks and 16 s on
 # 3 ranks (trio, order-checked), start-up included; tens of ms an example.
-GLOO_EXAMPLES = 250
+GLOO_EXAMPLES = 100
 
 
 # Programs: plain, picklable data.
