@@ -2,7 +2,8 @@
 
 Each call gets its own daemon thread: these calls are rare (init, create_gang, close),
 and a daemon thread stuck in c10d can never keep the process from exiting, which a
-pooled non-daemon worker could. The caller awaits a handle the thread finishes, so the
+pooled non-daemon worker could (at exit ``_exit`` joins the ones that may touch the
+user's objects, within a bound). The caller awaits a handle the thread finishes, so the
 wait is cancellable on every backend; a cancelled or timed-out call leaves its thread to
 end on its own (c10d gets a bounded timeout of its own from the caller).
 """
