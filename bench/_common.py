@@ -10,11 +10,13 @@ order, or raises with the failing rank's traceback, and never leaves a rank runn
 
 from __future__ import annotations
 
+import asyncio
 import multiprocessing
+import os
 import statistics
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -89,6 +91,23 @@ def run_ranks(target: RankTarget, payload: Any, timeout: float) -> list[Any]:
         return _collect(conns, time.monotonic() + timeout)
     finally:
         _stop(processes)
+
+
+def run_async_rank(
+    env: dict[str, str], conn: Connection, main: Callable[[], Coroutine[Any, Any, Any]]
+) -> None:
+    """In a rank's process: takes the rank's environment, gives torch one CPU thread (two
+    ranks share the machine), runs ``main()`` with asyncio and sends its result."""
+
+    def run() -> Any:
+        os.environ.update(env)
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        import torch
+
+        torch.set_num_threads(1)
+        return asyncio.run(main())
+
+    send_result(conn, run)
 
 
 def send_result(conn: Connection, measure: Callable[[], Any]) -> None:

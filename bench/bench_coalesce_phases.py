@@ -17,14 +17,11 @@ path's cat and copy back) and which is the all-reduce both pay.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import os
 import statistics
 import time
 from multiprocessing.connection import Connection
-from typing import Any
 
-from _common import run_ranks, send_result
+from _common import run_async_rank, run_ranks
 
 NUMEL = 1024
 BATCH = 64
@@ -71,15 +68,7 @@ async def measure(rounds: int) -> dict[str, list[list[float]]]:
 
 
 def rank_main(env: dict[str, str], rounds: int, conn: Connection) -> None:
-    def run() -> dict[str, Any]:
-        os.environ.update(env)
-        os.environ.setdefault("OMP_NUM_THREADS", "1")
-        import torch
-
-        torch.set_num_threads(1)
-        return asyncio.run(measure(rounds))
-
-    send_result(conn, run)
+    run_async_rank(env, conn, lambda: measure(rounds))
 
 
 def main() -> None:

@@ -18,9 +18,7 @@ bench/out/training_timeline.png, the figures to bench/out/training.json.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
-import os
 import statistics
 import sys
 import time
@@ -30,7 +28,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import format_seconds, percentile, run_ranks, send_result
+from _common import format_seconds, percentile, run_async_rank, run_ranks
 
 OUT = Path(__file__).resolve().parent / "out"
 MODES = ("agang", "ddp", "naive")
@@ -113,15 +111,7 @@ async def measure(payload: dict[str, Any]) -> dict[str, Any]:
 
 
 def rank_main(env: dict[str, str], payload: dict[str, Any], conn: Connection) -> None:
-    def run() -> dict[str, Any]:
-        os.environ.update(env)
-        os.environ.setdefault("OMP_NUM_THREADS", "1")
-        import torch
-
-        torch.set_num_threads(1)
-        return asyncio.run(measure(payload))
-
-    send_result(conn, run)
+    run_async_rank(env, conn, lambda: measure(payload))
 
 
 def plot_timeline(timeline: dict[str, Any], path: Path) -> None:
