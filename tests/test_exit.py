@@ -2,9 +2,9 @@
 
 Each case is a small program run as a subprocess; several copies run at once, which
 loads the machine the way that made the races show. Before ``_exit`` quiesced agang's
-threads, the deadline program aborted at exit in about 1 run in 5 under such load
-("terminate called without an active exception": the timer thread, having woken the
-main thread, was still freeing a tensor when the interpreter finalized).
+threads, the deadline program aborted at exit now and then under such load ("terminate
+called without an active exception": the timer thread, having woken the main thread,
+was still freeing a tensor when the interpreter finalized).
 """
 
 from __future__ import annotations
