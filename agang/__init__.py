@@ -6,7 +6,7 @@ Example:
     >>> total = await gang.all_reduce(torch.ones(1))
 """
 
-from agang._coalesce import Coalesced as Coalesced
+from agang._engine.coalescer import Coalesced as Coalesced
 from agang._env import WorldInfo as WorldInfo
 from agang._errors import CollectiveError as CollectiveError
 from agang._errors import CollectiveMismatchError as CollectiveMismatchError

@@ -19,7 +19,7 @@ from typing import Any, Literal, overload
 
 import torch
 
-from agang._coalesce import Coalesced
+from agang._engine.coalescer import Coalesced
 from agang._handle import Handle
 from agang._reduce_op import ReduceOp
 from agang._statistics import GangStatistics

@@ -3,7 +3,7 @@
 Rules:
 1. Buckets are fixed at construction, equal on every rank: the trainable parameters in
    reverse registration order (the order backward tends to produce their gradients, as
-   DDP assumes), packed by ``_coalesce.plan_buckets`` into flat buffers of at most
+   DDP assumes), packed by ``agang._engine.grouping.plan_buckets`` into flat buffers of at most
    ``bucket_bytes`` per dtype and device. As in DDP, the first parameters (the last
    layers, whose gradients come first) go into smaller buckets of at most
    ``first_bucket_bytes``, so that communication starts early in backward.
@@ -41,7 +41,9 @@ from typing import Any, final
 
 import torch
 
-from agang._coalesce import all_of, flatten, plan_buckets, unflatten_into
+from agang._engine.coalescer import all_of
+from agang._engine.grouping import flatten, plan_buckets, unflatten_into
+from agang._future import Future
 from agang._gang import Gang
 from agang._handle import Handle
 from agang._reduce_op import ReduceOp
@@ -207,7 +209,7 @@ class GradientSync:
             buckets.append(_Bucket(index, chosen, buffer, views, num_pending=len(chosen)))
         return buckets
 
-    def _broadcast_state(self, model: torch.nn.Module, source_rank: int) -> Handle[Any]:
+    def _broadcast_state(self, model: torch.nn.Module, source_rank: int) -> Future[Any]:
         tensors = [t for t in (*model.parameters(), *model.buffers()) if t.numel()]
         tensors = list({id(t): t for t in tensors}.values())
         groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
@@ -219,7 +221,7 @@ class GradientSync:
             handle = self._gang.broadcast(flat, source_rank, timeout=self._timeout)
             broadcasts.append((handle, flat, members))
         everything = all_of([b[0] for b in broadcasts], None, op="broadcast parameters")
-        done: Handle[Any] = Handle(op="broadcast parameters", seq=-1, num_bytes=0, timeout=None)
+        done: Future[Any] = Future("broadcast parameters")
 
         def copy_back() -> None:
             error = everything.exception()

@@ -35,8 +35,8 @@ import torch.distributed as dist
 from agang._env import WorldInfo, world_from_env
 from agang._errors import GangInitError
 from agang._fake_gang import FakeGang
+from agang._future import Future
 from agang._gang import Gang
-from agang._handle import Handle
 from agang._offload import start_thread
 from agang._policy import InFlightLimits, OnTimeout, make_policy
 from agang._process_group_gang import ProcessGroupGang
@@ -208,7 +208,7 @@ class _Plan:
         order_group = None
         if self.policy.check_order:
             # The side channel of order checks: a Gloo group over the world, so a check
-            # never queues behind the ops it guards (``_issuing`` rule 7).
+            # never queues behind the ops it guards (order checks run on their own channel).
             seconds = max(1.0, deadline - time.monotonic())
             order_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=seconds))
         if self.cancelled.is_set():
@@ -407,7 +407,7 @@ async def init(
 
 
 async def _await_within(
-    handle: Handle[ProcessGroupGang], seconds: float
+    handle: Future[ProcessGroupGang], seconds: float
 ) -> ProcessGroupGang | None:
     with anyio.move_on_after(seconds):
         return await handle

@@ -3,7 +3,7 @@
 Each call gets its own daemon thread: these calls are rare (init, create_gang, close),
 and a daemon thread stuck in c10d can never keep the process from exiting, which a
 pooled non-daemon worker could (at exit ``_exit`` joins the ones that may touch the
-user's objects, within a bound). The caller awaits a handle the thread finishes, so the
+user's objects, within a bound). The caller awaits a future the thread finishes, so the
 wait is cancellable on every backend; a cancelled or timed-out call leaves its thread to
 end on its own (c10d gets a bounded timeout of its own from the caller).
 """
@@ -16,28 +16,28 @@ from typing import Any, TypeVar
 import anyio
 
 from agang import _exit
-from agang._handle import Handle
+from agang._future import Future
 
 T = TypeVar("T")
 
 
-def start_thread(fn: Callable[[], T], *, name: str, join_at_exit: bool = True) -> Handle[T]:
-    """Runs ``fn`` on a new daemon thread; the handle finishes with its result.
+def start_thread(fn: Callable[[], T], *, name: str, join_at_exit: bool = True) -> Future[T]:
+    """Runs ``fn`` on a new daemon thread; the future finishes with its result.
 
     ``join_at_exit=False`` for set-up calls that may stay blocked in c10d (``_exit``).
     """
-    handle: Handle[Any] = Handle(op=name, seq=0, num_bytes=0, timeout=None)
+    future: Future[Any] = Future(name)
 
     def run() -> None:
         try:
             value = fn()
         except BaseException as exc:
-            handle._finish(None, exc)
+            future._finish(None, exc)
         else:
-            handle._finish(value, None)
+            future._finish(value, None)
 
     _exit.start_daemon(run, name=f"agang: {name}", join_at_exit=join_at_exit)
-    return handle
+    return future
 
 
 async def run_blocking(
@@ -48,7 +48,7 @@ async def run_blocking(
     Returns:
         ``fn``'s result, or None if ``seconds`` passed first (the thread is left to end).
     """
-    handle = start_thread(fn, name=name, join_at_exit=join_at_exit)
+    future = start_thread(fn, name=name, join_at_exit=join_at_exit)
     with anyio.move_on_after(seconds):
-        return await handle
+        return await future
     return None

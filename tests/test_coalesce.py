@@ -11,8 +11,9 @@ import pytest
 import torch
 
 import agang
-from agang import ReduceOp, _busy
-from agang._coalesce import FlatBuffers, plan_buckets
+from agang import ReduceOp
+from agang._engine import busy
+from agang._engine.grouping import FlatBuffers, plan_buckets
 from agang.testing import FakeWorld, reduce_tensors
 
 # The planner (``_coalesce`` rules 2 and 3).
@@ -86,17 +87,17 @@ def test_flat_buffers_keep_one_per_layout_within_their_byte_cap() -> None:
 def test_releasing_many_claims_at_once_frees_exactly_those() -> None:
     keep = [torch.zeros(8) for _ in range(5)]
     free = [torch.zeros(8) for _ in range(40)]
-    kept_claims = [_busy.acquire_one("t", t, "kept") for t in keep]
-    before = _busy.num_busy()
-    claims = [_busy.acquire_one("t", t, "freed") for t in free]
-    _busy.release_all(claims[:3])  # few: one by one
-    _busy.release_all(claims[3:])  # many: one pass
-    assert _busy.num_busy() == before
+    kept_claims = [busy.acquire_one("t", t, "kept") for t in keep]
+    before = busy.num_busy()
+    claims = [busy.acquire_one("t", t, "freed") for t in free]
+    busy.release_all(claims[:3])  # few: one by one
+    busy.release_all(claims[3:])  # many: one pass
+    assert busy.num_busy() == before
     for tensor in keep:
         with pytest.raises(agang.TensorBusyError, match="kept"):
-            _busy.acquire_one("t", tensor, "again")
-    _busy.release_all(kept_claims)
-    assert _busy.num_busy() == before - len(keep)
+            busy.acquire_one("t", tensor, "again")
+    busy.release_all(kept_claims)
+    assert busy.num_busy() == before - len(keep)
 
 
 # Scopes on FakeWorld.
@@ -265,7 +266,7 @@ async def test_a_scope_on_a_closed_gang_fails_its_handles_and_frees_tensors() ->
         await gang.close()
     with pytest.raises(agang.GangClosedError):
         await handle
-    assert agang._busy.num_busy() == 0  # type: ignore[attr-defined]
+    assert busy.num_busy() == 0  # type: ignore[attr-defined]
 
 
 # Bucketed all-reduce.

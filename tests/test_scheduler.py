@@ -1,10 +1,10 @@
-"""The scheduler's pure core, driven with plain data (``agang._scheduler`` rules 1-5)."""
+"""The scheduler's pure core, driven with plain data (``agang._engine.scheduler`` rules 1-5)."""
 
 from __future__ import annotations
 
 import pytest
 
-from agang._scheduler import Entry, Scheduler
+from agang._engine.scheduler import Entry, Scheduler
 
 
 def entry(seq: int, num_bytes: int = 10, deadline: float | None = None, **flags: bool) -> Entry:

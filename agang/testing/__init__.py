@@ -2,7 +2,7 @@
 
 from agang.testing._fake_world import FakeWorld as FakeWorld
 from agang.testing._fake_world import FakeWorldGang as FakeWorldGang
-from agang.testing._fake_world import reduce_tensors as reduce_tensors
+from agang.testing._reduce import reduce_tensors as reduce_tensors
 from agang.testing._run_world import WorldRunError as WorldRunError
 from agang.testing._run_world import run_world as run_world
 

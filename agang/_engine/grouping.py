@@ -1,35 +1,40 @@
-"""Deterministic coalescing: many all-reduces as a few flat ones, by program order only.
+"""Deterministic coalescing's pure part: grouping by program order, flat buffers.
+
+The scopes and the issuing are ``coalescer``'s; these are its rules.
 
 Rules:
-1. Grouping depends on the calls and their arguments in program order, never on
-   timing: two ranks that make the same calls group them the same way, however their
-   loops are scheduled (a timing-based batcher would deadlock them).
-2. A group holds all-reduces with the same reduce op, dtype and device. Groups are
-   issued in the order of their first member; within a group, members keep call order.
-3. Buckets (``all_reduce_bucketed``) are groups with a size cap, filled in list order,
-   one open bucket per dtype and device: a bucket is issued once the next tensor would
-   take it past the cap; a tensor larger than the cap is a bucket of its own.
-4. A flat op copies its members into one buffer when it is issued, reduces the buffer,
-   and copies each member's part back before its handle finishes (stream-ordered on
-   CUDA). A group of one reduces the member in place, with no copy.
-5. A ``coalesce()`` scope belongs to the task (or thread) that opened it; other tasks'
-   calls on the gang pass straight through. Nested scopes join the outermost one.
-6. Inside a scope, any op other than ``all_reduce`` first issues what the scope holds,
-   so program order is kept across kinds of op.
-7. Awaiting a held member inside its open scope raises at once: it could never finish.
+1. *Program order only.* Grouping depends on the calls and their arguments in program
+   order, never on timing: two ranks that make the same calls group them the same way,
+   however their loops are scheduled (a timing-based batcher would deadlock them).
+2. *Groups.* A group holds all-reduces with the same reduce op, dtype and device.
+   Groups are issued in the order of their first member; within a group, members keep
+   call order.
+3. *Buckets.* Buckets (``all_reduce_bucketed``) are groups with a size cap, filled in
+   list order, one open bucket per dtype and device: a bucket is issued once the next
+   tensor would take it past the cap; a tensor larger than the cap is a bucket of its
+   own.
+4. *Flat ops.* A flat op copies its members into one buffer when it is issued, reduces
+   the buffer, and copies each member's part back before its handle finishes
+   (stream-ordered on CUDA). A group of one reduces the member in place, with no copy.
+5. *Scopes.* A ``coalesce()`` scope belongs to the task (or thread) that opened it;
+   other tasks' calls on the gang pass straight through. Nested scopes join the
+   outermost one.
+6. *Other ops flush.* Inside a scope, any op other than ``all_reduce`` first issues
+   what the scope holds, so program order is kept across kinds of op.
+7. *No wait inside.* Awaiting a held member inside its open scope raises at once: it
+   could never finish.
 """
 
 from __future__ import annotations
 
-import asyncio
 import threading
-from collections.abc import Generator, Hashable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, final
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import final
 
 import torch
 
-from agang import _busy
+from agang._engine import busy
 from agang._handle import Handle
 from agang._reduce_op import ReduceOp
 
@@ -151,19 +156,6 @@ class FlatBuffers:
             self._bytes = 0
 
 
-def current_owner() -> object:
-    """The task (asyncio or trio) or, outside any loop, the thread running now."""
-    loop = asyncio._get_running_loop()
-    if loop is not None:
-        return asyncio.current_task(loop)
-    try:
-        import trio
-
-        return trio.lowlevel.current_task()
-    except (ImportError, RuntimeError):
-        return threading.get_ident()
-
-
 @dataclass(eq=False, slots=True)
 class Member:
     """An all-reduce held in a scope until the scope ends."""
@@ -171,63 +163,9 @@ class Member:
     tensor: torch.Tensor
     op: ReduceOp
     dtype: torch.dtype
-    timeout: float | None  # resolved: None means no deadline
+    seconds: float | None  # the resolved timeout: None means no deadline
     handle: Handle[torch.Tensor]
-    claim: _busy.Claim
-
-
-@final
-class Coalesced:
-    """What a ``coalesce()`` scope issued: await it for all its tensors at once.
-
-    Each held all-reduce also has its own handle (:attr:`handles`); awaiting this object
-    instead costs one wake-up for the whole scope.
-
-    Example:
-        >>> with gang.coalesce() as batch:
-        ...     for grad in grads:
-        ...         gang.all_reduce(grad)
-        >>> await batch  # every grad reduced, in place
-    """
-
-    def __init__(self) -> None:
-        #: The handles of the scope's all-reduces, in call order.
-        self.handles: list[Handle[torch.Tensor]] = []
-        self._tensors: list[torch.Tensor] = []
-        self._flats: list[Handle[list[torch.Tensor]]] = []  # the flat ops, as issued
-        self._all: Handle[list[torch.Tensor]] | None = None
-
-    def _issued(self) -> Handle[list[torch.Tensor]]:
-        if self._all is None:
-            raise RuntimeError(HELD)
-        return self._all
-
-    def __await__(self) -> Generator[Any, None, list[torch.Tensor]]:
-        return self._issued().__await__()
-
-    def wait(self, timeout: float | None = None) -> list[torch.Tensor]:
-        """Blocks until every all-reduce of the scope finished; their tensors."""
-        return self._issued().wait(timeout)
-
-
-@dataclass(eq=False)
-class Scope:
-    """One open ``coalesce()`` scope of one owner on one gang."""
-
-    owner: object
-    depth: int = 1
-    members: list[Member] = field(default_factory=list)
-    issued: Coalesced = field(default_factory=Coalesced)
-
-    def take(self) -> list[Member]:
-        members, self.members = self.members, []
-        return members
-
-
-HELD = (
-    "This all_reduce is held by the open `coalesce()` scope that issued it and starts "
-    "when the scope ends; await it after the `with` block."
-)
+    claim: busy.Claim
 
 
 def group_members(members: Sequence[Member]) -> list[list[Member]]:
@@ -249,39 +187,3 @@ def group_timeout(timeouts: Sequence[float | None]) -> float | None:
     """The tightest deadline of a group's members; None when none has one."""
     finite = [t for t in timeouts if t is not None]
     return min(finite) if finite else None
-
-
-def failed(op: str, error: BaseException) -> Handle[Any]:
-    """A handle that has already failed: for an op that could not be issued."""
-    handle: Handle[Any] = Handle(op=op, seq=-1, num_bytes=0, timeout=None)
-    handle._finish(None, error)
-    return handle
-
-
-def all_of(handles: Sequence[Handle[Any]], value: Any, *, op: str) -> Handle[Any]:
-    """A handle that finishes with ``value`` once all ``handles`` have, or with the first
-    error among them (in order)."""
-    combined: Handle[Any] = Handle(
-        op=op,
-        seq=handles[0].seq if handles else -1,
-        num_bytes=sum(h.num_bytes for h in handles),
-        timeout=group_timeout([h.timeout for h in handles]),
-    )
-    combined._before_wait = handles[0]._before_wait if handles else None
-    if not handles:
-        combined._finish(value, None)
-        return combined
-    lock = threading.Lock()
-    remaining = [len(handles)]
-
-    def one_done() -> None:
-        with lock:
-            remaining[0] -= 1
-            if remaining[0]:
-                return
-        errors = [h.exception() for h in handles if h.exception() is not None]
-        combined._finish(None if errors else value, errors[0] if errors else None)
-
-    for handle in handles:
-        handle._add_done_callback(one_done)
-    return combined

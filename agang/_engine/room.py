@@ -2,12 +2,12 @@
 
 Rules:
 1. Room is judged under the gang's lock by the scheduler's ``is_full(num_bytes)``,
-   which counts every admitted op, started or queued (``_scheduler`` rule 2c).
+   which counts every admitted op, started or queued.
 2. ``when_full="raise"`` refuses at once; ``"block"`` waits on a condition of the
    gang's lock, never on an event loop's thread (it would stop the loop that frees the
    room); both before the op is numbered, so a refused call changes nothing.
 3. ``wait_for_room`` is the awaitable form, for a task that issues in a loop: a waiter
-   is a handle, so it can be awaited on every async backend.
+   is a future, so it can be awaited on every async backend.
 4. Whenever an op leaves the gang, and when the gang breaks or closes, every blocked
    thread and every waiter is woken, and looks again; a gang that is no longer usable
    raises its own error then.
@@ -15,7 +15,6 @@ Rules:
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import threading
 import time
@@ -23,11 +22,12 @@ from collections.abc import Callable
 
 import anyio.lowlevel
 
+from agang import _asynclib
 from agang._errors import GangError, GangFullError
-from agang._handle import Handle
+from agang._future import Future
 from agang._policy import InFlightLimits
 
-_NO_WAITERS: list[Handle[None]] = []  # returned, never changed: callers only iterate
+_NO_WAITERS: list[Future[None]] = []  # returned, never changed: callers only iterate
 
 
 class Room:
@@ -48,7 +48,7 @@ class Room:
         self._gang_name = gang_name
         self._condition = threading.Condition(lock)
         self._num_blocked = 0
-        self._waiters: list[Handle[None]] = []
+        self._waiters: list[Future[None]] = []
 
     def wait_or_refuse(self, op: str, num_bytes: int, seconds: float | None) -> None:
         """Returns once an op of ``num_bytes`` fits, or refuses it (rule 2).
@@ -64,7 +64,7 @@ class Room:
                 f"in-flight bound ({bounds}) and its policy is when_full='raise'. Await "
                 f"earlier ops first, or use when_full='queue'."
             )
-        if asyncio._get_running_loop() is not None:
+        if _asynclib.current_library() is not None:
             raise RuntimeError(
                 f"`{op}` on gang '{self._gang_name}' would block the event loop: the gang "
                 f"is at its in-flight bound and its policy is when_full='block'. Use "
@@ -93,9 +93,7 @@ class Room:
                 self._check_usable()
                 if not self._is_full(num_bytes):
                     break
-                waiter: Handle[None] = Handle(
-                    op="wait_for_room", seq=-1, num_bytes=num_bytes, timeout=None
-                )
+                waiter: Future[None] = Future("wait_for_room")
                 self._waiters.append(waiter)
             # Woken when room may have freed, or the gang broke or closed: the next pass
             # then raises the gang's own error (rule 4).
@@ -103,7 +101,7 @@ class Room:
                 await waiter
         await anyio.lowlevel.checkpoint()
 
-    def wake(self) -> list[Handle[None]]:
+    def wake(self) -> list[Future[None]]:
         """Wakes the blocked threads; returns the waiters, for the caller to finish
         outside the lock (rule 4). The caller holds the lock. Runs for every finished op,
         so with nobody waiting (the usual case) it allocates nothing."""

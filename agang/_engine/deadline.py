@@ -1,6 +1,6 @@
 """Running a gang's deadline check at a given time, without a thread or task per op.
 
-Each gang keeps at most one pending check (see ``_base_gang``): armed for the earliest
+Each gang keeps at most one pending check (see ``engine``): armed for the earliest
 deadline of its in-flight ops, it expires what is due and re-arms itself. So the number
 of timers is per gang, not per op, and a million ops with a 30 s default cost nothing
 extra until something is really late.
@@ -29,14 +29,14 @@ import threading
 import time
 from collections.abc import Callable
 
-from agang import _exit
+from agang import _asynclib, _exit
 
 log = logging.getLogger("agang")
 
 
 def current_driver() -> object:
     """The running asyncio loop of this thread, or None for the timer thread."""
-    return asyncio._get_running_loop()
+    return _asynclib.asyncio_loop()
 
 
 def alive(driver: object) -> bool:
@@ -61,7 +61,7 @@ def call_at(driver: object, when: float, callback: Callable[[], None]) -> Cancel
 
 def _cancel_on(loop: asyncio.AbstractEventLoop, timer: asyncio.TimerHandle) -> Cancel:
     def cancel() -> None:
-        if asyncio._get_running_loop() is loop:
+        if _asynclib.asyncio_loop() is loop:
             timer.cancel()
         elif alive(loop):  # TimerHandle.cancel is not thread-safe
             with contextlib.suppress(RuntimeError):  # the loop closed meanwhile

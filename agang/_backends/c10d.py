@@ -1,0 +1,416 @@
+"""The backend over a c10d process group: Gloo on CPU, NCCL on CUDA.
+
+It implements the contract of ``contract``; ``agang.ProcessGroupGang`` is the gang over it.
+
+How an op's end reaches agang:
+1. Gloo collectives: the Work future's callback, on a Gloo worker thread (or inline when
+   already done). It only finishes the op's post-processing and calls ``done``.
+2. Gloo send/recv and reduce_scatter have no future ("Work::getFuture not implemented"),
+   so a waiter thread per gang and kind waits on them in issue order. A later send that
+   finishes before an earlier one is reported after it: late, never wrong.
+3. NCCL: the future only means "enqueued", so completion goes through
+   ``cuda_completion`` (an event on a side stream, one watcher thread per process).
+
+c10d's own timeout is a backstop behind agang's deadline: it is raised (``set_timeout``)
+past the longest deadline asked for (``allow_timeout``), so c10d never fails an op
+before agang would, and an op whose waiters are all gone still ends, and frees its
+threads, eventually. A gang that breaks, or closes with work running, aborts its groups
+(``c10d_abort``), which on Gloo too ends the running work at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, final
+
+import torch
+import torch.distributed as dist
+
+from agang import _exit
+from agang._backends import c10d_order, cuda_completion
+from agang._backends.c10d_abort import Aborter
+from agang._backends.c10d_children import create_groups
+from agang._backends.contract import Census, Checked, Done
+from agang._engine.engine import after_post
+from agang._reduce_op import ReduceOp, to_c10d
+
+log = logging.getLogger("agang")
+
+# c10d's deadline sits this far behind agang's, so agang's always fires first.
+_BACKSTOP_FACTOR = 1.5
+_BACKSTOP_MARGIN = 30.0
+_DEFAULT_BACKSTOP = 1800.0
+
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def backstop_for(timeout: float | None) -> float:
+    """The c10d timeout to use behind an agang deadline of ``timeout`` seconds."""
+    if timeout is None:
+        return _DEFAULT_BACKSTOP
+    return max(timeout * _BACKSTOP_FACTOR + _BACKSTOP_MARGIN, _BACKSTOP_MARGIN)
+
+
+def _all_reduce_options(op: ReduceOp, backend: str) -> tuple[dist.AllreduceOptions, bool]:
+    c10d_op, divide = to_c10d(op, backend=backend)
+    options = dist.AllreduceOptions()
+    options.reduceOp = c10d_op  # type: ignore[assignment]  # stubs want the enum's class
+    return options, divide
+
+
+def _divider(tensor: torch.Tensor, size: int) -> Callable[[], None]:
+    def divide() -> None:
+        tensor.div_(size)
+
+    return divide
+
+
+def _then(first: Callable[[], None], second: Callable[[], None] | None) -> Callable[[], None]:
+    if second is None:
+        return first
+
+    def both() -> None:
+        first()
+        second()
+
+    return both
+
+
+def _real(tensor: torch.Tensor) -> torch.Tensor:
+    # c10d reduces complex tensors as pairs of reals.
+    return torch.view_as_real(tensor) if tensor.is_complex() else tensor
+
+
+class _WorkWaiter:
+    """A thread that waits on Work in issue order, for Work that has no future."""
+
+    def __init__(self, name: str) -> None:
+        self._queue: queue.SimpleQueue[tuple[Any, Done] | None] = queue.SimpleQueue()
+        _exit.start_daemon(self._run, name=f"agang-wait {name}")
+
+    def watch(self, work: Any, done: Done) -> None:
+        self._queue.put((work, done))
+
+    def stop(self) -> None:
+        self._queue.put(None)
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            work, done = item
+            try:
+                work.wait()
+            except Exception as exc:
+                done(exc)
+            else:
+                done(None)
+
+
+@final
+class C10dBackend:
+    """A c10d process group (and, with order checking, its side Gloo group).
+
+    Args:
+        process_group: The group the gang's ops run on.
+        device: Where the ops' tensors live.
+        kind: ``"gloo"`` or ``"nccl"``.
+        name: The gang's name.
+        is_world: Whether the group is the default (world) group.
+        stream_ordered: NCCL: report an op done once it is ordered before later work on
+            the caller's stream, not once it finished on the device.
+        order_group: The side Gloo group of order checks, or None without them.
+    """
+
+    def __init__(
+        self,
+        process_group: dist.ProcessGroup,
+        *,
+        device: torch.device,
+        kind: str,
+        name: str,
+        is_world: bool,
+        stream_ordered: bool = False,
+        order_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        self._pg: dist.ProcessGroup | None = process_group
+        self._rank = process_group.rank()
+        self._size = process_group.size()
+        self._device = device
+        self._kind = kind
+        self._name = name
+        self._order_group = order_group
+        self._is_world = is_world
+        self._stream_ordered = stream_ordered
+        self._group_name = process_group.group_name
+        self._backstop = 0.0
+        self._stopped = False  # aborted or released: give up every wait of ours
+        self._lock = threading.Lock()
+        # Waiters by kind of Work: a recv that waits for its peer must not hold back the
+        # report of a finished collective, so the two kinds never share one.
+        self._waiters: dict[str, _WorkWaiter] = {}
+        self._aborter = Aborter()
+        # c10d copies the options on each call, so one object per op serves every call.
+        self._all_reduce_options = {op: _all_reduce_options(op, kind) for op in ReduceOp}
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def kind(self) -> str:
+        return self._kind
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def process_group(self) -> dist.ProcessGroup | None:
+        """The c10d group, or None once released."""
+        return self._pg
+
+    # Deadlines and deferred starts.
+
+    def allow_timeout(self, seconds: float | None) -> None:
+        if seconds is None and self._backstop:
+            return  # no agang deadline: the backstop already set stays
+        backstop = backstop_for(seconds)
+        if backstop <= self._backstop:
+            return
+        for group, _ in self._groups():  # none once released: the call is refused next
+            group.set_timeout(timedelta(seconds=backstop))
+        self._backstop = backstop
+
+    def defer(self, start: Callable[[], None]) -> Callable[[], None]:
+        if self._device.type != "cuda":
+            return start
+        # A deferred op starts on a backend thread; order it after the work that was on
+        # the caller's stream when it called, not after that thread's default stream.
+        stream = torch.cuda.current_stream(self._device)
+
+        def start_on_callers_stream() -> None:
+            with torch.cuda.stream(stream):
+                start()
+
+        return start_on_callers_stream
+
+    # Completion routing.
+
+    def _watch(self, work: Any, done: Done, post: Callable[[], None] | None = None) -> None:
+        if self._kind == "nccl":
+            cuda_completion.watch(
+                work, self._device, done, post, stream_ordered=self._stream_ordered
+            )
+            return
+
+        finish = after_post(post, done)
+
+        def on_future(future: Any) -> None:
+            try:
+                future.value()  # raises c10d's error, if any
+            except Exception as exc:
+                finish(exc)
+            else:
+                finish(None)
+
+        try:
+            future = work.get_future()
+        except RuntimeError:
+            # Gloo's reduce_scatter Work has no future ("Work::getFuture not implemented").
+            self._waiter("collectives").watch(work, finish)
+            return
+        future.add_done_callback(on_future)
+
+    def _waiter(self, kind: str) -> _WorkWaiter:
+        with self._lock:
+            waiter = self._waiters.get(kind)
+            if waiter is None:
+                waiter = self._waiters[kind] = _WorkWaiter(f"{self._name} {kind}")
+            return waiter
+
+    def _group(self) -> dist.ProcessGroup:
+        group = self._pg
+        assert group is not None  # the engine starts nothing once the gang is closed
+        return group
+
+    # Collectives.
+
+    def start_all_reduce(
+        self,
+        tensor: torch.Tensor,
+        op: ReduceOp,
+        done: Done,
+        post: Callable[[], None] | None = None,
+    ) -> None:
+        options, divide = self._all_reduce_options[op]
+        work = self._group().allreduce([_real(tensor)], options)
+        if divide:
+            post = _then(_divider(tensor, self._size), post)
+        self._watch(work, done, post)
+
+    def start_all_gather(self, output: torch.Tensor, input: torch.Tensor, done: Done) -> None:
+        # Gloo concatenates along the first dimension: the input must be flat like the
+        # output, or a 2-D or 0-dim input fails ("invalid tensor size at index 0").
+        flat_input = _real(input.view(-1))
+        work = c10d_order.all_gather_flat(
+            _real(output), flat_input, group=self._group(), async_op=True
+        )
+        self._watch(work, done)
+
+    def start_all_gather_to_list(
+        self, outputs: list[torch.Tensor], input: torch.Tensor, done: Done
+    ) -> None:
+        work = self._group().allgather([[_real(t) for t in outputs]], [_real(input)])
+        self._watch(work, done)
+
+    def start_reduce_scatter(
+        self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp, done: Done
+    ) -> None:
+        c10d_op, divide = to_c10d(op, backend=self._kind)
+        work = _reduce_scatter_flat(
+            _real(output.view(-1)), _real(input), op=c10d_op, group=self._group(), async_op=True
+        )
+        self._watch(work, done, _divider(output, self._size) if divide else None)
+
+    def start_broadcast(self, tensor: torch.Tensor, source_rank: int, done: Done) -> None:
+        options = dist.BroadcastOptions()
+        options.rootRank = source_rank
+        options.rootTensor = 0
+        work = self._group().broadcast([_real(tensor)], options)
+        self._watch(work, done)
+
+    def start_all_to_all(self, output: torch.Tensor, input: torch.Tensor, done: Done) -> None:
+        work = dist.all_to_all_single(
+            _real(output), _real(input), group=self._group(), async_op=True
+        )
+        self._watch(work, done)
+
+    def _watch_p2p(self, work: Any, done: Done) -> None:
+        if self._kind == "nccl":
+            self._watch(work, done)
+            return
+        self._waiter("send/recv").watch(work, done)
+
+    def start_send(self, tensor: torch.Tensor, destination_rank: int, done: Done) -> None:
+        self._watch_p2p(self._group().send([_real(tensor)], destination_rank, 0), done)
+
+    def start_recv(self, tensor: torch.Tensor, source_rank: int, done: Done) -> None:
+        self._watch_p2p(self._group().recv([_real(tensor)], source_rank, 0), done)
+
+    def start_barrier(self, done: Done) -> None:
+        options = dist.BarrierOptions()
+        if self._kind == "nccl" and self._device.index is not None:
+            options.device_ids = [self._device.index]
+        self._watch(self._group().barrier(options), done)
+
+    # Order checking (``c10d_order``).
+
+    def start_order_check(self, index: int, fingerprint: str, checked: Checked) -> None:
+        assert self._order_group is not None  # the policy checks order: the gang made it
+        c10d_order.start_order_check(
+            self._order_group,
+            rank=self._rank,
+            size=self._size,
+            name=self._name,
+            index=index,
+            fingerprint=fingerprint,
+            checked=checked,
+            give_up=lambda: self._stopped,
+        )
+
+    def start_census(self, index: int, report: Census) -> None:
+        if self._stopped:
+            report(None)
+            return
+        c10d_order.start_census(
+            self._group_name,
+            rank=self._rank,
+            size=self._size,
+            name=self._name,
+            index=index,
+            report=report,
+        )
+
+    # Failure and lifecycle.
+
+    def abort(self) -> None:
+        self._stopped = True
+        # An abort can take a moment; never on the caller's (maybe the loop's) thread.
+        groups = self._groups()
+        if groups:  # none: a release on another thread has freed them already
+            _exit.start_daemon(
+                lambda: self._aborter.abort(groups), name=f"agang: abort gang '{self._name}'"
+            )
+
+    def _groups(self) -> list[tuple[dist.ProcessGroup, str]]:
+        """The groups and their backends, while the backend holds them."""
+        group, order_group = self._pg, self._order_group
+        groups = [] if group is None else [(group, self._kind)]
+        if order_group is not None:
+            groups.append((order_group, "gloo"))
+        return groups
+
+    def release(self, *, unfinished: bool) -> None:
+        self._stopped = True
+        for waiter in self._waiters.values():
+            waiter.stop()
+        try:
+            if unfinished:
+                # Work still running would make destroy (NCCL) or the group's destructor
+                # (Gloo) wait for it, for ever if the peer is hung: end it first (or let
+                # the abort that a failure started end it).
+                self._aborter.abort(self._groups())
+            if self._order_group is not None:
+                dist.destroy_process_group(self._order_group)
+            if self._is_world:
+                dist.destroy_process_group()
+            elif self._pg is not None:
+                dist.destroy_process_group(self._pg)
+        except Exception:
+            log.warning(
+                "Releasing the process group of gang '%s' failed.", self._name, exc_info=True
+            )
+        # Drop our reference here, on the closing thread (with no work left running, the
+        # destructor returns at once). Completion callbacks hold the backend and are
+        # freed on c10d's threads; if the backend still held the group then, its
+        # destructor could run on its own worker thread and abort the process
+        # ("Resource deadlock avoided": a thread joining itself).
+        self._pg = None
+        self._order_group = None
+
+    async def create_child(
+        self, members: list[int], *, name: str, high_priority: bool, seconds: float | None
+    ) -> C10dBackend | None:
+        group, side = await create_groups(
+            self._group(),
+            members,
+            kind=self._kind,
+            is_world=self._is_world,
+            with_side_group=self._order_group is not None,
+            high_priority=high_priority,
+            backstop=self._backstop,
+            seconds=seconds,
+            parent_name=self._name,
+        )
+        if group is None:
+            return None
+        return C10dBackend(
+            group,
+            device=self._device,
+            kind=self._kind,
+            name=name,
+            is_world=False,
+            stream_ordered=self._stream_ordered,
+            order_group=side,
+        )

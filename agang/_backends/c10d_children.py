@@ -1,0 +1,107 @@
+"""Making a c10d backend's child groups: sub-gangs and lanes.
+
+Rules:
+1. On NCCL, a child splits the parent's communicator (``split_group``: cheaper than a
+   new one); every rank of the parent takes part, and non-members get None.
+2. Otherwise a child is a ``new_group``. Over the world, every rank of the world takes
+   part (c10d's rule), and non-members drop the placeholder they get. Under a sub-gang,
+   only members take part (``use_local_synchronization``).
+3. With order checking on, each child gets its own side Gloo group for its checks.
+4. The whole creation runs on a thread, within the gang's op deadline; a store hiccup
+   (connection refused or reset) is retried within it.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from agang._errors import GangInitError
+from agang._offload import run_blocking
+from agang._retry import RetryPolicy, retrying
+
+Groups = tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]
+
+
+async def create_groups(
+    parent: dist.ProcessGroup,
+    members: list[int],
+    *,
+    kind: str,
+    is_world: bool,
+    with_side_group: bool,
+    high_priority: bool,
+    backstop: float,
+    seconds: float | None,
+    parent_name: str,
+) -> Groups:
+    """The child's group and side group on members; ``(None, None)`` on non-members.
+
+    Raises:
+        GangInitError: Creating failed, or a member's did not finish within ``seconds``.
+    """
+    is_member = parent.rank() in members
+    global_ranks = [dist.get_global_rank(parent, r) for r in members]
+    timeout = timedelta(seconds=backstop)
+    options: Any = None
+    if high_priority and kind == "nccl":
+        options = dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)
+
+    def split() -> dist.ProcessGroup | None:  # rule 1
+        group: dist.ProcessGroup | None = dist.split_group(
+            parent_pg=parent, split_ranks=[members], timeout=timeout, pg_options=options
+        )
+        return group
+
+    def new_group(backend: str | None, pg_options: Any) -> dist.ProcessGroup | None:  # rule 2
+        if is_world:
+            group = dist.new_group(
+                global_ranks, timeout=timeout, backend=backend, pg_options=pg_options
+            )
+            return group if is_member else None
+        if not is_member:
+            return None
+        local: dist.ProcessGroup = dist.new_group(
+            global_ranks,
+            timeout=timeout,
+            backend=backend,
+            pg_options=pg_options,
+            use_local_synchronization=True,
+        )
+        return local
+
+    def create() -> Groups:
+        if kind == "nccl" and hasattr(dist, "split_group"):
+            group = split()
+        else:
+            group = new_group(None, options)
+        side = new_group("gloo", None) if with_side_group else None  # rule 3
+        return group, side
+
+    stop_at = time.monotonic() + (seconds if seconds is not None else 1e9)
+
+    def create_with_retry() -> Groups:  # rule 4
+        for attempt in retrying(RetryPolicy(), stop_at):
+            with attempt:
+                groups = create()
+        return groups
+
+    try:
+        made = await run_blocking(
+            create_with_retry, name=f"create gang {members}", seconds=seconds, join_at_exit=False
+        )
+    except Exception as exc:
+        raise GangInitError(
+            f"Creating a gang of ranks {members} of gang '{parent_name}' failed: {exc}"
+        ) from exc
+    group, side = made if made is not None else (None, None)
+    if group is None and is_member:
+        raise GangInitError(
+            f"Creating a gang of ranks {members} of gang '{parent_name}' did not finish "
+            f"within {seconds} s; every rank of '{parent_name}' must call create_gang "
+            f"(or lane) with the same ranks, in the same order."
+        )
+    return group, side

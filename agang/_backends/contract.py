@@ -1,0 +1,169 @@
+"""The backend contract: everything a gang needs from a communicator, in one place.
+
+A gang (``agang._collective_gang.CollectiveGang``) validates the user's call, and its
+engine (``agang._engine.engine``) numbers the op, admits it under the in-flight bounds,
+arms its deadline and hands it to the backend with one of the ``start_*`` methods below.
+The backend only moves bytes and reports the end. c10d (``c10d.C10dBackend``: Gloo and
+NCCL), the in-process ``fake.FakeBackend`` and the simulated world of
+``agang.testing._world_backend.FakeWorldBackend`` implement it; a new transport (a simulated NCCL, a
+subprocess-isolated group, torch's newer communicators) implements it too, and nothing
+else in agang changes.
+
+What a backend promises:
+
+Starting.
+    Each ``start_*`` starts its op and calls ``done(error)`` exactly once, from any
+    thread, when the backend has finished with the op's tensors: ``done(None)`` on
+    success, ``done(exc)`` on failure (a raw exception: the engine wraps it). Until
+    then the tensors are the backend's; after it, never again. A ``start_*`` that
+    raises has started nothing, and the engine reports its error as the op's. The
+    engine calls ``start_*`` in the op's sequence order, one at a time per gang, never
+    on two threads at once, possibly later than the user's call and on another thread
+    (see ``defer``).
+Post-processing.
+    ``start_all_reduce``'s ``post``, when given, runs after the reduction and before
+    ``done(None)``: on CUDA in stream order, after the reduction's kernels. Its error
+    becomes the op's error. Coalescing uses it to copy a flat result back into its
+    members.
+Not blocking.
+    No method may wait for a peer on the caller's thread, except ``release`` (run off
+    the event loop) and ``create_child`` (a coroutine, whose waiting is the backend's
+    to take off the loop).
+Order checks.
+    ``start_order_check(index, fingerprint, checked)`` compares this rank's
+    ``index``-th fingerprint with every rank's, on a channel the gang's ops never queue
+    behind, and calls ``checked(None, None)`` when all agree, ``checked(fingerprints,
+    None)`` (every rank's) when they differ, ``checked(None, error)`` when the check
+    itself failed. ``start_census(index, report)`` reports which ranks had not reached
+    the ``index``-th check, or None when that cannot be known; it is asked only once a
+    deadline has passed there, and must answer within a fraction of a second.
+Deadlines.
+    agang's deadlines are the engine's. A backend with a deadline of its own (c10d's
+    process-group timeout) keeps it behind agang's: ``allow_timeout(seconds)`` says
+    an op may now run that long (None: no agang deadline), and the backend moves its
+    own timeout past it, so it never fails an op before agang would.
+Failure and lifecycle.
+    ``abort()`` ends the running work after a failure, so its ``done`` calls come soon,
+    and never blocks (it may start a thread). ``release(unfinished=...)`` frees the
+    communicator when the gang closes; it runs off the loop and may block briefly;
+    ``unfinished`` says work may still be running (the gang broke, or closed with ops
+    in flight), which must then be ended first. After either, the backend gives up
+    any wait of its own (order checks, a census) and starts nothing new.
+Children.
+    ``create_child(members, ...)`` is a collective call on this backend's ranks that
+    makes a backend over ``members`` (ranks of this one, sorted): sub-gangs, and lanes
+    (every rank a member, an order of their own). It returns the child on members and
+    None on the others, and fails with ``GangInitError`` when it cannot finish within
+    ``seconds``. It is not an op: it takes no sequence number.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from agang._reduce_op import ReduceOp
+
+#: How a backend reports the end of an op: None on success, else the error.
+Done = Callable[[BaseException | None], None]
+#: How an order check reports: None when every rank agreed, else every rank's
+#: fingerprint; or the error of the check itself.
+Checked = Callable[[dict[int, str] | None, BaseException | None], None]
+#: How a census reports the ranks that had not reached a check (None: unknown).
+Census = Callable[[list[int] | None], None]
+
+
+class Backend(Protocol):
+    """A communicator over ``size`` ranks, of which this process is ``rank``."""
+
+    @property
+    def rank(self) -> int:
+        """This process's rank among the backend's ranks."""
+
+    @property
+    def size(self) -> int:
+        """The number of ranks."""
+
+    @property
+    def device(self) -> torch.device:
+        """Where the ops' tensors live."""
+
+    @property
+    def kind(self) -> str:
+        """``"gloo"``, ``"nccl"`` or ``"fake"``: what ``Gang.backend`` reports."""
+
+    @property
+    def name(self) -> str:
+        """The gang's name, for threads, logs and keys."""
+
+    # Collectives. The engine has validated the arguments.
+
+    def start_all_reduce(
+        self,
+        tensor: torch.Tensor,
+        op: ReduceOp,
+        done: Done,
+        post: Callable[[], None] | None = None,
+    ) -> None:
+        """Reduces ``tensor`` in place across ranks; runs ``post`` before ``done``."""
+
+    def start_all_gather(self, output: torch.Tensor, input: torch.Tensor, done: Done) -> None:
+        """``output`` is flat: ``size`` runs shaped like ``input``, in rank order."""
+
+    def start_all_gather_to_list(
+        self, outputs: list[torch.Tensor], input: torch.Tensor, done: Done
+    ) -> None:
+        """``outputs[r]`` receives rank r's ``input``."""
+
+    def start_reduce_scatter(
+        self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp, done: Done
+    ) -> None:
+        """``input`` is flat: ``size`` runs shaped like ``output``; it stays unchanged."""
+
+    def start_broadcast(self, tensor: torch.Tensor, source_rank: int, done: Done) -> None:
+        """Copies ``source_rank``'s ``tensor`` into ``tensor`` on every rank."""
+
+    def start_all_to_all(self, output: torch.Tensor, input: torch.Tensor, done: Done) -> None:
+        """Chunk j of ``input`` goes to rank j; chunk j of ``output`` comes from rank j."""
+
+    def start_send(self, tensor: torch.Tensor, destination_rank: int, done: Done) -> None:
+        """Sends ``tensor``; matched with ``destination_rank``'s receives in order."""
+
+    def start_recv(self, tensor: torch.Tensor, source_rank: int, done: Done) -> None:
+        """Receives into ``tensor``; matched with ``source_rank``'s sends in order."""
+
+    def start_barrier(self, done: Done) -> None:
+        """Finishes once every rank has started its barrier."""
+
+    # Order checking.
+
+    def start_order_check(self, index: int, fingerprint: str, checked: Checked) -> None:
+        """Compares the ``index``-th fingerprint across ranks (see the module's rules)."""
+
+    def start_census(self, index: int, report: Census) -> None:
+        """Reports the ranks that had not reached the ``index``-th order check."""
+
+    # Deferred starts and deadlines.
+
+    def defer(self, start: Callable[[], None]) -> Callable[[], None]:
+        """Wraps a start that may run later, on another thread, as if run now (CUDA:
+        on the caller's current stream)."""
+
+    def allow_timeout(self, seconds: float | None) -> None:
+        """An op may now run ``seconds`` (None: no agang deadline); keep the backend's
+        own timeout behind it."""
+
+    # Failure and lifecycle.
+
+    def abort(self) -> None:
+        """Ends running work after a failure; never blocks."""
+
+    def release(self, *, unfinished: bool) -> None:
+        """Frees the communicator; off the loop, may block briefly."""
+
+    async def create_child(
+        self, members: list[int], *, name: str, high_priority: bool, seconds: float | None
+    ) -> Backend | None:
+        """A backend over ``members`` (a collective call); None on non-members."""

@@ -1,0 +1,143 @@
+"""The backend of a gang of one process that plays every rank as a copy of itself.
+
+Every simulated rank is assumed to hold the same tensors as this one, so SUM multiplies
+by the size, PRODUCT raises to the size, MEAN, MIN and MAX leave values as they are, and
+gathers repeat the input. Every op finishes inside its ``start_*`` call. It implements
+the contract of ``contract``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import final
+
+import torch
+
+from agang._backends.contract import Census, Checked, Done
+from agang._errors import GangError
+from agang._reduce_op import ReduceOp
+
+
+def _repeat_reduce(tensor: torch.Tensor, op: ReduceOp, size: int) -> None:
+    """Reduces, in place, ``size`` copies of ``tensor``."""
+    if size == 1 or op in (ReduceOp.MEAN, ReduceOp.MIN, ReduceOp.MAX):
+        return
+    if tensor.dtype == torch.bool:
+        return  # or / and of equal booleans
+    if op is ReduceOp.SUM:
+        tensor.mul_(size)
+    elif op is ReduceOp.PRODUCT:
+        tensor.pow_(size)
+
+
+def no_peers() -> GangError:
+    return GangError(
+        "FakeGang simulates the other ranks as copies of this one, so it cannot send or "
+        "receive; use agang.testing.FakeWorld for point-to-point tests."
+    )
+
+
+@final
+class FakeBackend:
+    """Rank ``rank`` of ``size`` equal simulated ranks, in this process."""
+
+    def __init__(self, *, rank: int, size: int, device: torch.device, name: str) -> None:
+        self._rank = rank
+        self._size = size
+        self._device = device
+        self._name = name
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def kind(self) -> str:
+        return "fake"
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    def start_all_reduce(
+        self,
+        tensor: torch.Tensor,
+        op: ReduceOp,
+        done: Done,
+        post: Callable[[], None] | None = None,
+    ) -> None:
+        _repeat_reduce(tensor, op, self._size)
+        if post is not None:
+            post()
+        done(None)
+
+    def start_all_gather(self, output: torch.Tensor, input: torch.Tensor, done: Done) -> None:
+        output.view(self._size, -1).copy_(input.reshape(1, -1))
+        done(None)
+
+    def start_all_gather_to_list(
+        self, outputs: list[torch.Tensor], input: torch.Tensor, done: Done
+    ) -> None:
+        for output in outputs:
+            output.copy_(input)
+        done(None)
+
+    def start_reduce_scatter(
+        self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp, done: Done
+    ) -> None:
+        output.view(-1).copy_(input.view(self._size, -1)[self._rank])
+        _repeat_reduce(output, op, self._size)
+        done(None)
+
+    def start_broadcast(self, tensor: torch.Tensor, source_rank: int, done: Done) -> None:
+        done(None)  # the source holds what this rank holds
+
+    def start_all_to_all(self, output: torch.Tensor, input: torch.Tensor, done: Done) -> None:
+        # Rank j sends this rank its chunk number `rank`, which equals ours.
+        chunk = input.view(self._size, -1)[self._rank]
+        output.view(self._size, -1).copy_(chunk.unsqueeze(0))
+        done(None)
+
+    def start_send(self, tensor: torch.Tensor, destination_rank: int, done: Done) -> None:
+        raise no_peers()  # FakeGang refuses the call before issuing it
+
+    def start_recv(self, tensor: torch.Tensor, source_rank: int, done: Done) -> None:
+        raise no_peers()  # FakeGang refuses the call before issuing it
+
+    def start_barrier(self, done: Done) -> None:
+        done(None)
+
+    def start_order_check(self, index: int, fingerprint: str, checked: Checked) -> None:
+        checked(None, None)  # one simulated rank always agrees with itself
+
+    def start_census(self, index: int, report: Census) -> None:
+        report(None)
+
+    def defer(self, start: Callable[[], None]) -> Callable[[], None]:
+        return start
+
+    def allow_timeout(self, seconds: float | None) -> None:
+        pass
+
+    def abort(self) -> None:
+        pass
+
+    def release(self, *, unfinished: bool) -> None:
+        pass
+
+    async def create_child(
+        self, members: list[int], *, name: str, high_priority: bool, seconds: float | None
+    ) -> FakeBackend | None:
+        if self._rank not in members:
+            return None
+        return FakeBackend(
+            rank=members.index(self._rank), size=len(members), device=self._device, name=name
+        )

@@ -1,0 +1,549 @@
+"""The one implementation of :class:`agang.Gang`: validation in front of an engine.
+
+A ``CollectiveGang`` is made of three parts, each holding the next, with one-way calls:
+- the gang itself checks every call's input, naming the parameter, and resolves its
+  timeout once; then it hands the op to
+- the coalescer (``agang._engine.coalescer``) when the op is an all-reduce in an open
+  ``coalesce()`` scope or a bucketed all-reduce, and otherwise straight to
+- the engine (``agang._engine.engine``), which numbers, admits, starts, completes and
+  times out ops, and breaks and closes the gang, over
+- the backend (``agang._backends.contract``), which moves the bytes.
+
+``ProcessGroupGang``, ``FakeGang`` and ``testing.FakeWorldGang`` are this class over
+their backend. Sub-gangs and lanes are made here, once, from the backend's children.
+
+Only collectives are order-checked (their fingerprint: op, shapes, dtypes, reduce op,
+root); send and recv are not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, Self, TypeVar, overload
+
+import torch
+from typing_extensions import override
+
+from agang import _objects
+from agang._backends.contract import Backend, Done
+from agang._engine.coalescer import DEFAULT_BUCKET_BYTES, Coalesced, Coalescer, all_of, describe
+from agang._engine.engine import Engine, Start
+from agang._future import Future
+from agang._gang import Gang
+from agang._handle import Handle
+from agang._offload import run_blocking
+from agang._policy import GangPolicy
+from agang._reduce_op import ReduceOp
+from agang._statistics import GangStatistics
+from agang._validate import (
+    check_distinct,
+    check_member_ranks,
+    check_non_negative_int,
+    check_positive_int,
+    check_rank,
+    check_reduce_dtype,
+    check_reduce_op,
+    check_same_dtype,
+    check_shape,
+    check_tensor,
+    check_tensor_list,
+)
+
+T = TypeVar("T")
+
+# How long ``close`` waits for the backend to be released before it returns anyway.
+_CLOSE_SECONDS = 5.0
+
+
+class CollectiveGang(Gang):
+    """A gang over a backend: every collective, lanes, sub-gangs, coalescing, closing.
+
+    Args:
+        backend: The communicator (``agang._backends.contract.Backend``).
+        policy: Timeouts, in-flight bounds and order checking, inherited by children.
+    """
+
+    def __init__(self, backend: Backend, policy: GangPolicy) -> None:
+        self._backend = backend
+        self._device = backend.device
+        self._engine = Engine(backend, policy)
+        self._coalescer = Coalescer(self._engine, backend)
+        self._lanes: dict[str, tuple[bool, Future[Gang]]] = {}
+        self._children: list[CollectiveGang] = []
+
+    @classmethod
+    def _over(cls, backend: Backend, policy: GangPolicy) -> Self:
+        """A gang of this class over ``backend``: how children are made (public
+        constructors take their own arguments, a child's backend is made already)."""
+        gang = cls.__new__(cls)
+        CollectiveGang.__init__(gang, backend, policy)
+        return gang
+
+    # Properties.
+
+    @property
+    @override
+    def rank(self) -> int:
+        return self._backend.rank
+
+    @property
+    @override
+    def size(self) -> int:
+        return self._backend.size
+
+    @property
+    @override
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    @override
+    def backend(self) -> str:
+        return self._backend.kind
+
+    @property
+    @override
+    def name(self) -> str:
+        return self._backend.name
+
+    @property
+    @override
+    def closed(self) -> bool:
+        return self._engine.closed
+
+    @property
+    def policy(self) -> GangPolicy:
+        """The gang's timeout, in-flight and order-checking policy."""
+        return self._engine.policy
+
+    def __repr__(self) -> str:
+        return (
+            f"<{type(self).__name__} '{self.name}' rank {self.rank} of {self.size} "
+            f"{self.backend} {self._device}>"
+        )
+
+    def _check_tensor(self, tensor: object, name: str) -> torch.Tensor:
+        return check_tensor(tensor, name=name, device=self._device, backend=self._backend.kind)
+
+    def _issue(
+        self,
+        op: str,
+        tensors: Sequence[tuple[str, torch.Tensor]],
+        output: T,
+        timeout: float | None,
+        start: Start,
+        *,
+        fingerprint: str | None = None,
+    ) -> Handle[Any]:
+        seconds = self._engine.resolve_timeout(timeout)
+        self._coalescer.flush()  # program order across kinds of op
+        return self._engine.issue(op, tensors, output, seconds, start, fingerprint=fingerprint)
+
+    # Collectives.
+
+    @override
+    def all_reduce(
+        self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *, timeout: float | None = None
+    ) -> Handle[torch.Tensor]:
+        tensor = self._check_tensor(tensor, "tensor")
+        if op is not ReduceOp.SUM:  # SUM is valid for every dtype a backend takes
+            op = check_reduce_op(op)
+            check_reduce_dtype(tensor, op, name="tensor")
+        seconds = self._engine.resolve_timeout(timeout)
+        coalescer = self._coalescer
+        scope = coalescer.scope_of_current_owner()
+        if scope is not None:
+            return coalescer.hold(scope, tensor, op, seconds)
+        coalescer.flush()
+        start_all_reduce = self._backend.start_all_reduce
+
+        def start(done: Done) -> None:
+            start_all_reduce(tensor, op, done)
+
+        return self._engine.issue(
+            "all_reduce",
+            [("tensor", tensor)],
+            tensor,
+            seconds,
+            start,
+            fingerprint=f"all_reduce({op.name}, {describe(tensor)})",
+        )
+
+    @override
+    def coalesce(self) -> contextlib.AbstractContextManager[Coalesced]:
+        return self._coalescer.coalesce()
+
+    # The overloads repeat the ABC's: mypy refuses a plain override of an overloaded
+    # method whose return is the union.
+    @overload
+    def all_reduce_bucketed(
+        self,
+        tensors: Sequence[torch.Tensor],
+        op: ReduceOp = ...,
+        *,
+        bucket_bytes: int = ...,
+        timeout: float | None = ...,
+        per_bucket: Literal[False] = ...,
+    ) -> Handle[list[torch.Tensor]]: ...
+
+    @overload
+    def all_reduce_bucketed(
+        self,
+        tensors: Sequence[torch.Tensor],
+        op: ReduceOp = ...,
+        *,
+        bucket_bytes: int = ...,
+        timeout: float | None = ...,
+        per_bucket: Literal[True],
+    ) -> list[Handle[list[torch.Tensor]]]: ...
+
+    @override
+    def all_reduce_bucketed(
+        self,
+        tensors: Sequence[torch.Tensor],
+        op: ReduceOp = ReduceOp.SUM,
+        *,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        timeout: float | None = None,
+        per_bucket: bool = False,
+    ) -> Handle[list[torch.Tensor]] | list[Handle[list[torch.Tensor]]]:
+        items = check_tensor_list(tensors, name="tensors", length=None)
+        checked = [self._check_tensor(t, f"tensors[{i}]") for i, t in enumerate(items)]
+        op = check_reduce_op(op)
+        for i, tensor in enumerate(checked):
+            check_reduce_dtype(tensor, op, name=f"tensors[{i}]")
+        check_distinct(checked, name="tensors")
+        bucket_bytes = check_positive_int(bucket_bytes, name="bucket_bytes")
+        if not isinstance(per_bucket, bool):
+            raise TypeError(
+                f"`per_bucket` must be a bool, but is of type `{type(per_bucket).__name__}` "
+                f"instead."
+            )
+        seconds = self._engine.resolve_timeout(timeout)
+        handles = self._coalescer.all_reduce_bucketed(checked, op, bucket_bytes, seconds)
+        if per_bucket:
+            return handles
+        return all_of(handles, checked, op="all_reduce_bucketed")
+
+    @override
+    def all_gather(
+        self, output: torch.Tensor, input: torch.Tensor, *, timeout: float | None = None
+    ) -> Handle[torch.Tensor]:
+        input = self._check_tensor(input, "input")
+        output = self._check_tensor(output, "output")
+        check_same_dtype(output, input)
+        check_shape(output, (self.size, *input.shape), name="output")
+        flat = output.view(-1)
+        backend = self._backend
+        return self._issue(
+            "all_gather",
+            [("output", output), ("input", input)],
+            output,
+            timeout,
+            lambda done: backend.start_all_gather(flat, input, done),
+            fingerprint=f"all_gather({describe(input)})",
+        )
+
+    @override
+    def all_gather_to_list(
+        self,
+        outputs: Sequence[torch.Tensor],
+        input: torch.Tensor,
+        *,
+        timeout: float | None = None,
+    ) -> Handle[list[torch.Tensor]]:
+        input = self._check_tensor(input, "input")
+        items = check_tensor_list(outputs, name="outputs", length=self.size)
+        checked = [self._check_tensor(t, f"outputs[{i}]") for i, t in enumerate(items)]
+        for i, output in enumerate(checked):
+            check_same_dtype(output, input)
+            check_shape(output, input.shape, name=f"outputs[{i}]")
+        tensors = [(f"outputs[{i}]", t) for i, t in enumerate(checked)] + [("input", input)]
+        backend = self._backend
+        return self._issue(
+            "all_gather_to_list",
+            tensors,
+            checked,
+            timeout,
+            lambda done: backend.start_all_gather_to_list(checked, input, done),
+            fingerprint=f"all_gather_to_list({describe(input)})",
+        )
+
+    @override
+    def reduce_scatter(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        op: ReduceOp = ReduceOp.SUM,
+        *,
+        timeout: float | None = None,
+    ) -> Handle[torch.Tensor]:
+        input = self._check_tensor(input, "input")
+        output = self._check_tensor(output, "output")
+        op = check_reduce_op(op)
+        check_same_dtype(output, input)
+        check_reduce_dtype(input, op, name="input")
+        check_shape(input, (self.size, *output.shape), name="input")
+        flat = input.view(-1)
+        backend = self._backend
+        return self._issue(
+            "reduce_scatter",
+            [("output", output), ("input", input)],
+            output,
+            timeout,
+            lambda done: backend.start_reduce_scatter(output, flat, op, done),
+            fingerprint=f"reduce_scatter({op.name}, {describe(input)})",
+        )
+
+    @override
+    def broadcast(
+        self, tensor: torch.Tensor, source_rank: int = 0, *, timeout: float | None = None
+    ) -> Handle[torch.Tensor]:
+        tensor = self._check_tensor(tensor, "tensor")
+        source_rank = check_rank(source_rank, self.size, name="source_rank")
+        backend = self._backend
+        return self._issue(
+            "broadcast",
+            [("tensor", tensor)],
+            tensor,
+            timeout,
+            lambda done: backend.start_broadcast(tensor, source_rank, done),
+            fingerprint=f"broadcast(source_rank={source_rank}, {describe(tensor)})",
+        )
+
+    @override
+    def all_to_all(
+        self, output: torch.Tensor, input: torch.Tensor, *, timeout: float | None = None
+    ) -> Handle[torch.Tensor]:
+        input = self._check_tensor(input, "input")
+        output = self._check_tensor(output, "output")
+        check_same_dtype(output, input)
+        check_shape(output, input.shape, name="output")
+        if input.dim() == 0 or input.shape[0] % self.size:
+            raise ValueError(
+                f"`input` must have a first dimension that is a multiple of the gang's size "
+                f"({self.size}), but has shape {tuple(input.shape)} instead."
+            )
+        backend = self._backend
+        return self._issue(
+            "all_to_all",
+            [("output", output), ("input", input)],
+            output,
+            timeout,
+            lambda done: backend.start_all_to_all(output, input, done),
+            fingerprint=f"all_to_all({describe(input)})",
+        )
+
+    @override
+    def send(
+        self, tensor: torch.Tensor, destination_rank: int, *, timeout: float | None = None
+    ) -> Handle[None]:
+        tensor = self._check_tensor(tensor, "tensor")
+        destination_rank = check_rank(
+            destination_rank, self.size, name="destination_rank", self_rank=self.rank
+        )
+        backend = self._backend
+        return self._issue(
+            "send",
+            [("tensor", tensor)],
+            None,
+            timeout,
+            lambda done: backend.start_send(tensor, destination_rank, done),
+        )
+
+    @override
+    def recv(
+        self, tensor: torch.Tensor, source_rank: int, *, timeout: float | None = None
+    ) -> Handle[torch.Tensor]:
+        tensor = self._check_tensor(tensor, "tensor")
+        source_rank = check_rank(source_rank, self.size, name="source_rank", self_rank=self.rank)
+        backend = self._backend
+        return self._issue(
+            "recv",
+            [("tensor", tensor)],
+            tensor,
+            timeout,
+            lambda done: backend.start_recv(tensor, source_rank, done),
+        )
+
+    @override
+    def barrier(self, *, timeout: float | None = None) -> Handle[None]:
+        return self._issue(
+            "barrier", [], None, timeout, self._backend.start_barrier, fingerprint="barrier()"
+        )
+
+    @override
+    def broadcast_objects(
+        self, objects: list[Any], source_rank: int = 0, *, timeout: float | None = None
+    ) -> Handle[list[Any]]:
+        if not isinstance(objects, list):
+            raise TypeError(
+                f"`objects` must be a list, but is of type `{type(objects).__name__}` instead."
+            )
+        source_rank = check_rank(source_rank, self.size, name="source_rank")
+        is_source = self.rank == source_rank
+        payload = _objects.to_bytes(objects, name="objects") if is_source else None
+        length = _objects.length_tensor(payload, self._device)
+        backend = self._backend
+
+        def second(start: Callable[[Start, Callable[[], Any]], None]) -> None:
+            buffer = _objects.byte_buffer(payload, int(length.item()), self._device)
+            start(
+                lambda done: backend.start_broadcast(buffer, source_rank, done),
+                lambda: objects if is_source else _objects.replace(objects, buffer),
+            )
+
+        return self._issue_two_phase(
+            "broadcast_objects",
+            timeout,
+            len(payload or b""),
+            lambda done: backend.start_broadcast(length, source_rank, done),
+            second,
+            fingerprint=f"broadcast_objects(source_rank={source_rank})",
+        )
+
+    @override
+    def all_gather_objects(self, obj: Any, *, timeout: float | None = None) -> Handle[list[Any]]:
+        payload = _objects.to_bytes(obj, name="obj")
+        length = _objects.length_tensor(payload, self._device)
+        lengths = torch.zeros(self.size, dtype=torch.int64, device=self._device)
+        backend, size = self._backend, self.size
+
+        def second(start: Callable[[Start, Callable[[], Any]], None]) -> None:
+            longest = int(lengths.max().item())
+            buffer = _objects.byte_buffer(payload, longest, self._device)
+            gathered = torch.empty(size * longest, dtype=torch.uint8, device=self._device)
+            start(
+                lambda done: backend.start_all_gather(gathered, buffer, done),
+                lambda: _objects.split(gathered, lengths, longest),
+            )
+
+        return self._issue_two_phase(
+            "all_gather_objects",
+            timeout,
+            len(payload),
+            lambda done: backend.start_all_gather(lengths, length, done),
+            second,
+            fingerprint="all_gather_objects()",
+        )
+
+    def _issue_two_phase(
+        self,
+        op: str,
+        timeout: float | None,
+        num_bytes: int,
+        first: Start,
+        second: Callable[[Callable[[Start, Callable[[], Any]], None]], None],
+        *,
+        fingerprint: str,
+    ) -> Handle[Any]:
+        seconds = self._engine.resolve_timeout(timeout)
+        self._coalescer.flush()
+        return self._engine.issue_two_phase(
+            op, seconds, num_bytes, first, second, fingerprint=fingerprint
+        )
+
+    # Back-pressure.
+
+    @override
+    async def wait_for_room(self, num_bytes: int = 0) -> None:
+        await self._engine.wait_for_room(check_non_negative_int(num_bytes, name="num_bytes"))
+
+    # Sub-gangs and lanes: the backend's children, made here once.
+
+    @override
+    async def create_gang(self, ranks: Sequence[int]) -> Gang | None:
+        members = check_member_ranks(ranks, self.size)
+        return await self._create_child(members, name=f"{self.name}{members}")
+
+    @override
+    async def lane(self, name: str, *, high_priority: bool = False) -> Gang:
+        if not isinstance(name, str) or not name:  # type: ignore[redundant-expr]  # untyped callers
+            raise ValueError(f"`name` must be a non-empty str, but is {name!r} instead.")
+        if not isinstance(high_priority, bool):
+            raise TypeError(
+                f"`high_priority` must be a bool, "
+                f"but is of type `{type(high_priority).__name__}` instead."
+            )
+        self._engine.check_usable()
+        with self._engine.lock:
+            known = self._lanes.get(name)
+            if known is None:
+                making: Future[Gang] = Future(f"lane '{name}'")
+                self._lanes[name] = (high_priority, making)
+        if known is not None:
+            priority, made = known
+            if priority != high_priority:
+                raise ValueError(
+                    f"`high_priority` must match the lane '{name}' made earlier "
+                    f"({priority}), but is {high_priority} instead."
+                )
+            return await made
+        try:
+            lane = await self._create_child(
+                list(range(self.size)), name=f"{self.name}/lane:{name}", high_priority=high_priority
+            )
+        except BaseException as exc:
+            with self._engine.lock:
+                self._lanes.pop(name, None)
+            making._finish(None, exc if isinstance(exc, Exception) else RuntimeError(str(exc)))
+            raise
+        assert lane is not None  # every rank is a member
+        making._finish(lane, None)
+        return lane
+
+    async def _create_child(
+        self, members: list[int], *, name: str, high_priority: bool = False
+    ) -> CollectiveGang | None:
+        """A collective call on this gang's ranks; a child gang on ``members``."""
+        self._engine.check_usable()
+        self._coalescer.flush()
+        backend = await self._backend.create_child(
+            members,
+            name=name,
+            high_priority=high_priority,
+            seconds=self._engine.policy.op_timeout,
+        )
+        if backend is None:
+            return None
+        child = self._over(backend, self._engine.policy)
+        with self._engine.lock:
+            self._children.append(child)
+        return child
+
+    # Closing: this gang and its children, marked closed at once, released off the loop.
+
+    def _mark_closed(self) -> None:
+        if not self._engine.mark_closed():
+            return
+        self._coalescer.clear()
+        with self._engine.lock:
+            children = list(self._children)
+        for child in children:
+            child._mark_closed()
+
+    def _release(self) -> None:
+        with self._engine.lock:
+            children = list(self._children)
+        for child in children:
+            child._release()
+        self._engine.release()
+
+    @override
+    async def close(self) -> None:
+        if self.closed:
+            return
+        self._mark_closed()
+        await run_blocking(self._release, name=f"close gang '{self.name}'", seconds=_CLOSE_SECONDS)
+
+    @override
+    def close_sync(self) -> None:
+        if self.closed:
+            return
+        self._mark_closed()
+        self._release()
+
+    @override
+    def statistics(self) -> GangStatistics:
+        return self._engine.statistics()

@@ -1,0 +1,317 @@
+"""The coalescer of one gang: ``coalesce()`` scopes, flat ops and bucketed all-reduces.
+
+It follows the grouping rules of ``grouping`` (program order only; groups; buckets;
+flat ops; scopes belong to a task; other ops flush the scope; no wait inside a scope).
+It is given the gang's engine, which numbers and starts its flat ops, and its backend,
+which reduces them; it never calls back into the gang.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Generator, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, final
+
+import torch
+
+from agang import _asynclib
+from agang._backends.contract import Backend, Done
+from agang._engine import busy
+from agang._engine.engine import Engine
+from agang._engine.grouping import (
+    FlatBuffers,
+    Member,
+    group_members,
+    group_timeout,
+    plan_buckets,
+)
+from agang._handle import UNNUMBERED, Handle, finish_all
+from agang._reduce_op import ReduceOp
+
+DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
+
+HELD = (
+    "This all_reduce is held by the open `coalesce()` scope that issued it and starts "
+    "when the scope ends; await it after the `with` block."
+)
+
+
+def describe(tensor: torch.Tensor) -> str:
+    """A tensor's dtype and shape, as fingerprints show it: ``float32[4, 2]``."""
+    return f"{str(tensor.dtype).removeprefix('torch.')}{list(tensor.shape)}"
+
+
+def failed_handle(op: str, error: BaseException) -> Handle[Any]:
+    """The handle of an op that could not be issued: failed already, never numbered."""
+    handle: Handle[Any] = Handle(op=op, seq=UNNUMBERED, num_bytes=0, timeout=None)
+    handle._finish(None, error)
+    return handle
+
+
+def all_of(handles: Sequence[Handle[Any]], value: Any, *, op: str) -> Handle[Any]:
+    """One user op made of several backend ops: a handle that finishes with ``value``
+    once all ``handles`` have, or with the first error among them (in order)."""
+    combined: Handle[Any] = Handle(
+        op=op,
+        seq=handles[0].seq if handles else UNNUMBERED,
+        num_bytes=sum(h.num_bytes for h in handles),
+        timeout=group_timeout([h.timeout for h in handles]),
+        owner=handles[0]._owner if handles else None,
+    )
+    if not handles:
+        combined._finish(value, None)
+        return combined
+    lock = threading.Lock()
+    remaining = [len(handles)]
+
+    def one_done() -> None:
+        with lock:
+            remaining[0] -= 1
+            if remaining[0]:
+                return
+        errors = [h.exception() for h in handles if h.exception() is not None]
+        combined._finish(None if errors else value, errors[0] if errors else None)
+
+    for handle in handles:
+        handle._add_done_callback(one_done)
+    return combined
+
+
+@final
+class Coalesced:
+    """What a ``coalesce()`` scope issued: await it for all its tensors at once.
+
+    Each held all-reduce also has its own handle (:attr:`handles`); awaiting this object
+    instead costs one wake-up for the whole scope.
+
+    Example:
+        >>> with gang.coalesce() as batch:
+        ...     for grad in grads:
+        ...         gang.all_reduce(grad)
+        >>> await batch  # every grad reduced, in place
+    """
+
+    def __init__(self) -> None:
+        #: The handles of the scope's all-reduces, in call order.
+        self.handles: list[Handle[torch.Tensor]] = []
+        self._tensors: list[torch.Tensor] = []
+        self._flats: list[Handle[list[torch.Tensor]]] = []  # the flat ops, as issued
+        self._all: Handle[list[torch.Tensor]] | None = None
+
+    def _issued(self) -> Handle[list[torch.Tensor]]:
+        if self._all is None:
+            raise RuntimeError(HELD)
+        return self._all
+
+    def __await__(self) -> Generator[Any, None, list[torch.Tensor]]:
+        return self._issued().__await__()
+
+    def wait(self, timeout: float | None = None) -> list[torch.Tensor]:
+        """Blocks until every all-reduce of the scope finished; their tensors."""
+        return self._issued().wait(timeout)
+
+
+@dataclass(eq=False)
+class Scope:
+    """One open ``coalesce()`` scope of one owner on one gang."""
+
+    owner: object
+    depth: int = 1
+    members: list[Member] = field(default_factory=list)
+    issued: Coalesced = field(default_factory=Coalesced)
+
+    def take(self) -> list[Member]:
+        members, self.members = self.members, []
+        return members
+
+
+class _BucketHolder:
+    def __init__(self, number: int) -> None:
+        self.number = number
+
+    def __str__(self) -> str:
+        return f"bucket {self.number} of this `all_reduce_bucketed` call"
+
+
+def _finisher(flat: Handle[Any], group: list[Member]) -> Callable[[], None]:
+    """Finishes every member of a flat op with its own tensor, or the op's error."""
+
+    def finish_members() -> None:
+        error = flat.exception()
+        if error is None:
+            finish_all([(m.handle, m.tensor) for m in group], None)
+        else:
+            finish_all([(m.handle, None) for m in group], error)
+
+    return finish_members
+
+
+class Coalescer:
+    """The scopes, flat ops and buckets of one gang."""
+
+    def __init__(self, engine: Engine, backend: Backend) -> None:
+        self._engine = engine
+        self._backend = backend
+        self._scopes: dict[object, Scope] = {}
+        self._buffers = FlatBuffers()
+
+    def clear(self) -> None:
+        """Drops the kept flat buffers (the gang closed)."""
+        self._buffers.clear()
+
+    # Scopes.
+
+    def scope_of_current_owner(self) -> Scope | None:
+        """The open scope of the task (or thread) running now, if any."""
+        if not self._scopes:
+            return None
+        return self._scopes.get(_asynclib.current_owner())
+
+    def flush(self) -> None:
+        """Issues what the current owner's scope holds (other ops flush the scope)."""
+        if not self._scopes:
+            return
+        scope = self._scopes.get(_asynclib.current_owner())
+        if scope is not None and scope.members:
+            self._issue_members(scope.take(), scope.issued)
+
+    @contextlib.contextmanager
+    def coalesce(self) -> Iterator[Coalesced]:
+        owner = _asynclib.current_owner()
+        engine = self._engine
+        with engine.lock:
+            scope = self._scopes.get(owner)
+            if scope is not None:
+                scope.depth += 1  # nested scopes join the outermost one
+            else:
+                engine.check_usable()
+                scope = self._scopes[owner] = Scope(owner)
+        try:
+            yield scope.issued
+        finally:
+            with engine.lock:
+                scope.depth -= 1
+                last = scope.depth == 0
+                if last:
+                    del self._scopes[owner]
+            if last:
+                # Also on an exception: the held ops were issued as far as the caller
+                # and the other ranks know, so they are started, not dropped.
+                issued = scope.issued
+                self._issue_members(scope.take(), issued)
+                issued._all = all_of(issued._flats, issued._tensors, op="coalesce")
+
+    def hold(
+        self, scope: Scope, tensor: torch.Tensor, op: ReduceOp, seconds: float | None
+    ) -> Handle[torch.Tensor]:
+        """Holds an all-reduce in ``scope`` until it ends; its handle is not numbered yet."""
+        self._engine.check_usable()
+        handle: Handle[torch.Tensor] = Handle(
+            op="all_reduce",
+            seq=UNNUMBERED,
+            num_bytes=tensor.nbytes,
+            timeout=seconds,
+            owner=self._engine,
+        )
+        claim = busy.acquire_one("tensor", tensor, handle)
+        handle._hold = HELD
+        scope.members.append(Member(tensor, op, tensor.dtype, seconds, handle, claim))
+        scope.issued.handles.append(handle)
+        scope.issued._tensors.append(tensor)
+        return handle
+
+    def _issue_members(self, members: list[Member], issued: Coalesced) -> None:
+        for group in group_members(members):
+            tensors = [m.tensor for m in group]
+            claims = [m.claim for m in group]
+            seconds = group_timeout([m.seconds for m in group])
+            try:
+                flat = self.issue_flat(tensors, group[0].op, seconds, claims)
+            except Exception as exc:  # the gang was closed or broke meanwhile
+                busy.release_all(claims)
+                for member in group:
+                    member.handle._hold = None
+                    member.handle._finish(None, exc)
+                issued._flats.append(failed_handle("all_reduce", exc))
+                continue
+            issued._flats.append(flat)
+            if len(group) > 1:
+                self._engine.count_coalesced(len(group))
+            seq = flat.seq
+            for member in group:
+                handle = member.handle
+                handle.seq = seq
+                handle._hold = None
+            flat._add_done_callback(_finisher(flat, group))
+
+    # Flat ops.
+
+    def issue_flat(
+        self,
+        tensors: list[torch.Tensor],
+        op: ReduceOp,
+        seconds: float | None,
+        claims: list[busy.Claim],
+    ) -> Handle[list[torch.Tensor]]:
+        """One all-reduce over ``tensors``, whose memory ``claims`` hold (flat ops)."""
+        engine = self._engine
+        num_bytes = sum([t.nbytes for t in tensors])
+        handle, _ = engine.new_handle("all_reduce", seconds, [], num_bytes)
+        post: Callable[[], None] | None
+        if len(tensors) == 1:
+            flat, post = tensors[0], None
+        else:
+            packed = self._buffers.pack(tensors)
+            flat = packed.flat
+
+            def post() -> None:
+                self._buffers.unpack(packed, tensors)  # the backend is done with the buffer
+
+        def done(error: BaseException | None) -> None:
+            busy.release_all(claims)
+            engine.complete(handle, tensors, error)
+
+        start_all_reduce = self._backend.start_all_reduce
+
+        def start(done: Done) -> None:
+            start_all_reduce(flat, op, done, post)
+
+        engine.admit(handle, start, done, fingerprint=f"all_reduce({op.name}, {describe(flat)})")
+        return handle
+
+    def all_reduce_bucketed(
+        self,
+        tensors: list[torch.Tensor],
+        op: ReduceOp,
+        bucket_bytes: int,
+        seconds: float | None,
+    ) -> list[Handle[list[torch.Tensor]]]:
+        """Issues ``tensors`` (checked) as capped flat buckets; a handle per bucket."""
+        self._engine.check_usable()
+        self.flush()
+        keys = [((t.dtype, t.device), t.numel() * t.element_size()) for t in tensors]
+        buckets = plan_buckets(keys, bucket_bytes)
+        # Every bucket's memory is claimed before any is issued: a busy tensor refuses
+        # the whole call, and nothing is issued (a bad call changes nothing).
+        claims: list[busy.Claim] = []
+        try:
+            for number, bucket in enumerate(buckets):
+                holder = _BucketHolder(number)
+                pairs = [(f"tensors[{i}]", tensors[i]) for i in bucket]
+                claims.append(busy.acquire(pairs, holder))
+        except Exception:
+            busy.release_all(claims)
+            raise
+        handles = []
+        for number, bucket in enumerate(buckets):
+            members = [tensors[i] for i in bucket]
+            try:
+                handles.append(self.issue_flat(members, op, seconds, [claims[number]]))
+            except Exception as exc:  # the gang broke or closed meanwhile
+                busy.release_all(claims[number:])
+                handles.append(failed_handle("all_reduce", exc))
+                break
+        self._engine.count_coalesced(sum(len(b) for b in buckets if len(b) > 1))
+        return handles

@@ -1,0 +1,572 @@
+"""The engine of one gang: numbering, admission, completion, deadlines, failure, closing.
+
+A gang holds one engine and one backend. The engine feeds the scheduler's pure core
+(``scheduler``) under the gang's one lock, starts what the core hands back through the
+backend, and owns everything that happens to an op between the user's call and its
+handle finishing. It is not a ``Gang``: the gang validates the call and asks the engine
+to issue it; the engine only calls the backend (``agang._backends.contract``).
+
+Rules:
+1. *A bad call changes nothing.* The gang checks its input first; only then does the
+   engine number the op, so ranks stay in step after a caught ``ValueError``.
+2. *Numbered and claimed at once.* Taking a sequence number and marking the op's
+   tensors busy is one step under the lock; the op is then admitted to the core, which
+   starts ops in sequence order. An op that cannot start at once is started later by
+   whichever thread frees room for it (a completion, an order check, the gate opening),
+   through the backend's ``defer``, as if from the caller. A bounded gang whose policy
+   is ``"raise"`` or ``"block"`` refuses, or waits, before numbering (``room``).
+3. *A timeout is resolved once.* At the call, into seconds or None (no deadline);
+   nothing below re-reads the user's value. The backend hears of every explicit
+   timeout (``allow_timeout``) so that its own stays behind it.
+4. *The end is reported once.* A started op reports through ``done(error)``, once, from
+   any thread. Its tensors are released then, and only then (the backend may write into
+   them until then).
+5. *One deadline timer per gang.* Deadlines are checked by one timer on the issuer's
+   loop (or the timer thread; ``deadline``), armed for the core's next deadline. When
+   one passes, the handle fails with ``GangTimeoutError`` carrying the flight recorder;
+   with ``on_timeout="abort"`` the gang then breaks, with ``"raise"`` only that handle
+   fails and its op stays in flight (tensors busy) until the backend ends it. An op
+   still in its order check when its deadline passes fails once the backend's census
+   has said which ranks never reached that check: the error names them (a rank that
+   skipped the last op otherwise leaves nobody to blame). Asking takes at most a
+   fraction of a second.
+6. *A failure breaks the gang.* Any failure of a started op breaks the gang: every
+   pending handle fails with ``GangBrokenError`` (the first cause attached), queued ops
+   are dropped unstarted, the backend is aborted, and every later call raises at once
+   without touching the backend. Broken happens before any waiter wakes, so a waiter's
+   next call is refused.
+7. *Closing.* Closing fails pending handles with ``GangClosedError`` at once; the
+   backend is released afterwards, off the loop.
+8. *Order checks.* With order checking on, each collective's fingerprint goes to the
+   backend's check when it is admitted (checks run in admission order, pipelined); the
+   op becomes ready only once every rank's fingerprint agreed. A mismatch fails the op
+   with ``CollectiveMismatchError`` on every rank and breaks the gang before it starts.
+9. *Two phases.* An op whose second step depends on the first one's result (the object
+   collectives: sizes, then bytes) holds the core's gate between its phases, so later
+   ops start after its second phase on every rank.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from agang._backends.contract import Backend, Done
+from agang._engine import busy, deadline
+from agang._engine.room import Room
+from agang._engine.scheduler import Entry, Scheduler
+from agang._errors import (
+    CollectiveError,
+    CollectiveMismatchError,
+    GangBrokenError,
+    GangClosedError,
+    GangTimeoutError,
+    OpContext,
+)
+from agang._handle import Handle
+from agang._policy import GangPolicy
+from agang._statistics import Counters, GangStatistics
+from agang._validate import check_timeout
+
+log = logging.getLogger("agang")
+
+#: Starts an op in the backend; the op reports its end through the ``Done`` it is given.
+Start = Callable[[Done], None]
+#: The second phase of a two-phase op: given a way to start its backend op, with the
+#: function that turns the op's buffers into the handle's value.
+SecondPhase = Callable[[Callable[[Start, Callable[[], Any]], None]], None]
+
+
+def start_guarded(start: Start, done: Done) -> None:
+    """Starts an op; an error raised while starting is the op's error (rule 4)."""
+    try:
+        start(done)
+    except Exception as exc:
+        done(exc)
+
+
+def after_post(post: Callable[[], None] | None, done: Done) -> Done:
+    """``done``, preceded on success by ``post``; an error ``post`` raises is the op's."""
+    if post is None:
+        return done
+
+    def post_then_done(error: BaseException | None) -> None:
+        if error is None:
+            try:
+                post()
+            except Exception as exc:
+                error = exc
+        done(error)
+
+    return post_then_done
+
+
+class Engine:
+    """The op machinery of one gang over one backend (see the module's rules)."""
+
+    def __init__(self, backend: Backend, policy: GangPolicy) -> None:
+        self.backend = backend
+        self.policy = policy
+        self.name = backend.name
+        self.rank = backend.rank
+        self.size = backend.size
+        self._default_seconds = policy.op_timeout
+        self._closed = False
+        self._broken: BaseException | None = None
+        self.lock = threading.RLock()
+        self._next_seq = 0
+        self._next_check = 0
+        self._draining = False
+        self._scheduler = Scheduler(policy.limits.max_ops, policy.limits.max_bytes)
+        self._room = Room(
+            self.lock, self._scheduler.is_full, self.check_usable, policy.limits, self.name
+        )
+        self._armed_at: float | None = None
+        self._armed_driver: object = None
+        self._armed_cancel: deadline.Cancel | None = None
+        self._counters = Counters()
+        self._ops_left_in_backend = False
+        self._released = False
+        backend.allow_timeout(policy.op_timeout)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # Numbering and admission (rules 1, 2, 3 and 8).
+
+    def resolve_timeout(self, timeout: float | None) -> float | None:
+        """The user's ``timeout`` as seconds, or None for no deadline (rule 3)."""
+        if timeout is None:
+            return self._default_seconds
+        seconds = check_timeout(timeout)
+        if seconds is None or math.isinf(seconds):
+            return None
+        self.backend.allow_timeout(seconds)
+        return seconds
+
+    def context(self, op: str, seq: int, timeout: float | None) -> OpContext:
+        return OpContext(self.name, self.rank, self.size, op, seq, timeout)
+
+    def check_usable(self) -> None:
+        if self._closed:
+            raise GangClosedError(f"Gang '{self.name}' is closed; make a new one.")
+        if self._broken is not None:
+            raise GangBrokenError(
+                f"Gang '{self.name}' is broken by an earlier failure and refuses every op: "
+                f"{self._broken}",
+                self._broken,
+            ) from self._broken
+
+    def new_handle(
+        self,
+        op: str,
+        seconds: float | None,
+        tensors: Sequence[tuple[str, torch.Tensor]],
+        num_bytes: int | None = None,
+    ) -> tuple[Handle[Any], busy.Claim]:
+        """Numbers the op and marks its tensors busy, atomically (rule 2)."""
+        if self._closed or self._broken is not None:
+            self.check_usable()
+        if num_bytes is None:
+            num_bytes = sum(t.numel() * t.element_size() for _, t in tensors)
+        with self.lock:
+            self._room.wait_or_refuse(op, num_bytes, seconds)
+            seq = self._next_seq
+            handle: Handle[Any] = Handle(
+                op=op, seq=seq, num_bytes=num_bytes, timeout=seconds, owner=self
+            )
+            claim = busy.acquire(tensors, handle)  # raises before anything is committed
+            self._next_seq = seq + 1
+            self._counters.num_issued += 1
+            self._counters.bytes_issued += num_bytes
+        return handle, claim
+
+    def issue(
+        self,
+        op: str,
+        tensors: Sequence[tuple[str, torch.Tensor]],
+        output: Any,
+        seconds: float | None,
+        start: Start,
+        *,
+        fingerprint: str | None = None,
+    ) -> Handle[Any]:
+        """Numbers, admits and (room permitting) starts one backend op; its handle
+        finishes with ``output``."""
+        handle, claim = self.new_handle(op, seconds, tensors)
+
+        def done(error: BaseException | None) -> None:
+            busy.release(claim)
+            self.complete(handle, output, error)
+
+        self.admit(handle, start, done, fingerprint=fingerprint)
+        return handle
+
+    async def wait_for_room(self, num_bytes: int) -> None:
+        await self._room.wait(num_bytes)
+
+    def admit(
+        self,
+        handle: Handle[Any],
+        start: Start,
+        done: Done,
+        *,
+        fingerprint: str | None = None,
+        holds_gate: bool = False,
+    ) -> None:
+        """Hands a numbered op to the core and starts what may start (rules 2 and 8).
+
+        ``done`` ends the op; it is also how a never-started op is abandoned.
+        """
+        due = None if handle.timeout is None else handle.issued_at + handle.timeout
+        checked = fingerprint is not None and self.policy.check_order
+        entry = Entry(
+            seq=handle.seq,
+            op=handle.op,
+            num_bytes=handle.num_bytes,
+            issued_at=handle.issued_at,
+            deadline=due,
+            start=self.backend.defer(functools.partial(start_guarded, start, done)),
+            item=(handle, done),
+            ready=not checked,
+            holds_gate=holds_gate,
+        )
+        with self.lock:
+            self._scheduler.admit(entry)
+            if checked:
+                assert fingerprint is not None
+                index = entry.check_index = self._next_check
+                self._next_check += 1
+                self._check_order(entry, index, fingerprint)
+            self._drain()
+        if due is not None:
+            self._arm(due)
+
+    def _drain(self) -> None:
+        """Starts every op the core lets start, in order; re-entrant calls return."""
+        with self.lock:
+            if self._draining:
+                return
+            self._draining = True
+            try:
+                while (entry := self._scheduler.take_next()) is not None:
+                    entry.start()
+            finally:
+                self._draining = False
+
+    def _check_order(self, entry: Entry, index: int, fingerprint: str) -> None:
+        handle, abandon = entry.item
+
+        def checked(fingerprints: dict[int, str] | None, error: BaseException | None) -> None:
+            if error is None and fingerprints is not None:
+                error = self._mismatch(handle, index, fingerprints)
+            if error is not None:
+                abandon(error)  # never started: no backend call will report it
+                return
+            with self.lock:
+                self._scheduler.set_ready(handle.seq)
+                self._drain()
+
+        try:
+            self.backend.start_order_check(index, fingerprint, checked)
+        except Exception as exc:
+            checked(None, exc)
+
+    def _mismatch(
+        self, handle: Handle[Any], index: int, fingerprints: dict[int, str]
+    ) -> CollectiveMismatchError:
+        groups: dict[str, list[int]] = {}
+        for rank, fingerprint in sorted(fingerprints.items()):
+            groups.setdefault(fingerprint, []).append(rank)
+        sides = "; ".join(f"ranks {ranks} issued {fp}" for fp, ranks in groups.items())
+        context = self.context(handle.op, handle.seq, handle.timeout)
+        return CollectiveMismatchError(
+            f"{context.describe()}: the ranks issued different collectives at collective "
+            f"#{index} of this gang: {sides}. Nothing was started; the gang is now broken.",
+            context,
+            fingerprints,
+        )
+
+    def issue_two_phase(
+        self,
+        op: str,
+        seconds: float | None,
+        num_bytes: int,
+        first: Start,
+        second: SecondPhase,
+        *,
+        fingerprint: str,
+    ) -> Handle[Any]:
+        """Issues an op whose second step depends on the first one's result (rule 9)."""
+        handle, _ = self.new_handle(op, seconds, [], num_bytes)
+
+        def fail(error: BaseException | None) -> None:
+            self.complete(handle, None, error)
+
+        def start_second(start: Start, result: Callable[[], Any]) -> None:
+            def done(error: BaseException | None) -> None:
+                if error is not None:
+                    self.complete(handle, None, error)
+                    return
+                try:
+                    value = result()
+                except Exception as exc:  # a payload that does not unpickle
+                    self.complete(handle, None, exc)
+                    return
+                self.complete(handle, value, None)
+
+            start_guarded(start, done)
+
+        def after_first(error: BaseException | None) -> None:
+            if error is not None:
+                self.complete(handle, None, error)
+                return
+            with self.lock:
+                if self._broken is None and not self._closed:
+                    second(start_second)
+                self._scheduler.release_gate(handle.seq)
+                self._drain()
+
+        self.admit(
+            handle,
+            lambda done: first(after_first),
+            fail,
+            fingerprint=fingerprint,
+            holds_gate=True,
+        )
+        return handle
+
+    # Completion (rule 4).
+
+    def complete(self, handle: Handle[Any], value: Any, error: BaseException | None) -> None:
+        """The backend op behind ``handle`` has ended (its tensors are free)."""
+        now = time.monotonic()
+        # A handle that already failed (its deadline passed) records as timed out.
+        timed_out = isinstance(handle._error, GangTimeoutError)
+        outcome = "timed out" if timed_out else ("ok" if error is None else "failed")
+        with self.lock:
+            self._scheduler.finish(handle.seq, seconds=now - handle.issued_at, outcome=outcome)
+            room_waiters = self._room.wake()
+        for waiter in room_waiters:
+            waiter._finish(None, None)
+        if error is None:
+
+            def count_completed() -> None:
+                with self.lock:
+                    self._counters.completed(handle.op, time.monotonic() - handle.issued_at)
+
+            handle._finish(value, None, then=count_completed)
+        else:
+            if isinstance(error, GangBrokenError | GangClosedError | CollectiveError):
+                wrapped: BaseException = error
+            else:
+                context = self.context(handle.op, handle.seq, handle.timeout)
+                wrapped = CollectiveError(f"{context.describe()} failed: {error}", context)
+                wrapped.__cause__ = error
+
+            def count_failed_and_break() -> None:
+                with self.lock:
+                    self._counters.num_failed += 1
+                self.break_gang(wrapped)
+
+            # Broken before the waiters wake: their next call must be refused (rule 6).
+            finished = handle._finish(None, wrapped, then=count_failed_and_break)
+            if not finished and not isinstance(error, GangBrokenError | GangClosedError):
+                # The handle had timed out (on_timeout="raise"); the backend then failed
+                # the op itself, so the communicator is unusable all the same.
+                self.break_gang(wrapped)
+        self._drain()
+
+    def count_coalesced(self, num_members: int) -> None:
+        with self.lock:
+            self._counters.num_coalesced += num_members
+
+    # What a handle tells its owner (``agang._handle.HandleOwner``).
+
+    def resumed(self, lag: float) -> None:
+        with self.lock:
+            self._counters.lags.append(lag)
+
+    def waiting(self) -> None:
+        """A waiter starts on a pending op: if the deadline check was armed on a driver
+        that is gone (an asyncio loop that closed), re-arm it where the waiter runs."""
+        armed_at, driver = self._armed_at, self._armed_driver
+        if armed_at is None or deadline.alive(driver):  # the common case, without the lock
+            return
+        with self.lock:
+            if self._armed_at is None or deadline.alive(self._armed_driver):
+                return
+            self._armed_at = None
+            self._armed_cancel = None
+            following = self._scheduler.next_deadline()
+        if following is not None:
+            self._arm(following)
+
+    # Deadlines (rule 5).
+
+    def _arm(self, due: float) -> None:
+        driver = deadline.current_driver()
+        with self.lock:
+            if (
+                self._armed_at is not None
+                and self._armed_at <= due
+                and self._armed_driver is driver
+                and deadline.alive(driver)
+            ):
+                return
+            replaced, self._armed_cancel = self._armed_cancel, None
+            self._armed_at = due
+            self._armed_driver = driver
+        if replaced is not None:
+            replaced()
+        cancel = deadline.call_at(driver, due, lambda: self._check_deadlines(due, driver))
+        with self.lock:
+            if self._armed_at == due and self._armed_driver is driver:
+                self._armed_cancel = cancel
+
+    def _check_deadlines(self, armed_for: float, driver: object) -> None:
+        now = time.monotonic()
+        with self.lock:
+            if driver is not None and self._armed_at == armed_for:
+                # The loop ran this timer late by however long it was busy or blocked.
+                self._counters.lags.append(max(0.0, now - armed_for))
+            if self._armed_at == armed_for:
+                self._armed_at = None
+                self._armed_cancel = None
+            due = self._scheduler.due(now)
+            following = self._scheduler.next_deadline()
+        if following is not None:
+            self._arm(following)
+        for entry in due:
+            handle, _ = entry.item
+            index = entry.check_index
+            if index is not None and not entry.ready:
+                # Still in its order check: ask who never reached it (rule 5), then fail.
+                self.backend.start_census(index, functools.partial(self._expire, handle, index))
+            else:
+                self._expire(handle)
+
+    def _expire(
+        self, handle: Handle[Any], index: int | None = None, absent: list[int] | None = None
+    ) -> None:
+        now = time.monotonic()
+        with self.lock:
+            in_flight = self._scheduler.describe_in_flight(now, skip=handle.seq)
+            recent = [record.describe() for record in self._scheduler.recent()]
+        context = self.context(handle.op, handle.seq, handle.timeout)
+        elapsed = now - handle.issued_at
+        abort = self.policy.on_timeout == "abort"
+        consequence = (
+            "The gang is now broken."
+            if abort
+            else "Its tensors stay busy until the op really ends; the gang stays usable."
+        )
+        if absent:
+            why = (
+                f"ranks {absent} had not issued collective #{index} of this gang (order "
+                f"checking got no fingerprint of theirs): they skipped it, or are stalled "
+                f"or late before it."
+            )
+        else:
+            why = "a peer may be late, stopped, or issuing its ops in another order."
+        error = GangTimeoutError(
+            f"{context.describe()} timed out after {elapsed:.3f} s; {why} {consequence}",
+            context,
+            elapsed=elapsed,
+            in_flight=in_flight,
+            recent=recent,
+            absent_ranks=absent or (),
+        )
+
+        def count_timed_out() -> None:
+            with self.lock:
+                self._counters.num_timed_out += 1
+            if abort:
+                self.break_gang(error)
+
+        # Broken before the waiters wake: their next call must be refused (rule 6).
+        handle._finish(None, error, then=count_timed_out)
+
+    # Failure and lifecycle (rules 6 and 7).
+
+    def _take_pending(self) -> tuple[list[Any], list[tuple[Handle[Any], Done]]]:
+        """The pending handles and room waiters, and the never-started ops, now dropped
+        from the queue. The caller holds the lock and has just marked the gang broken or
+        closed; it fails them outside the lock."""
+        items = [entry.item for entry in self._scheduler.entries.values()]
+        dropped = [entry.item for entry in self._scheduler.drop_queued()]
+        pending: list[Any] = [handle for handle, _ in items if not handle._settled()]
+        self._counters.num_failed += len(pending)
+        self._ops_left_in_backend = any(e.started for e in self._scheduler.entries.values())
+        pending.extend(self._room.wake())  # they fail with the others, and re-check
+        return pending, dropped
+
+    def break_gang(self, cause: BaseException) -> None:
+        """Marks the gang broken by ``cause``, fails what is pending, aborts the backend."""
+
+        def abandoned(what: object) -> BaseException:
+            error = GangBrokenError(
+                f"{what} on gang '{self.name}' was abandoned: the gang broke on an earlier "
+                f"failure: {cause}",
+                cause,
+            )
+            error.__cause__ = cause
+            return error
+
+        with self.lock:
+            if self._broken is not None or self._closed:
+                return
+            self._broken = cause
+            pending, dropped = self._take_pending()
+        log.error("Gang '%s' (rank %d) is broken: %s", self.name, self.rank, cause)
+        for future in pending:
+            future._finish(None, abandoned(future))
+        for handle, abandon in dropped:
+            abandon(abandoned(handle))  # releases their tensors; nothing was started
+        try:
+            # A woken waiter may have closed the gang meanwhile; backends cope with an
+            # abort after their release.
+            self.backend.abort()
+        except Exception:
+            log.exception("Aborting the communicator of gang '%s' failed.", self.name)
+
+    def mark_closed(self) -> bool:
+        """Closes the gang at once: pending waiters fail right away (rule 7). Returns
+        False if it was closed already."""
+        with self.lock:
+            if self._closed:
+                return False
+            self._closed = True
+            pending, dropped = self._take_pending()
+        for future in pending:
+            future._finish(
+                None, GangClosedError(f"{future} was pending when gang '{self.name}' was closed.")
+            )
+        for handle, abandon in dropped:
+            abandon(GangClosedError(f"{handle} was pending when gang '{self.name}' was closed."))
+        return True
+
+    def release(self) -> None:
+        """Frees the backend once the gang is closed; off the loop, may block briefly."""
+        with self.lock:
+            if self._released:
+                return
+            self._released = True
+            unfinished = self._ops_left_in_backend or self._broken is not None
+        self.backend.release(unfinished=unfinished)
+
+    def statistics(self) -> GangStatistics:
+        with self.lock:
+            return self._counters.snapshot(
+                num_in_flight=self._scheduler.num_in_flight,
+                num_queued=self._scheduler.num_queued,
+                bytes_in_flight=self._scheduler.bytes_in_flight,
+            )

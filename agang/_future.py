@@ -1,0 +1,189 @@
+"""A one-shot result that any thread may set and any loop or thread may wait for.
+
+The gang's internal waits (room under the in-flight bounds, a blocking call run on a
+thread, a lane being made) are futures; an op's :class:`agang.Handle` is a future with
+the op's metadata. Neither is an ``asyncio.Future``: they finish on backend threads and
+are awaited from asyncio, uvloop and trio alike.
+
+Rules:
+1. A future finishes exactly once, with a value or an error; the first finisher wins
+   and later ones are ignored. Finishing may happen on any thread.
+2. Finishing runs the registered callbacks once, outside the lock, on the finishing
+   thread. Callbacks only hand the news on (to a loop, a thread event); they never block.
+3. Waiting never changes what is awaited: a cancelled or timed-out wait leaves the work
+   running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Generator
+from typing import Any, Generic, TypeVar
+
+from agang._validate import check_timeout
+from agang._wakeup import wait_async
+
+T = TypeVar("T")
+
+_PENDING = 0
+_FINISHING = 1  # the outcome is set; its owner reacts to it before any waiter may see it
+_DONE = 2
+
+
+class Future(Generic[T]):
+    """An internal one-shot result, awaitable on every async backend.
+
+    Args:
+        what: What is awaited, for messages (``"wait_for_room"``, ``"init"``).
+    """
+
+    __slots__ = ("_callbacks", "_error", "_finished_at", "_lock", "_state", "_value", "what")
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self._lock = threading.Lock()
+        self._state = _PENDING
+        self._value: Any = None
+        self._error: BaseException | None = None
+        self._finished_at: float | None = None
+        self._callbacks: list[Callable[[], None]] = []
+
+    def __str__(self) -> str:
+        return f"`{self.what}`"
+
+    def __await__(self) -> Generator[Any, None, T]:
+        return self._wait_async().__await__()
+
+    async def _wait_async(self) -> T:
+        await wait_async(self)
+        return self.result()
+
+    def done(self) -> bool:
+        """Returns True once finished, successfully or not."""
+        return self._state == _DONE
+
+    def _settled(self) -> bool:
+        """Whether the outcome is set, even if waiters are not yet told."""
+        return self._state != _PENDING
+
+    def result(self) -> T:
+        """Returns the value, or raises the error, of a finished future.
+
+        Raises:
+            asyncio.InvalidStateError: It has not finished yet; await it or call
+                :meth:`wait` instead.
+        """
+        if self._state != _DONE:
+            raise asyncio.InvalidStateError(
+                f"{self} has not finished yet; await it or call wait()."
+            )
+        if self._error is not None:
+            raise self._error
+        return self._value  # type: ignore[no-any-return]
+
+    def exception(self) -> BaseException | None:
+        """Returns the error of a finished future, or None if it succeeded.
+
+        Raises:
+            asyncio.InvalidStateError: It has not finished yet.
+        """
+        if self._state != _DONE:
+            raise asyncio.InvalidStateError(
+                f"{self} has not finished yet; await it or call wait()."
+            )
+        return self._error
+
+    def wait(self, timeout: float | None = None) -> T:
+        """Blocks the calling thread until finished, and returns the value.
+
+        Args:
+            timeout: Seconds to wait at most, or None. This bounds the *wait*, not the
+                work awaited: when it passes, the work goes on.
+
+        Raises:
+            TimeoutError: ``timeout`` passed first.
+        """
+        seconds = check_timeout(timeout)
+        if self._state != _DONE:
+            self._block(seconds)
+        return self.result()
+
+    def _block(self, seconds: float | None) -> None:
+        # A bare lock, released by the finisher: cheaper than threading.Event.
+        signal = threading.Lock()
+        signal.acquire()
+        self._add_done_callback(signal.release)
+        if not signal.acquire(timeout=-1 if seconds is None else seconds):
+            self._remove_done_callback(signal.release)
+            raise TimeoutError(
+                f"`wait` gave up on {self} after {seconds:g} s; it is still running."
+            )
+
+    def _finish(
+        self, value: Any, error: BaseException | None, *, then: Callable[[], None] | None = None
+    ) -> bool:
+        """Finishes, unless already finished; returns whether this call did (rule 1).
+
+        ``then`` runs once the outcome is set but before :meth:`done` turns True or any
+        waiter is woken, so that what it changes (a gang broken, counters) is seen by a
+        waiter on another thread that finds the future done and calls again at once.
+        """
+        with self._lock:
+            if self._state != _PENDING:
+                return False
+            self._value = value
+            self._error = error
+            self._finished_at = time.monotonic()
+            if then is None:
+                self._state = _DONE
+                callbacks, self._callbacks = self._callbacks, []
+            else:
+                self._state = _FINISHING
+        if then is None:
+            for callback in callbacks:
+                callback()
+            return True
+        try:
+            then()
+        finally:
+            with self._lock:
+                self._state = _DONE
+                callbacks, self._callbacks = self._callbacks, []
+            for callback in callbacks:
+                callback()
+        return True
+
+    def _finish_at(self, value: Any, error: BaseException | None, now: float) -> None:
+        """``_finish`` without ``then``, with a timestamp shared by many (a flat op's
+        members finish together)."""
+        with self._lock:
+            if self._state != _PENDING:
+                return
+            self._value = value
+            self._error = error
+            self._finished_at = now
+            self._state = _DONE
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback()
+
+    def _add_done_callback(self, callback: Callable[[], None]) -> None:
+        with self._lock:
+            if self._state != _DONE:
+                self._callbacks.append(callback)
+                return
+        callback()
+
+    def _remove_done_callback(self, callback: Callable[[], None]) -> None:
+        with self._lock, contextlib.suppress(ValueError):
+            self._callbacks.remove(callback)
+
+
+def finished(what: str, value: Any = None, error: BaseException | None = None) -> Future[Any]:
+    """A future that has already finished."""
+    future: Future[Any] = Future(what)
+    future._finish(value, error)
+    return future
