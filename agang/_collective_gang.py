@@ -19,7 +19,7 @@ root); send and recv are not.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, Literal, Self, TypeVar, overload
 
 import torch
@@ -37,6 +37,7 @@ from agang._policy import GangPolicy
 from agang._reduce_op import ReduceOp
 from agang._statistics import GangStatistics
 from agang._validate import (
+    check_bool,
     check_distinct,
     check_member_ranks,
     check_non_negative_int,
@@ -215,11 +216,7 @@ class CollectiveGang(Gang):
             check_reduce_dtype(tensor, op, name=f"tensors[{i}]")
         check_distinct(checked, name="tensors")
         bucket_bytes = check_positive_int(bucket_bytes, name="bucket_bytes")
-        if not isinstance(per_bucket, bool):
-            raise TypeError(
-                f"`per_bucket` must be a bool, but is of type `{type(per_bucket).__name__}` "
-                f"instead."
-            )
+        check_bool(per_bucket, name="per_bucket")
         seconds = self._engine.resolve_timeout(timeout)
         handles = self._coalescer.all_reduce_bucketed(checked, op, bucket_bytes, seconds)
         if per_bucket:
@@ -382,64 +379,21 @@ class CollectiveGang(Gang):
                 f"`objects` must be a list, but is of type `{type(objects).__name__}` instead."
             )
         source_rank = check_rank(source_rank, self.size, name="source_rank")
-        is_source = self.rank == source_rank
-        payload = _objects.to_bytes(objects, name="objects") if is_source else None
-        length = _objects.length_tensor(payload, self._device)
-        backend = self._backend
-
-        def second(start: Callable[[Start, Callable[[], Any]], None]) -> None:
-            buffer = _objects.byte_buffer(payload, int(length.item()), self._device)
-            start(
-                lambda done: backend.start_broadcast(buffer, source_rank, done),
-                lambda: objects if is_source else _objects.replace(objects, buffer),
-            )
-
-        return self._issue_two_phase(
-            "broadcast_objects",
-            timeout,
-            len(payload or b""),
-            lambda done: backend.start_broadcast(length, source_rank, done),
-            second,
-            fingerprint=f"broadcast_objects(source_rank={source_rank})",
-        )
+        phases = _objects.broadcast_phases(self._backend, objects, source_rank, self._device)
+        fingerprint = f"broadcast_objects(source_rank={source_rank})"
+        return self._issue_two_phase("broadcast_objects", timeout, phases, fingerprint)
 
     @override
     def all_gather_objects(self, obj: Any, *, timeout: float | None = None) -> Handle[list[Any]]:
-        payload = _objects.to_bytes(obj, name="obj")
-        length = _objects.length_tensor(payload, self._device)
-        lengths = torch.zeros(self.size, dtype=torch.int64, device=self._device)
-        backend, size = self._backend, self.size
-
-        def second(start: Callable[[Start, Callable[[], Any]], None]) -> None:
-            longest = int(lengths.max().item())
-            buffer = _objects.byte_buffer(payload, longest, self._device)
-            gathered = torch.empty(size * longest, dtype=torch.uint8, device=self._device)
-            start(
-                lambda done: backend.start_all_gather(gathered, buffer, done),
-                lambda: _objects.split(gathered, lengths, longest),
-            )
-
-        return self._issue_two_phase(
-            "all_gather_objects",
-            timeout,
-            len(payload),
-            lambda done: backend.start_all_gather(lengths, length, done),
-            second,
-            fingerprint="all_gather_objects()",
-        )
+        phases = _objects.all_gather_phases(self._backend, obj, self._device)
+        return self._issue_two_phase("all_gather_objects", timeout, phases, "all_gather_objects()")
 
     def _issue_two_phase(
-        self,
-        op: str,
-        timeout: float | None,
-        num_bytes: int,
-        first: Start,
-        second: Callable[[Callable[[Start, Callable[[], Any]], None]], None],
-        *,
-        fingerprint: str,
+        self, op: str, timeout: float | None, phases: _objects.Phases, fingerprint: str
     ) -> Handle[Any]:
         seconds = self._engine.resolve_timeout(timeout)
         self._coalescer.flush()
+        num_bytes, first, second = phases
         return self._engine.issue_two_phase(
             op, seconds, num_bytes, first, second, fingerprint=fingerprint
         )
@@ -461,11 +415,7 @@ class CollectiveGang(Gang):
     async def lane(self, name: str, *, high_priority: bool = False) -> Gang:
         if not isinstance(name, str) or not name:  # type: ignore[redundant-expr]  # untyped callers
             raise ValueError(f"`name` must be a non-empty str, but is {name!r} instead.")
-        if not isinstance(high_priority, bool):
-            raise TypeError(
-                f"`high_priority` must be a bool, "
-                f"but is of type `{type(high_priority).__name__}` instead."
-            )
+        check_bool(high_priority, name="high_priority")
         self._engine.check_usable()
         with self._engine.lock:
             known = self._lanes.get(name)

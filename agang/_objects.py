@@ -7,9 +7,16 @@ collectives (lengths, then bytes) so they are awaitable like any other op.
 from __future__ import annotations
 
 import pickle
+from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from agang._backends.contract import Backend
+from agang._engine.engine import SecondPhase, Start
+
+#: An object collective as the engine issues it: bytes, its first and second phases.
+Phases = tuple[int, Start, SecondPhase]
 
 
 def to_bytes(obj: Any, *, name: str) -> bytes:
@@ -52,3 +59,45 @@ def replace(objects: list[Any], buffer: torch.Tensor) -> list[Any]:
 def split(gathered: torch.Tensor, lengths: torch.Tensor, longest: int) -> list[Any]:
     rows = gathered.view(-1, longest) if longest else gathered.view(len(lengths), 0)
     return [_load(row[: int(n)]) for row, n in zip(rows, lengths.tolist(), strict=True)]
+
+
+def broadcast_phases(
+    backend: Backend, objects: list[Any], source_rank: int, device: torch.device
+) -> Phases:
+    """``broadcast_objects``: the source's payload length, then the payload."""
+    is_source = backend.rank == source_rank
+    payload = to_bytes(objects, name="objects") if is_source else None
+    length = length_tensor(payload, device)
+
+    def second(start: Callable[[Start, Callable[[], Any]], None]) -> None:
+        buffer = byte_buffer(payload, int(length.item()), device)
+        start(
+            lambda done: backend.start_broadcast(buffer, source_rank, done),
+            lambda: objects if is_source else replace(objects, buffer),
+        )
+
+    def first(done: Callable[[BaseException | None], None]) -> None:
+        backend.start_broadcast(length, source_rank, done)
+
+    return len(payload or b""), first, second
+
+
+def all_gather_phases(backend: Backend, obj: Any, device: torch.device) -> Phases:
+    """``all_gather_objects``: every rank's payload length, then the padded payloads."""
+    payload = to_bytes(obj, name="obj")
+    length = length_tensor(payload, device)
+    lengths = torch.zeros(backend.size, dtype=torch.int64, device=device)
+
+    def second(start: Callable[[Start, Callable[[], Any]], None]) -> None:
+        longest = int(lengths.max().item())
+        buffer = byte_buffer(payload, longest, device)
+        gathered = torch.empty(backend.size * longest, dtype=torch.uint8, device=device)
+        start(
+            lambda done: backend.start_all_gather(gathered, buffer, done),
+            lambda: split(gathered, lengths, longest),
+        )
+
+    def first(done: Callable[[BaseException | None], None]) -> None:
+        backend.start_all_gather(lengths, length, done)
+
+    return len(payload), first, second

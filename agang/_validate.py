@@ -74,6 +74,14 @@ def check_non_negative_int(value: object, *, name: str) -> int:
     return value
 
 
+def check_bool(value: object, *, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(
+            f"`{name}` must be a bool, but is of type `{type(value).__name__}` instead."
+        )
+    return value
+
+
 def check_rank(rank: object, size: int, *, name: str, self_rank: int | None = None) -> int:
     """Checks that ``rank`` is a rank of a gang of ``size`` (and, if given, not ``self_rank``)."""
     if isinstance(rank, bool) or not isinstance(rank, int):

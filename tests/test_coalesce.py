@@ -16,7 +16,7 @@ from agang._engine import busy
 from agang._engine.grouping import FlatBuffers, plan_buckets
 from agang.testing import FakeWorld, reduce_tensors
 
-# The planner (``_coalesce`` rules 2 and 3).
+# The planner (the grouping rules "Groups" and "Buckets" of ``agang._engine.grouping``).
 
 
 def test_without_a_cap_each_key_is_one_group_in_order_of_first_member() -> None:
@@ -47,7 +47,7 @@ def test_planning_depends_only_on_the_calls() -> None:
     assert planned == list(range(200))  # every tensor exactly once
 
 
-# Flat buffers (rule 4) and the busy registry's batch release.
+# Flat buffers (the rule "Flat ops") and the busy registry's batch release.
 
 
 def test_a_flat_buffer_is_reused_for_the_same_layout_and_copies_back_exactly() -> None:

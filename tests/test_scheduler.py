@@ -1,4 +1,4 @@
-"""The scheduler's pure core, driven with plain data (``agang._engine.scheduler`` rules 1-5)."""
+"""The scheduler's pure core, driven with plain data (the rules of ``agang._engine.scheduler``)."""
 
 from __future__ import annotations
 

@@ -34,8 +34,7 @@ from agang import _exit
 from agang._backends import c10d_order, cuda_completion
 from agang._backends.c10d_abort import Aborter
 from agang._backends.c10d_children import create_groups
-from agang._backends.contract import Census, Checked, Done
-from agang._engine.engine import after_post
+from agang._backends.contract import Census, Checked, Done, after_post
 from agang._reduce_op import ReduceOp, to_c10d
 
 log = logging.getLogger("agang")

@@ -167,3 +167,22 @@ class Backend(Protocol):
         self, members: list[int], *, name: str, high_priority: bool, seconds: float | None
     ) -> Backend | None:
         """A backend over ``members`` (a collective call); None on non-members."""
+
+
+def after_post(post: Callable[[], None] | None, done: Done) -> Done:
+    """``done``, preceded on success by ``post``; an error ``post`` raises is the op's.
+
+    For backends whose transport has no stream order of its own (Gloo, the fakes).
+    """
+    if post is None:
+        return done
+
+    def post_then_done(error: BaseException | None) -> None:
+        if error is None:
+            try:
+                post()
+            except Exception as exc:
+                error = exc
+        done(error)
+
+    return post_then_done

@@ -70,6 +70,66 @@ def _cancel_on(loop: asyncio.AbstractEventLoop, timer: asyncio.TimerHandle) -> C
     return cancel
 
 
+class Alarm:
+    """The one pending deadline check of a gang, armed for a time on a driver.
+
+    Arming for a later time than the pending check's is a no-op; arming for an earlier
+    one, or when the pending check's driver is gone, replaces (and cancels) it.
+    ``fire(armed_for, driver)`` runs when the time comes. ``lock`` is the gang's.
+    """
+
+    def __init__(self, lock: threading.RLock, fire: Callable[[float, object], None]) -> None:
+        self._lock = lock
+        self._fire = fire
+        self._armed_at: float | None = None
+        self._driver: object = None
+        self._cancel: Cancel | None = None
+
+    def arm(self, due: float) -> None:
+        driver = current_driver()
+        with self._lock:
+            if (
+                self._armed_at is not None
+                and self._armed_at <= due
+                and self._driver is driver
+                and alive(driver)
+            ):
+                return
+            replaced, self._cancel = self._cancel, None
+            self._armed_at = due
+            self._driver = driver
+        if replaced is not None:
+            replaced()
+        cancel = call_at(driver, due, lambda: self._fire(due, driver))
+        with self._lock:
+            if self._armed_at == due and self._driver is driver:
+                self._cancel = cancel
+
+    def disarm_if_lost(self) -> bool:
+        """Forgets a check whose driver is gone (an asyncio loop that closed); returns
+        whether it did, so that the caller arms it again where it runs."""
+        if not self._lost():  # the common case, without the lock
+            return False
+        with self._lock:
+            if not self._lost():  # another thread re-armed it meanwhile
+                return False
+            self._armed_at = None
+            self._cancel = None
+            return True
+
+    def _lost(self) -> bool:
+        return self._armed_at is not None and not alive(self._driver)
+
+    def fired(self, armed_for: float) -> bool:
+        """Marks the check armed for ``armed_for`` as run, if it is still the pending
+        one (the caller holds the lock); returns whether it was."""
+        if self._armed_at != armed_for:
+            return False
+        self._armed_at = None
+        self._cancel = None
+        return True
+
+
 class _TimerThread:
     """One daemon thread running callbacks at their times, in time order."""
 

@@ -59,12 +59,11 @@ from typing import Any
 import torch
 
 from agang._backends.contract import Backend, Done
-from agang._engine import busy, deadline
+from agang._engine import busy, deadline, reports
 from agang._engine.room import Room
 from agang._engine.scheduler import Entry, Scheduler
 from agang._errors import (
     CollectiveError,
-    CollectiveMismatchError,
     GangBrokenError,
     GangClosedError,
     GangTimeoutError,
@@ -92,22 +91,6 @@ def start_guarded(start: Start, done: Done) -> None:
         done(exc)
 
 
-def after_post(post: Callable[[], None] | None, done: Done) -> Done:
-    """``done``, preceded on success by ``post``; an error ``post`` raises is the op's."""
-    if post is None:
-        return done
-
-    def post_then_done(error: BaseException | None) -> None:
-        if error is None:
-            try:
-                post()
-            except Exception as exc:
-                error = exc
-        done(error)
-
-    return post_then_done
-
-
 class Engine:
     """The op machinery of one gang over one backend (see the module's rules)."""
 
@@ -128,9 +111,7 @@ class Engine:
         self._room = Room(
             self.lock, self._scheduler.is_full, self.check_usable, policy.limits, self.name
         )
-        self._armed_at: float | None = None
-        self._armed_driver: object = None
-        self._armed_cancel: deadline.Cancel | None = None
+        self._alarm = deadline.Alarm(self.lock, self._check_deadlines)
         self._counters = Counters()
         self._ops_left_in_backend = False
         self._released = False
@@ -248,7 +229,7 @@ class Engine:
                 self._check_order(entry, index, fingerprint)
             self._drain()
         if due is not None:
-            self._arm(due)
+            self._alarm.arm(due)
 
     def _drain(self) -> None:
         """Starts every op the core lets start, in order; re-entrant calls return."""
@@ -267,7 +248,8 @@ class Engine:
 
         def checked(fingerprints: dict[int, str] | None, error: BaseException | None) -> None:
             if error is None and fingerprints is not None:
-                error = self._mismatch(handle, index, fingerprints)
+                context = self.context(handle.op, handle.seq, handle.timeout)
+                error = reports.mismatch(context, index, fingerprints)
             if error is not None:
                 abandon(error)  # never started: no backend call will report it
                 return
@@ -279,21 +261,6 @@ class Engine:
             self.backend.start_order_check(index, fingerprint, checked)
         except Exception as exc:
             checked(None, exc)
-
-    def _mismatch(
-        self, handle: Handle[Any], index: int, fingerprints: dict[int, str]
-    ) -> CollectiveMismatchError:
-        groups: dict[str, list[int]] = {}
-        for rank, fingerprint in sorted(fingerprints.items()):
-            groups.setdefault(fingerprint, []).append(rank)
-        sides = "; ".join(f"ranks {ranks} issued {fp}" for fp, ranks in groups.items())
-        context = self.context(handle.op, handle.seq, handle.timeout)
-        return CollectiveMismatchError(
-            f"{context.describe()}: the ranks issued different collectives at collective "
-            f"#{index} of this gang: {sides}. Nothing was started; the gang is now broken.",
-            context,
-            fingerprints,
-        )
 
     def issue_two_phase(
         self,
@@ -398,53 +365,25 @@ class Engine:
     def waiting(self) -> None:
         """A waiter starts on a pending op: if the deadline check was armed on a driver
         that is gone (an asyncio loop that closed), re-arm it where the waiter runs."""
-        armed_at, driver = self._armed_at, self._armed_driver
-        if armed_at is None or deadline.alive(driver):  # the common case, without the lock
+        if not self._alarm.disarm_if_lost():
             return
         with self.lock:
-            if self._armed_at is None or deadline.alive(self._armed_driver):
-                return
-            self._armed_at = None
-            self._armed_cancel = None
             following = self._scheduler.next_deadline()
         if following is not None:
-            self._arm(following)
+            self._alarm.arm(following)
 
     # Deadlines (rule 5).
-
-    def _arm(self, due: float) -> None:
-        driver = deadline.current_driver()
-        with self.lock:
-            if (
-                self._armed_at is not None
-                and self._armed_at <= due
-                and self._armed_driver is driver
-                and deadline.alive(driver)
-            ):
-                return
-            replaced, self._armed_cancel = self._armed_cancel, None
-            self._armed_at = due
-            self._armed_driver = driver
-        if replaced is not None:
-            replaced()
-        cancel = deadline.call_at(driver, due, lambda: self._check_deadlines(due, driver))
-        with self.lock:
-            if self._armed_at == due and self._armed_driver is driver:
-                self._armed_cancel = cancel
 
     def _check_deadlines(self, armed_for: float, driver: object) -> None:
         now = time.monotonic()
         with self.lock:
-            if driver is not None and self._armed_at == armed_for:
+            if self._alarm.fired(armed_for) and driver is not None:
                 # The loop ran this timer late by however long it was busy or blocked.
                 self._counters.lags.append(max(0.0, now - armed_for))
-            if self._armed_at == armed_for:
-                self._armed_at = None
-                self._armed_cancel = None
             due = self._scheduler.due(now)
             following = self._scheduler.next_deadline()
         if following is not None:
-            self._arm(following)
+            self._alarm.arm(following)
         for entry in due:
             handle, _ = entry.item
             index = entry.check_index
@@ -461,29 +400,15 @@ class Engine:
         with self.lock:
             in_flight = self._scheduler.describe_in_flight(now, skip=handle.seq)
             recent = [record.describe() for record in self._scheduler.recent()]
-        context = self.context(handle.op, handle.seq, handle.timeout)
-        elapsed = now - handle.issued_at
         abort = self.policy.on_timeout == "abort"
-        consequence = (
-            "The gang is now broken."
-            if abort
-            else "Its tensors stay busy until the op really ends; the gang stays usable."
-        )
-        if absent:
-            why = (
-                f"ranks {absent} had not issued collective #{index} of this gang (order "
-                f"checking got no fingerprint of theirs): they skipped it, or are stalled "
-                f"or late before it."
-            )
-        else:
-            why = "a peer may be late, stopped, or issuing its ops in another order."
-        error = GangTimeoutError(
-            f"{context.describe()} timed out after {elapsed:.3f} s; {why} {consequence}",
-            context,
-            elapsed=elapsed,
+        error = reports.timed_out(
+            self.context(handle.op, handle.seq, handle.timeout),
+            elapsed=now - handle.issued_at,
             in_flight=in_flight,
             recent=recent,
-            absent_ranks=absent or (),
+            abort=abort,
+            index=index,
+            absent=absent or [],
         )
 
         def count_timed_out() -> None:

@@ -1,6 +1,6 @@
 """The scheduler's core: which ops are in flight, which may start now, which are late.
 
-Pure: no threads, no clocks, no c10d. The gang (the driver, ``_issuing``) feeds it plain
+Pure: no threads, no clocks, no c10d. The engine (the driver, ``engine``) feeds it plain
 data under its lock, starts what it hands back, and reads the time itself. Tests drive
 it directly.
 

@@ -33,9 +33,8 @@ import anyio
 import torch
 
 from agang import _asynclib
-from agang._backends.contract import Census, Checked, Done
+from agang._backends.contract import Census, Checked, Done, after_post
 from agang._engine import deadline
-from agang._engine.engine import after_post
 from agang._errors import GangError, GangInitError
 from agang._future import Future
 from agang._reduce_op import ReduceOp
