@@ -137,9 +137,11 @@ class CollectiveGang(Gang):
         *,
         fingerprint: str | None = None,
     ) -> Handle[Any]:
-        seconds = self._engine.resolve_timeout(timeout)
-        self._coalescer.flush()  # program order across kinds of op
-        return self._engine.issue(op, tensors, output, seconds, start, fingerprint=fingerprint)
+        engine = self._engine
+        seconds = engine.default_seconds if timeout is None else engine.resolve_timeout(timeout)
+        if self._coalescer.scopes:
+            self._coalescer.flush()  # program order across kinds of op
+        return engine.issue(op, tensors, output, seconds, start, fingerprint=fingerprint)
 
     # Collectives.
 
@@ -151,18 +153,20 @@ class CollectiveGang(Gang):
         if op is not ReduceOp.SUM:  # SUM is valid for every dtype a backend takes
             op = check_reduce_op(op)
             check_reduce_dtype(tensor, op, name="tensor")
-        seconds = self._engine.resolve_timeout(timeout)
+        engine = self._engine
+        seconds = engine.default_seconds if timeout is None else engine.resolve_timeout(timeout)
         coalescer = self._coalescer
-        scope = coalescer.scope_of_current_owner()
-        if scope is not None:
-            return coalescer.hold(scope, tensor, op, seconds)
-        coalescer.flush()
+        if coalescer.scopes:  # the common case, no scope open anywhere, costs no call
+            scope = coalescer.scope_of_current_owner()
+            if scope is not None:
+                return coalescer.hold(scope, tensor, op, seconds)
+            coalescer.flush()
         start_all_reduce = self._backend.start_all_reduce
 
         def start(done: Done) -> None:
             start_all_reduce(tensor, op, done)
 
-        return self._engine.issue(
+        return engine.issue(
             "all_reduce",
             [("tensor", tensor)],
             tensor,

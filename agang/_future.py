@@ -12,6 +12,12 @@ Rules:
    thread. Callbacks only hand the news on (to a loop, a thread event); they never block.
 3. Waiting never changes what is awaited: a cancelled or timed-out wait leaves the work
    running.
+
+The package drives futures through a small interface whose names start with an
+underscore so that they stay off the public ``Handle``: ``_finish`` (rule 1, with an
+optional ``then`` for what must change before any waiter wakes), ``_finish_at`` (many at
+one timestamp), ``_add_done_callback`` and ``_remove_done_callback`` (rule 2), and
+``_settled`` (the outcome is set, waiters maybe not yet told).
 """
 
 from __future__ import annotations

@@ -154,7 +154,8 @@ class Coalescer:
     def __init__(self, engine: Engine, backend: Backend) -> None:
         self._engine = engine
         self._backend = backend
-        self._scopes: dict[object, Scope] = {}
+        #: The open scopes, by owner (task or thread); empty in the common case.
+        self.scopes: dict[object, Scope] = {}
         self._buffers = FlatBuffers()
 
     def clear(self) -> None:
@@ -165,15 +166,15 @@ class Coalescer:
 
     def scope_of_current_owner(self) -> Scope | None:
         """The open scope of the task (or thread) running now, if any."""
-        if not self._scopes:
+        if not self.scopes:
             return None
-        return self._scopes.get(_asynclib.current_owner())
+        return self.scopes.get(_asynclib.current_owner())
 
     def flush(self) -> None:
         """Issues what the current owner's scope holds (other ops flush the scope)."""
-        if not self._scopes:
+        if not self.scopes:
             return
-        scope = self._scopes.get(_asynclib.current_owner())
+        scope = self.scopes.get(_asynclib.current_owner())
         if scope is not None and scope.members:
             self._issue_members(scope.take(), scope.issued)
 
@@ -182,12 +183,12 @@ class Coalescer:
         owner = _asynclib.current_owner()
         engine = self._engine
         with engine.lock:
-            scope = self._scopes.get(owner)
+            scope = self.scopes.get(owner)
             if scope is not None:
                 scope.depth += 1  # nested scopes join the outermost one
             else:
                 engine.check_usable()
-                scope = self._scopes[owner] = Scope(owner)
+                scope = self.scopes[owner] = Scope(owner)
         try:
             yield scope.issued
         finally:
@@ -195,7 +196,7 @@ class Coalescer:
                 scope.depth -= 1
                 last = scope.depth == 0
                 if last:
-                    del self._scopes[owner]
+                    del self.scopes[owner]
             if last:
                 # Also on an exception: the held ops were issued as far as the caller
                 # and the other ranks know, so they are started, not dropped.
@@ -207,13 +208,15 @@ class Coalescer:
         self, scope: Scope, tensor: torch.Tensor, op: ReduceOp, seconds: float | None
     ) -> Handle[torch.Tensor]:
         """Holds an all-reduce in ``scope`` until it ends; its handle is not numbered yet."""
-        self._engine.check_usable()
+        engine = self._engine
+        if engine.closed or engine.broken is not None:
+            engine.check_usable()
         handle: Handle[torch.Tensor] = Handle(
             op="all_reduce",
             seq=UNNUMBERED,
             num_bytes=tensor.nbytes,
             timeout=seconds,
-            owner=self._engine,
+            owner=engine,
         )
         claim = busy.acquire_one("tensor", tensor, handle)
         handle._hold = HELD

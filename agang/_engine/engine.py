@@ -100,9 +100,12 @@ class Engine:
         self.name = backend.name
         self.rank = backend.rank
         self.size = backend.size
-        self._default_seconds = policy.op_timeout
-        self._closed = False
-        self._broken: BaseException | None = None
+        #: The timeout of an op called without one (seconds, or None for no deadline).
+        self.default_seconds = policy.op_timeout
+        #: Closed (``close`` was called); read without the lock on the fast path.
+        self.closed = False
+        #: What broke the gang, or None while it is not broken.
+        self.broken: BaseException | None = None
         self.lock = threading.RLock()
         self._next_seq = 0
         self._next_check = 0
@@ -117,16 +120,12 @@ class Engine:
         self._released = False
         backend.allow_timeout(policy.op_timeout)
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
     # Numbering and admission (rules 1, 2, 3 and 8).
 
     def resolve_timeout(self, timeout: float | None) -> float | None:
         """The user's ``timeout`` as seconds, or None for no deadline (rule 3)."""
         if timeout is None:
-            return self._default_seconds
+            return self.default_seconds
         seconds = check_timeout(timeout)
         if seconds is None or math.isinf(seconds):
             return None
@@ -137,14 +136,14 @@ class Engine:
         return OpContext(self.name, self.rank, self.size, op, seq, timeout)
 
     def check_usable(self) -> None:
-        if self._closed:
+        if self.closed:
             raise GangClosedError(f"Gang '{self.name}' is closed; make a new one.")
-        if self._broken is not None:
+        if self.broken is not None:
             raise GangBrokenError(
                 f"Gang '{self.name}' is broken by an earlier failure and refuses every op: "
-                f"{self._broken}",
-                self._broken,
-            ) from self._broken
+                f"{self.broken}",
+                self.broken,
+            ) from self.broken
 
     def new_handle(
         self,
@@ -154,7 +153,7 @@ class Engine:
         num_bytes: int | None = None,
     ) -> tuple[Handle[Any], busy.Claim]:
         """Numbers the op and marks its tensors busy, atomically (rule 2)."""
-        if self._closed or self._broken is not None:
+        if self.closed or self.broken is not None:
             self.check_usable()
         if num_bytes is None:
             num_bytes = sum(t.numel() * t.element_size() for _, t in tensors)
@@ -297,7 +296,7 @@ class Engine:
                 self.complete(handle, None, error)
                 return
             with self.lock:
-                if self._broken is None and not self._closed:
+                if self.broken is None and not self.closed:
                     second(start_second)
                 self._scheduler.release_gate(handle.seq)
                 self._drain()
@@ -447,9 +446,9 @@ class Engine:
             return error
 
         with self.lock:
-            if self._broken is not None or self._closed:
+            if self.broken is not None or self.closed:
                 return
-            self._broken = cause
+            self.broken = cause
             pending, dropped = self._take_pending()
         log.error("Gang '%s' (rank %d) is broken: %s", self.name, self.rank, cause)
         for future in pending:
@@ -467,9 +466,9 @@ class Engine:
         """Closes the gang at once: pending waiters fail right away (rule 7). Returns
         False if it was closed already."""
         with self.lock:
-            if self._closed:
+            if self.closed:
                 return False
-            self._closed = True
+            self.closed = True
             pending, dropped = self._take_pending()
         for future in pending:
             future._finish(
@@ -485,7 +484,7 @@ class Engine:
             if self._released:
                 return
             self._released = True
-            unfinished = self._ops_left_in_backend or self._broken is not None
+            unfinished = self._ops_left_in_backend or self.broken is not None
         self.backend.release(unfinished=unfinished)
 
     def statistics(self) -> GangStatistics:
