@@ -40,7 +40,7 @@ from agang._issuing import Checked, Done, after_post
 from agang._offload import run_blocking, start_thread
 from agang._policy import GangPolicy
 from agang._reduce_op import ReduceOp, to_c10d
-from agang._retry import RetryPolicy, retrying
+from agang._setup.retry import RetryPolicy, retrying
 from agang._validate import check_member_ranks
 
 log = logging.getLogger("agang")

@@ -10,8 +10,8 @@ import pytest
 import tenacity
 
 import agang
-from agang import _rendezvous
-from agang._retry import PortInUseError, is_transient
+from agang._setup import rendezvous
+from agang._setup.retry import PortInUseError, is_transient
 
 WORLD = agang.WorldInfo(
     rank=1, world_size=2, local_rank=1, master_addr="127.0.0.1", master_port=29999
@@ -37,7 +37,7 @@ class _FlakyStore:
 @pytest.fixture
 def flaky(monkeypatch: pytest.MonkeyPatch) -> type[_FlakyStore]:
     _FlakyStore.calls = 0
-    monkeypatch.setattr(_rendezvous.dist, "TCPStore", _FlakyStore)
+    monkeypatch.setattr(rendezvous.dist, "TCPStore", _FlakyStore)
     return _FlakyStore
 
 
@@ -49,7 +49,7 @@ def test_transient_failures_are_retried_with_the_injected_sleep(
     policy = agang.RetryPolicy(sleep=sleeps.append)
 
     attempts: list[None] = []
-    store, port = _rendezvous.open_store(
+    store, port = rendezvous.open_store(
         WORLD,
         deadline=time.monotonic() + 60,
         policy=policy,
@@ -68,7 +68,7 @@ def test_the_users_stop_strategy_is_honoured(flaky: type[_FlakyStore]) -> None:
     policy = agang.RetryPolicy(stop=tenacity.stop_after_attempt(2), sleep=lambda _: None)
 
     with pytest.raises(RuntimeError, match="refused"):
-        _rendezvous.open_store(
+        rendezvous.open_store(
             WORLD, deadline=time.monotonic() + 60, policy=policy, cancelled=threading.Event()
         )
     assert flaky.calls == 2
@@ -79,7 +79,7 @@ def test_the_deadline_stops_retries_whatever_the_policy(flaky: type[_FlakyStore]
     started = time.monotonic()
 
     with pytest.raises(RuntimeError, match="refused"):
-        _rendezvous.open_store(
+        rendezvous.open_store(
             WORLD,
             deadline=started + 0.3,
             policy=agang.RetryPolicy(wait=tenacity.wait_fixed(0.01)),
@@ -93,7 +93,7 @@ def test_permanent_errors_are_not_retried(flaky: type[_FlakyStore]) -> None:
     flaky.message = "invalid argument"
     try:
         with pytest.raises(RuntimeError, match="invalid argument"):
-            _rendezvous.open_store(
+            rendezvous.open_store(
                 WORLD,
                 deadline=time.monotonic() + 60,
                 policy=agang.RetryPolicy(sleep=lambda _: None),

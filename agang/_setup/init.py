@@ -7,9 +7,9 @@ Rules:
    thread under one deadline. The caller's loop keeps serving meanwhile; a cancelled
    init returns at once and the thread winds down within a wait slice, tearing down
    whatever it had built; a daemon thread can never keep the process from exiting.
-3. Transient failures are retried (``_retry``); a deadline names the missing ranks
-   (``_rendezvous``). Every error is a ``GangInitError`` with the store address, the
-   attempts, the elapsed time and the likely causes.
+3. Transient failures are retried (:mod:`agang._setup.retry`); a deadline names the
+   missing ranks (:mod:`agang._setup.rendezvous`). Every error is a ``GangInitError``
+   with the store address, the attempts, the elapsed time and the likely causes.
 4. Before the group is made: on NCCL, ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` defaults to 2
    (abort the communicator, keep the process), so an agang deadline is survivable; with
    several local ranks and no ``OMP_NUM_THREADS``, each rank gets its share of the CPUs.
@@ -32,7 +32,6 @@ import anyio
 import torch
 import torch.distributed as dist
 
-from agang._env import WorldInfo, world_from_env
 from agang._errors import GangInitError
 from agang._fake_gang import FakeGang
 from agang._gang import Gang
@@ -40,8 +39,9 @@ from agang._handle import Handle
 from agang._offload import start_thread
 from agang._policy import InFlightLimits, OnTimeout, make_policy
 from agang._process_group_gang import ProcessGroupGang
-from agang._rendezvous import InitCancelled, check_in, end_round, open_store
-from agang._retry import PortInUseError, RetryPolicy
+from agang._setup.env import WorldInfo, world_from_env
+from agang._setup.rendezvous import InitCancelled, check_in, end_round, open_store
+from agang._setup.retry import PortInUseError, RetryPolicy
 from agang._validate import check_timeout
 
 log = logging.getLogger("agang")
@@ -316,7 +316,8 @@ async def init(
     *,
     backend: str | None = None,
     device: torch.device | str | None = None,
-    # The design makes init's deadline an argument (design.md section 6).
+    # A deadline on the whole set-up is part of init's contract, so it is an argument
+    # of the coroutine (not a cancel scope around it, which ASYNC109 would suggest).
     timeout: float | None = DEFAULT_INIT_TIMEOUT,  # noqa: ASYNC109
     op_timeout: float | None = DEFAULT_OP_TIMEOUT,
     env: Mapping[str, str] | None = None,

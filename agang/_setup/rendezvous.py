@@ -36,10 +36,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-from agang._env import WorldInfo
 from agang._errors import GangInitError
 from agang._offload import start_thread
-from agang._retry import PortInUseError, RetryPolicy, retrying
+from agang._setup.env import WorldInfo
+from agang._setup.retry import PortInUseError, RetryPolicy, retrying
 
 ATTEMPT_SECONDS = 2.0
 PORT_CANDIDATES = 8
