@@ -128,6 +128,7 @@ def test_local_ranks_get_their_share_of_the_cpus_when_omp_is_unset(
 
     import torch
 
+    from agang._policy import make_policy
     from agang._setup.init import _Plan
 
     world = agang.WorldInfo(0, 2, 0, "127.0.0.1", 1, local_world_size=2)
@@ -135,7 +136,7 @@ def test_local_ranks_get_their_share_of_the_cpus_when_omp_is_unset(
         backend="gloo",
         device=None,
         timeout=1,
-        op_timeout=1,
+        policy=make_policy(op_timeout=1, env={}),
         env={},
         world=world,
         in_process=False,

@@ -37,7 +37,7 @@ from agang._fake_gang import FakeGang
 from agang._gang import Gang
 from agang._handle import Handle
 from agang._offload import start_thread
-from agang._policy import InFlightLimits, OnTimeout, make_policy
+from agang._policy import GangPolicy, InFlightLimits, OnTimeout, make_policy
 from agang._process_group_gang import ProcessGroupGang
 from agang._setup.env import WorldInfo, world_from_env
 from agang._setup.rendezvous import InitCancelled, check_in, end_round, open_store
@@ -108,6 +108,15 @@ def _prove(deadline: float) -> None:
         raise
 
 
+def _clear_frames(error: BaseException) -> None:
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        traceback.clear_frames(current.__traceback__)
+        current = current.__cause__ or current.__context__
+
+
 class _Plan:
     """Everything init decided before touching the network, and the set-up itself."""
 
@@ -117,24 +126,15 @@ class _Plan:
         backend: str | None,
         device: object,
         timeout: float | None,
-        op_timeout: float | None,
+        policy: GangPolicy,
         env: Mapping[str, str] | None,
         world: WorldInfo | None,
         in_process: bool | None,
         stream_ordered: bool,
         retry: RetryPolicy | None,
-        on_timeout: object = "abort",
-        limits: object = None,
-        check_order: object = None,
     ) -> None:
         self.timeout = check_timeout(timeout)
-        self.policy = make_policy(
-            op_timeout=op_timeout,
-            on_timeout=on_timeout,
-            limits=limits,
-            check_order=check_order,
-            env=None if env is None else dict(env),
-        )
+        self.policy = policy
         self.op_timeout = self.policy.op_timeout
         if world is not None and not isinstance(world, WorldInfo):
             raise TypeError(
@@ -157,6 +157,7 @@ class _Plan:
         self.stream_ordered = stream_ordered
         self.retry = retry or RetryPolicy()
         self.cancelled = threading.Event()
+        self.started = time.monotonic()
         self.attempts = 0
         self.last_missing: tuple[int, ...] = ()  # as the store host last reported them
         # A store the launcher keeps across inits (torchrun's agent, which restarts all
@@ -264,9 +265,10 @@ class _Plan:
             end_round(store, world, self.prefix)
         except BaseException as error:
             # A failure's traceback keeps its frames' locals, and so a hosted store and its
-            # port, alive for as long as the caller keeps the error: drop them. (A re-init
-            # on the same port would otherwise find it in use.)
-            traceback.clear_frames(error.__traceback__)
+            # port, alive for as long as the caller keeps the error: drop them, along the
+            # chain of causes too (a transient error's cause was raised deeper). A re-init
+            # on the same port would otherwise find it in use.
+            _clear_frames(error)
             raise
         finally:
             store = None  # on success the group holds its own reference
@@ -305,11 +307,60 @@ class _Plan:
             elapsed=elapsed,
         )
 
-    def report(self, error: BaseException | None, started: float) -> GangInitError:
-        failure = self.failed(error, time.monotonic() - started)
+    def report(self, error: BaseException | None) -> GangInitError:
+        """The error init raises for ``error`` (None: the wait ran out), with ``error``
+        as its ``__cause__``."""
+        failure = self.failed(error, time.monotonic() - self.started)
         if error is not None:
             failure.__cause__ = error
         return failure
+
+    def up(self, gang: ProcessGroupGang) -> ProcessGroupGang:
+        log.info("agang: %r is up after %.2f s.", gang, time.monotonic() - self.started)
+        return gang
+
+
+def _start(
+    *,
+    backend: str | None,
+    device: torch.device | str | None,
+    timeout: float | None,
+    op_timeout: float | None,
+    env: Mapping[str, str] | None,
+    world: WorldInfo | None,
+    in_process: bool | None,
+    stream_ordered: bool,
+    retry: RetryPolicy | None,
+    on_timeout: OnTimeout,
+    limits: InFlightLimits | None,
+    check_order: bool | None,
+) -> tuple[_Plan, Handle[ProcessGroupGang] | None]:
+    """The body :func:`init` and :func:`init_sync` share: checks the arguments, plans,
+    and starts the set-up thread. No handle means an in-process gang
+    (``plan.local_gang()``); only how the caller waits for the handle differs."""
+    timeout = check_timeout(timeout)
+    policy = make_policy(
+        op_timeout=op_timeout,
+        on_timeout=on_timeout,
+        limits=limits,
+        check_order=check_order,
+        env=None if env is None else dict(env),
+    )
+    plan = _Plan(
+        backend=backend,
+        device=device,
+        timeout=timeout,
+        policy=policy,
+        env=env,
+        world=world,
+        in_process=in_process,
+        stream_ordered=stream_ordered,
+        retry=retry,
+    )
+    if plan.in_process:
+        return plan, None
+    plan.started = time.monotonic()
+    return plan, start_thread(plan.connect, name="init", join_at_exit=False)
 
 
 async def init(
@@ -374,7 +425,7 @@ async def init(
         >>> gang = await agang.init(timeout=60)
         >>> await gang.all_reduce(torch.ones(1))
     """
-    plan = _Plan(
+    plan, handle = _start(
         backend=backend,
         device=device,
         timeout=timeout,
@@ -388,23 +439,21 @@ async def init(
         limits=limits,
         check_order=check_order,
     )
-    if plan.in_process:
+    if handle is None:
         return plan.local_gang()
-    started = time.monotonic()
-    handle = start_thread(plan.connect, name="init", join_at_exit=False)
     finished = False
     try:
         gang = await _await_within(handle, plan.deadline_seconds + _REPORT_GRACE)
         finished = True
     except Exception as error:
-        raise plan.report(error, started) from error
+        failure = plan.report(error)
+        raise failure from failure.__cause__
     finally:
         if not finished:
             plan.cancelled.set()
     if gang is None:
-        raise plan.report(None, started)
-    log.info("agang: %r is up after %.2f s.", gang, time.monotonic() - started)
-    return gang
+        raise plan.report(None)
+    return plan.up(gang)
 
 
 async def _await_within(
@@ -436,7 +485,7 @@ def init_sync(
         >>> gang = agang.init_sync()
         >>> gang.all_reduce(torch.ones(1)).wait()
     """
-    plan = _Plan(
+    plan, handle = _start(
         backend=backend,
         device=device,
         timeout=timeout,
@@ -450,17 +499,15 @@ def init_sync(
         limits=limits,
         check_order=check_order,
     )
-    if plan.in_process:
+    if handle is None:
         return plan.local_gang()
-    started = time.monotonic()
-    handle = start_thread(plan.connect, name="init", join_at_exit=False)
     seconds = plan.deadline_seconds + _REPORT_GRACE
     try:
         gang = handle.wait(None if math.isinf(seconds) else seconds)
     except Exception as error:
         if not handle.done():  # our wait gave up, not the set-up
             plan.cancelled.set()
-            raise plan.report(None, started) from None
-        raise plan.report(error, started) from error
-    log.info("agang: %r is up after %.2f s.", gang, time.monotonic() - started)
-    return gang
+            raise plan.report(None) from None
+        failure = plan.report(error)
+        raise failure from failure.__cause__
+    return plan.up(gang)
