@@ -41,7 +41,7 @@ from agang._policy import GangPolicy, InFlightLimits, OnTimeout, make_policy
 from agang._process_group_gang import ProcessGroupGang
 from agang._setup.env import WorldInfo, world_from_env
 from agang._setup.rendezvous import InitCancelled, check_in, end_round, open_store
-from agang._setup.retry import PortInUseError, RetryPolicy
+from agang._setup.retry import PortInUseError, RetryPolicy, TransientSetupError, call_c10d
 from agang._validate import check_timeout
 
 log = logging.getLogger("agang")
@@ -254,7 +254,8 @@ class _Plan:
                 log.info(
                     "agang: port %d was taken; the store is on port %d.", world.master_port, port
                 )
-            dist.init_process_group(
+            call_c10d(
+                dist.init_process_group,
                 self.backend,
                 store=dist.PrefixStore(f"{self.prefix}/pg", store),  # type: ignore[attr-defined]
                 rank=world.rank,
@@ -308,8 +309,10 @@ class _Plan:
         )
 
     def report(self, error: BaseException | None) -> GangInitError:
-        """The error init raises for ``error`` (None: the wait ran out), with ``error``
-        as its ``__cause__``."""
+        """The error init raises for ``error`` (None: the wait ran out), with ``error``,
+        or c10d's own error behind a transient one, as its ``__cause__``."""
+        if isinstance(error, TransientSetupError) and error.__cause__ is not None:
+            error = error.__cause__
         failure = self.failed(error, time.monotonic() - self.started)
         if error is not None:
             failure.__cause__ = error
