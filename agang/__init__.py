@@ -7,7 +7,6 @@ Example:
 """
 
 from agang._engine.coalescer import Coalesced as Coalesced
-from agang._env import WorldInfo as WorldInfo
 from agang._errors import CollectiveError as CollectiveError
 from agang._errors import CollectiveMismatchError as CollectiveMismatchError
 from agang._errors import GangBrokenError as GangBrokenError
@@ -27,14 +26,15 @@ from agang._gangs import current_gangs as current_gangs
 from agang._gradient_sync import GradientSync as GradientSync
 from agang._gradient_sync import StepTimes as StepTimes
 from agang._handle import Handle as Handle
-from agang._init import init as init
-from agang._init import init_sync as init_sync
 from agang._parallel_gangs import create_fsdp_gangs as create_fsdp_gangs
 from agang._parallel_gangs import create_parallel_gangs as create_parallel_gangs
 from agang._policy import InFlightLimits as InFlightLimits
 from agang._process_group_gang import ProcessGroupGang as ProcessGroupGang
 from agang._reduce_op import ReduceOp as ReduceOp
-from agang._retry import RetryPolicy as RetryPolicy
+from agang._setup.env import WorldInfo as WorldInfo
+from agang._setup.init import init as init
+from agang._setup.init import init_sync as init_sync
+from agang._setup.retry import RetryPolicy as RetryPolicy
 from agang._statistics import GangStatistics as GangStatistics
 from agang._statistics import Quantiles as Quantiles
 

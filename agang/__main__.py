@@ -12,10 +12,10 @@ import os
 import sys
 from collections.abc import Sequence
 
-from agang._doctor import diagnose
-from agang._doctor_backends import probe_host_facts
-from agang._doctor_findings import has_problems, render, render_json
-from agang._doctor_network import SocketProbe
+from agang._doctor.diagnose import diagnose
+from agang._doctor.findings import has_problems, render, render_json
+from agang._doctor.host import probe_host_facts
+from agang._doctor.network import SocketProbe
 
 
 def _seconds(text: str) -> float:

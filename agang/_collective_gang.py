@@ -11,9 +11,7 @@ A ``CollectiveGang`` is made of three parts, each holding the next, with one-way
 
 ``ProcessGroupGang``, ``FakeGang`` and ``testing.FakeWorldGang`` are this class over
 their backend. Sub-gangs and lanes are made here, once, from the backend's children.
-
-Only collectives are order-checked (their fingerprint: op, shapes, dtypes, reduce op,
-root); send and recv are not.
+Only collectives are order-checked (fingerprint: op, shapes, dtypes, reduce op, root).
 """
 
 from __future__ import annotations
@@ -75,8 +73,7 @@ class CollectiveGang(Gang):
 
     @classmethod
     def _over(cls, backend: Backend, policy: GangPolicy) -> Self:
-        """A gang of this class over ``backend``: how children are made (public
-        constructors take their own arguments, a child's backend is made already)."""
+        """A gang of this class over a child's ``backend`` (made by the parent's)."""
         gang = cls.__new__(cls)
         CollectiveGang.__init__(gang, backend, policy)
         return gang

@@ -1,4 +1,4 @@
-"""Cancellation on real Gloo ranks (fault matrix, row F).
+"""Cancellation on real Gloo ranks (fault scenarios F*).
 
 Cancelling a waiter abandons the wait, never the op: the op runs on, holds its tensors
 (busy, and referenced even when the caller dropped them) until c10d ends it, and still
@@ -50,7 +50,7 @@ Report = dict[str, Any]
 ASYNC_BACKENDS = ["asyncio", "uvloop", "trio"]
 # How long a waiter waits before it gives up: the ops it abandons are still pending.
 GIVE_UP = 0.05
-# F4's deadline (T) and the fault matrix's slack (ε).
+# F4's deadline (T) and the slack allowed past a deadline (ε).
 T = 1.0
 SLACK = 0.5 + 0.1 * T
 # "At once": a refused call makes no c10d call; ten times what it should ever need.

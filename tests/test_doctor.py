@@ -19,10 +19,10 @@ import pytest
 from netutil import free_port
 
 from agang.__main__ import main
-from agang._doctor import diagnose
-from agang._doctor_backends import HostFacts, probe_host_facts
-from agang._doctor_findings import Finding, Status, has_problems, render, render_json
-from agang._doctor_network import SocketProbe
+from agang._doctor.diagnose import diagnose
+from agang._doctor.findings import Finding, Status, has_problems, render, render_json
+from agang._doctor.host import HostFacts, probe_host_facts
+from agang._doctor.network import SocketProbe
 
 CPU_HOST = HostFacts(
     torch_version="2.13.0+cpu",

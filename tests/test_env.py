@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import agang
-from agang._env import SLURM_PORT_BASE, SLURM_PORT_SPAN, parse_nodelist, world_from_env
+from agang._setup.env import SLURM_PORT_BASE, SLURM_PORT_SPAN, parse_nodelist, world_from_env
 
 TORCHRUN = {
     "RANK": "1",
@@ -128,14 +128,15 @@ def test_local_ranks_get_their_share_of_the_cpus_when_omp_is_unset(
 
     import torch
 
-    from agang._init import _Plan
+    from agang._policy import make_policy
+    from agang._setup.init import _Plan
 
     world = agang.WorldInfo(0, 2, 0, "127.0.0.1", 1, local_world_size=2)
     plan = _Plan(
         backend="gloo",
         device=None,
         timeout=1,
-        op_timeout=1,
+        policy=make_policy(op_timeout=1, env={}),
         env={},
         world=world,
         in_process=False,

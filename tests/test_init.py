@@ -1,9 +1,9 @@
-"""init against real processes on 127.0.0.1: fault-matrix rows A1-A8.
+"""init against real processes on 127.0.0.1: fault scenarios A1-A8.
 
 Each rank is a spawned process that runs a scripted list of init attempts and reports
 what happened (outcome, elapsed time, missing ranks, the loop's worst lag) through a
 pipe. Rank 0 hosts the store on a port the test picks, unless a row says otherwise.
-Bounds keep a wide margin: the deadline plus 0.5 s + 10 % is the matrix's, and the
+Bounds keep a wide margin: the deadline plus 0.5 s + 10 % is the promised bound, and the
 asserts allow several seconds more on this 2-core machine.
 """
 
@@ -28,7 +28,7 @@ import agang
 pytestmark = pytest.mark.gloo
 
 _context = multiprocessing.get_context("spawn")
-EPSILON = 3.0  # the matrix's 0.5 s + 10 %, widened for this machine
+EPSILON = 3.0  # the promised 0.5 s + 10 %, widened for this machine
 
 
 def _torchrun_env(rank: int, world_size: int, port: int) -> dict[str, str]:
@@ -214,7 +214,7 @@ def test_a7_cancelling_init_is_prompt_and_leaves_nothing_behind() -> None:
         report = group.reports(30)[0][0]
         exit_codes = group.exit_codes(10)
 
-    assert report["cancelled_in"] < 0.5  # the matrix asks 50 ms; margin for this machine
+    assert report["cancelled_in"] < 0.5  # 50 ms is the aim; margin for this machine
     assert report["max_lag"] < 0.3
     assert exit_codes == [0]  # no thread kept the process from exiting
 

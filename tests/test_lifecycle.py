@@ -1,4 +1,4 @@
-"""Closing, deadlines, breaking and cancellation on FakeWorld (fault matrix, rows E and F).
+"""Closing, deadlines, breaking and cancellation on FakeWorld (fault scenarios E* and F*).
 
 A FakeWorld op finishes only once every rank has issued it, so a rank that does not
 issue plays a late or lost peer; ``latency`` makes ops take time once they have met.

@@ -1,4 +1,4 @@
-"""Ranks that disagree, with order checking on and off (fault matrix, rows C).
+"""Ranks that disagree, with order checking on and off (fault scenarios C*).
 
 Each scenario is one async function of a gang, run on every rank; it returns plain data
 and the assertions run in the test. The same scenarios run on FakeWorld (fast, on every
@@ -43,7 +43,7 @@ from agang.testing import FakeWorld, WorldRunError, run_world
 Report = dict[str, Any]
 Scenario = Callable[[agang.Gang, float], Awaitable[Report]]
 
-# The timeout in force (T) for the ops of the scenarios, and the fault matrix's slack.
+# The timeout in force (T) for the ops of the scenarios, and the slack past it.
 # Order-checked Gloo worlds use a long one: a mismatch must be reported long before it,
 # and a peer slowed down by a busy machine must not time out an op that agreed.
 T_GLOO = 1.0

@@ -1,9 +1,9 @@
-"""Runtime faults and load on real Gloo ranks (fault matrix, sections B and G).
+"""Runtime faults and load on real Gloo ranks (fault scenarios B* and G*).
 
 Every program runs on two spawned local ranks (``agang.testing.run_world``, 127.0.0.1
 only) and returns plain data; the assertions run here. T is the deadline in force and
-eps = 0.5 s + 10 % of T, as in the matrix. Time bounds keep about a 10x margin between the
-passing and the failing behaviour, or sit where the matrix puts them.
+eps = 0.5 s + 10 % of T, the promised slack. Time bounds keep about a 10x margin between the
+passing and the failing behaviour, or sit at the promised bound.
 
 Rows and tests (``F`` = this file, tests/test_runtime_faults.py; ``gloo_faults`` =
 tests/test_gloo_faults.py):
@@ -67,7 +67,7 @@ SMALL_NUMEL = 256
 
 
 def eps(timeout: float) -> float:
-    """The matrix's allowance past a deadline: 0.5 s + 10 % of T."""
+    """The allowance past a deadline: 0.5 s + 10 % of T."""
     return 0.5 + 0.1 * timeout
 
 
@@ -113,9 +113,9 @@ def _refusals(gang: agang.Gang, first_error: BaseException) -> dict[str, Any]:
 
 
 def _assert_refused_at_once(refusals: dict[str, Any]) -> None:
-    """The matrix's "broken": every later op refused at once with the first cause.
+    """What "broken" promises: every later op refused at once with the first cause.
 
-    A refusal takes microseconds (a flag check and an exception); 10 ms is the matrix's
+    A refusal takes microseconds (a flag check and an exception); 10 ms is the promised
     bound. The median of three calls is bounded so that one preemption of the rank on
     this shared 2-core machine cannot fail the test; the slowest still gets 100 ms.
     """
@@ -163,7 +163,7 @@ def test_b1_peer_killed_during_a_64_mib_all_reduce() -> None:
     cause), then refuses every op, and closes within 1 s.
 
     Gloo sees the dead peer's connection reset within milliseconds; the bound is the
-    matrix's T+eps (2.7 s here), and a hang would run into the world's deadline instead.
+    promised T+eps (2.7 s here), and a hang would run into the world's deadline instead.
     """
     with pytest.raises(WorldRunError) as raised:
         run_world(_peer_killed_mid_op, 2, async_backend="asyncio", timeout=60.0)
@@ -252,7 +252,7 @@ async def _stopped_peer(gang: agang.Gang) -> dict[str, Any]:
             report["is_builtin_timeout"] = isinstance(error, TimeoutError)
             report["message"] = str(error)
             report["refusals"] = _refusals(gang, error)
-        # Keep the peer stopped for the whole 3T, as the matrix asks.
+        # Keep the peer stopped for the whole 3T, as the scenario says.
         await anyio.sleep(max(0.0, stopped_at + B3_STOPPED_FOR - time.monotonic()))
     finally:
         os.kill(pids[1], signal.SIGCONT)
@@ -438,7 +438,7 @@ def test_b7_close_wakes_pending_waiters_at_once_and_exits_cleanly(
 
 
 def test_b7_close_returns_within_a_second(close_world: list[dict[str, Any]]) -> None:
-    """``close`` returns within 1 s (the matrix's bound) on both ranks, although rank 0's
+    """``close`` returns within 1 s (the promised bound) on both ranks, although rank 0's
     peer stays alive and silent until rank 0 has exited. Tens of ms are expected: close
     aborts the Gloo group (``agang._backends.c10d_abort``), whose destructor otherwise
     waited for the running work until the peer's connections closed (5 s, close's own bound)."""

@@ -1,4 +1,4 @@
-"""Bad local input is refused before anything is issued (fault matrix, row D).
+"""Bad local input is refused before anything is issued (fault scenarios D*).
 
 Every refusal must raise ``TypeError``/``ValueError`` (or an agang error) whose message
 names the parameter in backticks, and must change nothing: the gang still works and the

@@ -8,7 +8,7 @@ Rules:
    only members take part (``use_local_synchronization``).
 3. With order checking on, each child gets its own side Gloo group for its checks.
 4. The whole creation runs on a thread, within the gang's op deadline; a store hiccup
-   (connection refused or reset) is retried within it.
+   that c10d reports as transient (``agang._setup.retry.call_c10d``) is retried within it.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from agang._errors import GangInitError
 from agang._offload import run_blocking
-from agang._retry import RetryPolicy, retrying
+from agang._setup.retry import RetryPolicy, call_c10d, retrying
 
 Groups = tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]
 
@@ -86,7 +86,7 @@ async def create_groups(
     def create_with_retry() -> Groups:  # rule 4
         for attempt in retrying(RetryPolicy(), stop_at):
             with attempt:
-                groups = create()
+                groups = call_c10d(create)
         return groups
 
     try:

@@ -7,9 +7,9 @@ Rules:
    thread under one deadline. The caller's loop keeps serving meanwhile; a cancelled
    init returns at once and the thread winds down within a wait slice, tearing down
    whatever it had built; a daemon thread can never keep the process from exiting.
-3. Transient failures are retried (``_retry``); a deadline names the missing ranks
-   (``_rendezvous``). Every error is a ``GangInitError`` with the store address, the
-   attempts, the elapsed time and the likely causes.
+3. Transient failures are retried (:mod:`agang._setup.retry`); a deadline names the
+   missing ranks (:mod:`agang._setup.rendezvous`). Every error is a ``GangInitError``
+   with the store address, the attempts, the elapsed time and the likely causes.
 4. Before the group is made: on NCCL, ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` defaults to 2
    (abort the communicator, keep the process), so an agang deadline is survivable; with
    several local ranks and no ``OMP_NUM_THREADS``, each rank gets its share of the CPUs.
@@ -32,16 +32,17 @@ import anyio
 import torch
 import torch.distributed as dist
 
-from agang._env import WorldInfo, world_from_env
 from agang._errors import GangInitError
 from agang._fake_gang import FakeGang
 from agang._future import Future
 from agang._gang import Gang
 from agang._offload import start_thread
-from agang._policy import InFlightLimits, OnTimeout, make_policy
+from agang._policy import GangPolicy, InFlightLimits, OnTimeout, make_policy
 from agang._process_group_gang import ProcessGroupGang
-from agang._rendezvous import InitCancelled, check_in, end_round, open_store
-from agang._retry import PortInUseError, RetryPolicy
+from agang._setup.device import resolve_backend, resolve_device
+from agang._setup.env import WorldInfo, world_from_env
+from agang._setup.rendezvous import InitCancelled, check_in, end_round, open_store
+from agang._setup.retry import PortInUseError, RetryPolicy, TransientSetupError, call_c10d
 from agang._validate import check_timeout
 
 log = logging.getLogger("agang")
@@ -61,36 +62,6 @@ _LIKELY_CAUSES = (
 )
 
 
-def _resolve_device(device: object, backend: str | None, world: WorldInfo | None) -> torch.device:
-    if device is not None:
-        try:
-            return torch.device(device)  # type: ignore[call-overload,no-any-return]
-        except (RuntimeError, TypeError) as exc:
-            raise ValueError(
-                f"`device` must be a torch.device or a device string, but is {device!r} instead."
-            ) from exc
-    if backend != "gloo" and torch.cuda.is_available():
-        local_rank = world.local_rank if world is not None else 0
-        return torch.device("cuda", local_rank % torch.cuda.device_count())
-    return torch.device("cpu")
-
-
-def _resolve_backend(backend: object, device: torch.device) -> str:
-    if backend is None:
-        return "nccl" if device.type == "cuda" else "gloo"
-    if backend not in ("gloo", "nccl"):
-        raise ValueError(f"`backend` must be 'gloo', 'nccl' or None, but is {backend!r} instead.")
-    if backend == "nccl" and device.type != "cuda":
-        raise ValueError(
-            f"`device` must be a CUDA device for the 'nccl' backend, but is {device} instead."
-        )
-    if backend == "gloo" and device.type != "cpu":
-        raise ValueError(
-            f"`device` must be the CPU for the 'gloo' backend, but is {device} instead."
-        )
-    return str(backend)
-
-
 def _set_env(name: str, value: str, why: str) -> None:
     os.environ[name] = value
     log.info("agang: set %s=%s (%s).", name, value, why)
@@ -108,6 +79,15 @@ def _prove(deadline: float) -> None:
         raise
 
 
+def _clear_frames(error: BaseException) -> None:
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        traceback.clear_frames(current.__traceback__)
+        current = current.__cause__ or current.__context__
+
+
 class _Plan:
     """Everything init decided before touching the network, and the set-up itself."""
 
@@ -117,24 +97,15 @@ class _Plan:
         backend: str | None,
         device: object,
         timeout: float | None,
-        op_timeout: float | None,
+        policy: GangPolicy,
         env: Mapping[str, str] | None,
         world: WorldInfo | None,
         in_process: bool | None,
         stream_ordered: bool,
         retry: RetryPolicy | None,
-        on_timeout: object = "abort",
-        limits: object = None,
-        check_order: object = None,
     ) -> None:
         self.timeout = check_timeout(timeout)
-        self.policy = make_policy(
-            op_timeout=op_timeout,
-            on_timeout=on_timeout,
-            limits=limits,
-            check_order=check_order,
-            env=None if env is None else dict(env),
-        )
+        self.policy = policy
         self.op_timeout = self.policy.op_timeout
         if world is not None and not isinstance(world, WorldInfo):
             raise TypeError(
@@ -148,8 +119,8 @@ class _Plan:
             raise TypeError(f"`in_process` must be a bool or None, but is {in_process!r} instead.")
         self.env = os.environ if env is None else env
         self.world = world if world is not None else world_from_env(self.env)
-        self.device = _resolve_device(device, backend, self.world)
-        self.backend = _resolve_backend(backend, self.device)
+        self.device = resolve_device(device, backend, self.world)
+        self.backend = resolve_backend(backend, self.device)
         single = self.world is None or self.world.world_size == 1
         self.in_process = single if in_process is None else in_process
         if not self.in_process and self.world is None:
@@ -157,6 +128,7 @@ class _Plan:
         self.stream_ordered = stream_ordered
         self.retry = retry or RetryPolicy()
         self.cancelled = threading.Event()
+        self.started = time.monotonic()
         self.attempts = 0
         self.last_missing: tuple[int, ...] = ()  # as the store host last reported them
         # A store the launcher keeps across inits (torchrun's agent, which restarts all
@@ -253,7 +225,8 @@ class _Plan:
                 log.info(
                     "agang: port %d was taken; the store is on port %d.", world.master_port, port
                 )
-            dist.init_process_group(
+            call_c10d(
+                dist.init_process_group,
                 self.backend,
                 store=dist.PrefixStore(f"{self.prefix}/pg", store),  # type: ignore[attr-defined]
                 rank=world.rank,
@@ -264,9 +237,10 @@ class _Plan:
             end_round(store, world, self.prefix)
         except BaseException as error:
             # A failure's traceback keeps its frames' locals, and so a hosted store and its
-            # port, alive for as long as the caller keeps the error: drop them. (A re-init
-            # on the same port would otherwise find it in use.)
-            traceback.clear_frames(error.__traceback__)
+            # port, alive for as long as the caller keeps the error: drop them, along the
+            # chain of causes too (a transient error's cause was raised deeper). A re-init
+            # on the same port would otherwise find it in use.
+            _clear_frames(error)
             raise
         finally:
             store = None  # on success the group holds its own reference
@@ -305,18 +279,70 @@ class _Plan:
             elapsed=elapsed,
         )
 
-    def report(self, error: BaseException | None, started: float) -> GangInitError:
-        failure = self.failed(error, time.monotonic() - started)
+    def report(self, error: BaseException | None) -> GangInitError:
+        """The error init raises for ``error`` (None: the wait ran out), with ``error``,
+        or c10d's own error behind a transient one, as its ``__cause__``."""
+        if isinstance(error, TransientSetupError) and error.__cause__ is not None:
+            error = error.__cause__
+        failure = self.failed(error, time.monotonic() - self.started)
         if error is not None:
             failure.__cause__ = error
         return failure
+
+    def up(self, gang: ProcessGroupGang) -> ProcessGroupGang:
+        log.info("agang: %r is up after %.2f s.", gang, time.monotonic() - self.started)
+        return gang
+
+
+def _start(
+    *,
+    backend: str | None,
+    device: torch.device | str | None,
+    timeout: float | None,
+    op_timeout: float | None,
+    env: Mapping[str, str] | None,
+    world: WorldInfo | None,
+    in_process: bool | None,
+    stream_ordered: bool,
+    retry: RetryPolicy | None,
+    on_timeout: OnTimeout,
+    limits: InFlightLimits | None,
+    check_order: bool | None,
+) -> tuple[_Plan, Future[ProcessGroupGang] | None]:
+    """The body :func:`init` and :func:`init_sync` share: checks the arguments, plans,
+    and starts the set-up thread. No handle means an in-process gang
+    (``plan.local_gang()``); only how the caller waits for the handle differs."""
+    timeout = check_timeout(timeout)
+    policy = make_policy(
+        op_timeout=op_timeout,
+        on_timeout=on_timeout,
+        limits=limits,
+        check_order=check_order,
+        env=None if env is None else dict(env),
+    )
+    plan = _Plan(
+        backend=backend,
+        device=device,
+        timeout=timeout,
+        policy=policy,
+        env=env,
+        world=world,
+        in_process=in_process,
+        stream_ordered=stream_ordered,
+        retry=retry,
+    )
+    if plan.in_process:
+        return plan, None
+    plan.started = time.monotonic()
+    return plan, start_thread(plan.connect, name="init", join_at_exit=False)
 
 
 async def init(
     *,
     backend: str | None = None,
     device: torch.device | str | None = None,
-    # The design makes init's deadline an argument (design.md section 6).
+    # A deadline on the whole set-up is part of init's contract, so it is an argument
+    # of the coroutine (not a cancel scope around it, which ASYNC109 would suggest).
     timeout: float | None = DEFAULT_INIT_TIMEOUT,  # noqa: ASYNC109
     op_timeout: float | None = DEFAULT_OP_TIMEOUT,
     env: Mapping[str, str] | None = None,
@@ -373,7 +399,7 @@ async def init(
         >>> gang = await agang.init(timeout=60)
         >>> await gang.all_reduce(torch.ones(1))
     """
-    plan = _Plan(
+    plan, handle = _start(
         backend=backend,
         device=device,
         timeout=timeout,
@@ -387,23 +413,21 @@ async def init(
         limits=limits,
         check_order=check_order,
     )
-    if plan.in_process:
+    if handle is None:
         return plan.local_gang()
-    started = time.monotonic()
-    handle = start_thread(plan.connect, name="init", join_at_exit=False)
     finished = False
     try:
         gang = await _await_within(handle, plan.deadline_seconds + _REPORT_GRACE)
         finished = True
     except Exception as error:
-        raise plan.report(error, started) from error
+        failure = plan.report(error)
+        raise failure from failure.__cause__
     finally:
         if not finished:
             plan.cancelled.set()
     if gang is None:
-        raise plan.report(None, started)
-    log.info("agang: %r is up after %.2f s.", gang, time.monotonic() - started)
-    return gang
+        raise plan.report(None)
+    return plan.up(gang)
 
 
 async def _await_within(
@@ -435,7 +459,7 @@ def init_sync(
         >>> gang = agang.init_sync()
         >>> gang.all_reduce(torch.ones(1)).wait()
     """
-    plan = _Plan(
+    plan, handle = _start(
         backend=backend,
         device=device,
         timeout=timeout,
@@ -449,17 +473,15 @@ def init_sync(
         limits=limits,
         check_order=check_order,
     )
-    if plan.in_process:
+    if handle is None:
         return plan.local_gang()
-    started = time.monotonic()
-    handle = start_thread(plan.connect, name="init", join_at_exit=False)
     seconds = plan.deadline_seconds + _REPORT_GRACE
     try:
         gang = handle.wait(None if math.isinf(seconds) else seconds)
     except Exception as error:
         if not handle.done():  # our wait gave up, not the set-up
             plan.cancelled.set()
-            raise plan.report(None, started) from None
-        raise plan.report(error, started) from error
-    log.info("agang: %r is up after %.2f s.", gang, time.monotonic() - started)
-    return gang
+            raise plan.report(None) from None
+        failure = plan.report(error)
+        raise failure from failure.__cause__
+    return plan.up(gang)

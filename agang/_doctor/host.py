@@ -6,7 +6,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from agang._doctor_findings import Finding, Status
+from agang._doctor.findings import Finding, Status
 
 
 @dataclass(frozen=True)

@@ -1,12 +1,12 @@
 """``agang doctor``: what ``agang.init`` would make of this process's job, and what fails.
 
 A pure core: :func:`diagnose` takes the environment, this host's torch facts
-(:class:`~agang._doctor_backends.HostFacts`) and a network probe as arguments and
+(:class:`~agang._doctor.host.HostFacts`) and a network probe as arguments and
 returns findings, so tests drive it with plain data. The backend and network checks live
-in :mod:`agang._doctor_backends` and :mod:`agang._doctor_network`, the findings and their
-rendering in :mod:`agang._doctor_findings`. The rules:
+in :mod:`agang._doctor.host` and :mod:`agang._doctor.network`, the findings and their
+rendering in :mod:`agang._doctor.findings`. The rules:
 
-1. The world comes from :func:`agang._env.world_from_env`, exactly as ``agang.init``
+1. The world comes from :func:`agang._setup.env.world_from_env`, exactly as ``agang.init``
    reads it, so the doctor and init cannot disagree; an error it raises is a problem,
    with a fix chosen by the variable its message names.
 2. torchrun's variables win over SLURM's (as ``srun torchrun`` relies on); no launcher
@@ -24,11 +24,11 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 
-from agang._doctor_backends import HostFacts, backend_findings
-from agang._doctor_findings import Finding, Status
-from agang._doctor_network import NetworkProbe, network_findings
-from agang._env import WorldInfo, world_from_env
+from agang._doctor.findings import Finding, Status
+from agang._doctor.host import HostFacts, backend_findings
+from agang._doctor.network import NetworkProbe, network_findings
 from agang._errors import GangInitError
+from agang._setup.env import WorldInfo, world_from_env
 
 TORCHRUN_VARIABLES = (
     "RANK",

@@ -20,8 +20,11 @@ Rules (all of this runs on init's daemon thread, never on the loop):
 5. Waiting polls with back-off up to WAIT_SLICE seconds, so a cancelled init stops soon.
 6. Once its group is made, the host marks the round over on its store (an empty
    ``<prefix>/missing``). A rank that reaches that store later, starting its next init
-   while this one is still being closed, gets a transient reset and finds the new store
+   while this one is still being closed, gets a transient error and finds the new store
    instead of the old round's keys.
+7. Every c10d call here goes through :func:`~agang._setup.retry.call_c10d`, so its
+   transient failures are a :class:`~agang._setup.retry.TransientSetupError`; agang's own
+   transient conditions raise that type directly.
 """
 
 from __future__ import annotations
@@ -36,10 +39,17 @@ from typing import Any
 
 import torch.distributed as dist
 
-from agang._env import WorldInfo
 from agang._errors import GangInitError
 from agang._offload import start_thread
-from agang._retry import PortInUseError, RetryPolicy, retrying
+from agang._setup.env import WorldInfo
+from agang._setup.retry import (
+    PortInUseError,
+    RetryPolicy,
+    TransientSetupError,
+    call_c10d,
+    is_address_in_use,
+    retrying,
+)
 
 ATTEMPT_SECONDS = 2.0
 PORT_CANDIDATES = 8
@@ -60,10 +70,6 @@ def _token(world: WorldInfo) -> str:
 
 def _seconds(value: float) -> timedelta:
     return timedelta(seconds=max(0.05, value))
-
-
-def _is_in_use(error: BaseException) -> bool:
-    return "address already in use" in str(error).lower()
 
 
 def open_store(
@@ -108,25 +114,18 @@ def _open_once(world: WorldInfo, deadline: float) -> tuple[Any, int]:
     if world.rank == 0 and not world.launcher_hosts_store:
         for port in ports:
             try:
-                store = dist.TCPStore(  # type: ignore[attr-defined]
-                    world.master_addr,
-                    port,
-                    world.world_size,
-                    is_master=True,
-                    timeout=_seconds(remaining),
-                    wait_for_workers=False,
-                )
+                store = _host(world, port, remaining)
             except Exception as error:
-                if _is_in_use(error) and world.port_is_derived:
+                if is_address_in_use(error) and world.port_is_derived:
                     continue
-                if _is_in_use(error):
+                if is_address_in_use(error):
                     raise PortInUseError(
                         f"`MASTER_PORT` must be a free port on this host, but {port} is in use "
                         f"by another process: pick another port, the same on every rank.",
                         port_is_ours=False,
                     ) from error
                 raise
-            store.set(_OWNER_KEY, _token(world))
+            call_c10d(store.set, _OWNER_KEY, _token(world))
             return store, port
         raise PortInUseError(
             f"The ports {ports[0]}-{ports[-1]} agang derived are all in use.", port_is_ours=True
@@ -142,18 +141,36 @@ def _open_once(world: WorldInfo, deadline: float) -> tuple[Any, int]:
             continue
         if store is None:
             continue  # a store, but another job's
-        store.set_timeout(_seconds(deadline - time.monotonic()))
+        call_c10d(store.set_timeout, _seconds(deadline - time.monotonic()))
         return store, port
     assert last_error is not None or world.port_is_derived
-    raise last_error or ConnectionRefusedError(
-        f"timed out after trying ports {ports[0]}-{ports[-1]}: no store of this job there"
+    raise last_error or TransientSetupError(
+        f"No store of this job answered on ports {ports[0]}-{ports[-1]} (it may not be up yet)."
+    )
+
+
+def _host(world: WorldInfo, port: int, remaining: float) -> Any:
+    """Hosts the store on ``port``; c10d's "address already in use" stays as it is."""
+    return call_c10d(
+        dist.TCPStore,  # type: ignore[attr-defined]
+        world.master_addr,
+        port,
+        world.world_size,
+        is_master=True,
+        timeout=_seconds(remaining),
+        wait_for_workers=False,
     )
 
 
 def _connect(world: WorldInfo, port: int, budget: float) -> Any:
     def connect() -> Any:
-        return dist.TCPStore(  # type: ignore[attr-defined]
-            world.master_addr, port, world.world_size, is_master=False, timeout=_seconds(budget)
+        return call_c10d(
+            dist.TCPStore,  # type: ignore[attr-defined]
+            world.master_addr,
+            port,
+            world.world_size,
+            is_master=False,
+            timeout=_seconds(budget),
         )
 
     if not world.port_is_derived:
@@ -171,8 +188,8 @@ def _connect(world: WorldInfo, port: int, budget: float) -> Any:
     try:
         return probe.wait(budget + 0.5)
     except TimeoutError:
-        raise ConnectionRefusedError(
-            f"timed out after {budget:.2f} s: port {port} answers, but not as this job's store"
+        raise TransientSetupError(
+            f"Port {port} answers, but not as this job's store within {budget:.2f} s."
         ) from None
 
 
@@ -203,14 +220,37 @@ def check_in(
     Raises:
         GangInitError: The deadline passed (``missing_ranks`` says who never came), the
             rank checked in twice, or the ranks disagree on the world size.
+        TransientSetupError: The store is closing or its round is over (the next attempt
+            finds the new one), or c10d's connection to it failed transiently.
     """
+    call_c10d(
+        _check_in,
+        store,
+        world,
+        prefix,
+        deadline=deadline,
+        cancelled=cancelled,
+        on_missing=on_missing,
+    )
+
+
+def _check_in(
+    store: Any,
+    world: WorldInfo,
+    prefix: str,
+    *,
+    deadline: float,
+    cancelled: threading.Event,
+    on_missing: Callable[[list[int]], None],
+) -> None:
+    # Every store operation below is a c10d call: check_in classifies their failures.
     verdict = f"{prefix}/missing"
     if store.check([verdict]):
-        # This store belongs to an attempt that already failed and is closing: the
-        # marker word makes it a transient error, so the next attempt finds the new one.
-        raise ConnectionResetError(
-            f"connection reset: the store at {world.store_address} is closing (its host "
-            f"gave up on an earlier attempt)"
+        # This store belongs to an attempt that already failed and is closing: the next
+        # attempt finds the new one.
+        raise TransientSetupError(
+            f"The store at {world.store_address} is closing: its host gave up on an "
+            f"earlier attempt."
         )
     me = f"{world.world_size} {socket.gethostname()} {os.getpid()}"
     key = f"{prefix}/rank/{world.rank}"
@@ -233,18 +273,17 @@ def check_in(
         if not is_host and store.check([verdict]):
             text = store.get(verdict).decode()
             if not text:
-                raise ConnectionResetError(
-                    f"connection reset: the store at {world.store_address} belongs to a "
-                    f"finished round"
+                raise TransientSetupError(
+                    f"The store at {world.store_address} belongs to a finished round."
                 )
             missing = [int(r) for r in text.split(",")]
             on_missing(missing)
             if deadline - time.monotonic() > 2 * HOST_LINGER:
                 # The host ended this round, but this rank has time left: join the next
-                # round (the marker word makes this transient, so the attempt is retried).
-                raise ConnectionResetError(
-                    f"connection reset: the store host ended its round without ranks "
-                    f"{missing}; joining the next one"
+                # round (a transient error, so the attempt is retried).
+                raise TransientSetupError(
+                    f"The store host ended its round without ranks {missing}; this rank "
+                    f"joins the next one."
                 )
             raise GangInitError(
                 f"Ranks {missing} of {world.world_size} did not check in at the store "

@@ -15,8 +15,8 @@ import threading
 from collections.abc import Sequence
 from typing import Protocol, final
 
-from agang._doctor_findings import Finding, Status
-from agang._env import WorldInfo
+from agang._doctor.findings import Finding, Status
+from agang._setup.env import WorldInfo
 
 
 class NetworkProbe(Protocol):

@@ -1,0 +1,13 @@
+"""``agang doctor``: checks a job's environment and this host before ``agang.init`` runs.
+
+The checks are pure functions of plain data (the environment, this host's facts, a
+network probe), so tests drive them without a real job. Its modules:
+
+- :mod:`agang._doctor.diagnose`: the entry point, :func:`~agang._doctor.diagnose.diagnose`,
+  and the checks of the world itself (launcher variables, local ranks, threads).
+- :mod:`agang._doctor.host`: what this host's torch build and hardware offer (Gloo, NCCL,
+  CUDA), probed once and checked.
+- :mod:`agang._doctor.network`: whether the ranks can meet at the store's address and
+  port.
+- :mod:`agang._doctor.findings`: the findings, and their rendering as text or JSON.
+"""
