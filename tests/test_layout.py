@@ -90,3 +90,12 @@ def test_the_code_cites_no_document_outside_the_repository() -> None:
         if outside.search(line)
     ]
     assert cited == []
+
+
+def test_every_folder_is_a_regular_package() -> None:
+    # A folder without __init__.py is a namespace package: an editable install finds it,
+    # but a built wheel leaves it out (setuptools' find_packages skips it).
+    folders = {p.parent for p in MODULES}
+    assert (
+        sorted(str(f.relative_to(ROOT)) for f in folders if not (f / "__init__.py").exists()) == []
+    )
