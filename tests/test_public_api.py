@@ -51,7 +51,14 @@ AGANG_API = {
     "OpContext",
 }
 
-TESTING_API = {"FakeWorld", "FakeWorldGang", "WorldRunError", "reduce_tensors", "run_world"}
+TESTING_API = {
+    "FakeWorld",
+    "FakeWorldGang",
+    "SimulatedNccl",
+    "WorldRunError",
+    "reduce_tensors",
+    "run_world",
+}
 
 PACKAGES = [(agang, AGANG_API), (agang.testing, TESTING_API)]
 

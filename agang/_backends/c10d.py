@@ -9,7 +9,12 @@ How an op's end reaches agang:
    so a waiter thread per gang and kind waits on them in issue order. A later send that
    finishes before an earlier one is reported after it: late, never wrong.
 3. NCCL: the future only means "enqueued", so completion goes through
-   ``cuda_completion`` (an event on a side stream, one watcher thread per process).
+   ``cuda_completion`` (an event on the gang's side stream, the gang's watcher thread).
+   Every stream, event and device call goes through the backend's ``DeviceRuntime``
+   (torch.cuda, or a simulation in tests).
+4. NCCL barrier: c10d's barrier Work blocks the CPU in ``wait()`` until every peer
+   arrived, so the barrier is an all-reduce of one element instead, which completes
+   like any other op.
 
 c10d's own timeout is a backstop behind agang's deadline: it is raised (``set_timeout``)
 past the longest deadline asked for (``allow_timeout``), so c10d never fails an op
@@ -29,12 +34,14 @@ from typing import Any, final
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import AllgatherOptions
 
 from agang import _exit
 from agang._backends import c10d_order, cuda_completion
 from agang._backends.c10d_abort import Aborter
 from agang._backends.c10d_children import create_groups
 from agang._backends.contract import Census, Checked, Done, after_post
+from agang._backends.device_runtime import DeviceRuntime, torch_runtime
 from agang._reduce_op import ReduceOp, to_c10d
 
 log = logging.getLogger("agang")
@@ -44,7 +51,30 @@ _BACKSTOP_FACTOR = 1.5
 _BACKSTOP_MARGIN = 30.0
 _DEFAULT_BACKSTOP = 1800.0
 
-_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+def _all_gather_flat(group: Any, output: torch.Tensor, input: torch.Tensor) -> Any:
+    # The group's own method, not ``dist``'s function: a group double works too.
+    options = AllgatherOptions()
+    options.asyncOp = True
+    method = getattr(group, "all_gather_single", None) or group._allgather_base
+    return method(output, input, options)
+
+
+def _reduce_scatter_flat(
+    group: Any, output: torch.Tensor, input: torch.Tensor, op: dist.ReduceOp.RedOpType
+) -> Any:
+    options = dist.ReduceScatterOptions()
+    options.reduceOp = op  # type: ignore[assignment]  # stubs want the enum's class
+    options.asyncOp = True
+    method = getattr(group, "reduce_scatter_single", None) or group._reduce_scatter_base
+    return method(output, input, options)
+
+
+def _all_to_all_flat(group: Any, output: torch.Tensor, input: torch.Tensor) -> Any:
+    options = dist.AllToAllOptions()
+    options.asyncOp = True
+    method = getattr(group, "all_to_all_single", None) or group.alltoall_base
+    return method(output, input, [], [], options)
 
 
 def backstop_for(timeout: float | None) -> float:
@@ -121,6 +151,9 @@ class C10dBackend:
         stream_ordered: NCCL: report an op done once it is ordered before later work on
             the caller's stream, not once it finished on the device.
         order_group: The side Gloo group of order checks, or None without them.
+        runtime: The device runtime of the NCCL paths; None for torch.cuda.
+        registered: Whether torch.distributed knows the group (it is destroyed through
+            it at release); False for a group double.
     """
 
     def __init__(
@@ -133,6 +166,8 @@ class C10dBackend:
         is_world: bool,
         stream_ordered: bool = False,
         order_group: dist.ProcessGroup | None = None,
+        runtime: DeviceRuntime | None = None,
+        registered: bool = True,
     ) -> None:
         self._pg: dist.ProcessGroup | None = process_group
         self._rank = process_group.rank()
@@ -151,6 +186,9 @@ class C10dBackend:
         # report of a finished collective, so the two kinds never share one.
         self._waiters: dict[str, _WorkWaiter] = {}
         self._aborter = Aborter()
+        self._runtime: DeviceRuntime = torch_runtime() if runtime is None else runtime
+        self._registered = registered
+        self._completion = cuda_completion.Completion(self._runtime, device, process_group, name)
         # c10d copies the options on each call, so one object per op serves every call.
         self._all_reduce_options = {op: _all_reduce_options(op, kind) for op in ReduceOp}
 
@@ -192,14 +230,15 @@ class C10dBackend:
         self._backstop = backstop
 
     def defer(self, start: Callable[[], None]) -> Callable[[], None]:
-        if self._device.type != "cuda":
+        if self._kind != "nccl" and self._device.type != "cuda":
             return start
         # A deferred op starts on a backend thread; order it after the work that was on
         # the caller's stream when it called, not after that thread's default stream.
-        stream = torch.cuda.current_stream(self._device)
+        runtime = self._runtime
+        stream = runtime.current_stream(self._device)
 
         def start_on_callers_stream() -> None:
-            with torch.cuda.stream(stream):
+            with runtime.use_stream(stream):
                 start()
 
         return start_on_callers_stream
@@ -208,9 +247,7 @@ class C10dBackend:
 
     def _watch(self, work: Any, done: Done, post: Callable[[], None] | None = None) -> None:
         if self._kind == "nccl":
-            cuda_completion.watch(
-                work, self._device, done, post, stream_ordered=self._stream_ordered
-            )
+            self._completion.watch(work, done, post, stream_ordered=self._stream_ordered)
             return
 
         finish = after_post(post, done)
@@ -262,9 +299,7 @@ class C10dBackend:
         # Gloo concatenates along the first dimension: the input must be flat like the
         # output, or a 2-D or 0-dim input fails ("invalid tensor size at index 0").
         flat_input = _real(input.view(-1))
-        work = c10d_order.all_gather_flat(
-            _real(output), flat_input, group=self._group(), async_op=True
-        )
+        work = _all_gather_flat(self._group(), _real(output), flat_input)
         self._watch(work, done)
 
     def start_all_gather_to_list(
@@ -277,9 +312,7 @@ class C10dBackend:
         self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp, done: Done
     ) -> None:
         c10d_op, divide = to_c10d(op, backend=self._kind)
-        work = _reduce_scatter_flat(
-            _real(output.view(-1)), _real(input), op=c10d_op, group=self._group(), async_op=True
-        )
+        work = _reduce_scatter_flat(self._group(), _real(output.view(-1)), _real(input), c10d_op)
         self._watch(work, done, _divider(output, self._size) if divide else None)
 
     def start_broadcast(self, tensor: torch.Tensor, source_rank: int, done: Done) -> None:
@@ -290,9 +323,7 @@ class C10dBackend:
         self._watch(work, done)
 
     def start_all_to_all(self, output: torch.Tensor, input: torch.Tensor, done: Done) -> None:
-        work = dist.all_to_all_single(
-            _real(output), _real(input), group=self._group(), async_op=True
-        )
+        work = _all_to_all_flat(self._group(), _real(output), _real(input))
         self._watch(work, done)
 
     def _watch_p2p(self, work: Any, done: Done) -> None:
@@ -308,10 +339,17 @@ class C10dBackend:
         self._watch_p2p(self._group().recv([_real(tensor)], source_rank, 0), done)
 
     def start_barrier(self, done: Done) -> None:
-        options = dist.BarrierOptions()
-        if self._kind == "nccl" and self._device.index is not None:
-            options.device_ids = [self._device.index]
-        self._watch(self._group().barrier(options), done)
+        if self._kind == "nccl":
+            # Rule 4. The one-element tensor lives until the op's end: ``done`` holds it.
+            token = torch.zeros(1, device=self._device)
+
+            def barrier_done(error: BaseException | None, _token: torch.Tensor = token) -> None:
+                done(error)
+
+            options, _ = self._all_reduce_options[ReduceOp.SUM]
+            self._watch(self._group().allreduce([token], options), barrier_done)
+            return
+        self._watch(self._group().barrier(dist.BarrierOptions()), done)
 
     # Order checking (``c10d_order``).
 
@@ -364,6 +402,7 @@ class C10dBackend:
         self._stopped = True
         for waiter in self._waiters.values():
             waiter.stop()
+        self._completion.stop()
         try:
             if unfinished:
                 # Work still running would make destroy (NCCL) or the group's destructor
@@ -372,7 +411,9 @@ class C10dBackend:
                 self._aborter.abort(self._groups())
             if self._order_group is not None:
                 dist.destroy_process_group(self._order_group)
-            if self._is_world:
+            if not self._registered:
+                pass  # a group double: nothing to destroy
+            elif self._is_world:
                 dist.destroy_process_group()
             elif self._pg is not None:
                 dist.destroy_process_group(self._pg)
@@ -412,4 +453,5 @@ class C10dBackend:
             is_world=False,
             stream_ordered=self._stream_ordered,
             order_group=side,
+            runtime=self._runtime,
         )

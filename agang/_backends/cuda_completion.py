@@ -1,18 +1,23 @@
-"""Learning that an NCCL op finished on the GPU, without spinning a CPU core.
+"""Learning that an NCCL op finished on the device, without spinning a CPU core.
 
 NCCL's Work future completes when the kernel is *queued*. agang wants "finished on the
-device" for ``await``, so:
-1. At issue, a per-device side stream is made to wait for the op (``work.wait()`` under
-   that stream: no CPU block), and a blocking-sync CUDA event is recorded on it. The
+device" for ``await``, so, per gang (one ``Completion`` per ``C10dBackend``):
+1. At issue, the gang's own side stream is made to wait for the op (``work.wait()``
+   under that stream: no CPU block), and a blocking-sync event is recorded on it. The
    caller's current stream is not touched, so compute queued after the call overlaps the
    communication.
-2. One watcher thread per process takes the events in issue order and calls
+2. The gang's watcher thread takes the events in issue order and calls
    ``event.synchronize()``, which sleeps in the driver with the GIL released, then asks
-   the Work for errors (``is_completed`` raises if the op failed) and reports ``done``.
-3. In stream-ordered mode the caller's current stream waits for the event instead and the
+   the runtime whether the op failed (``DeviceRuntime.check_work``: NCCL's
+   ``is_completed()`` is true for a failed op too and never raises) and reports ``done``.
+3. Side stream and watcher are the gang's, not the process's: one gang's op that waits
+   for a late peer never holds back the report of another gang's finished op (ops of one
+   communicator finish in order anyway, on its one NCCL stream). The watcher ends when
+   the gang releases its communicator, or at exit.
+4. In stream-ordered mode the caller's current stream waits for the op instead and the
    op is reported done at once: ``await`` then means "ordered before later work on this
    stream", the cheap mode for callers who only need that.
-4. An op's ``post`` (copying a flat result back into its members) is queued on the same
+5. An op's ``post`` (copying a flat result back into its members) is queued on the same
    stream right after the wait, before the event: it is part of what the event covers.
 """
 
@@ -20,82 +25,93 @@ from __future__ import annotations
 
 import queue
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from agang import _exit
+from agang._backends.device_runtime import DeviceEvent, DeviceRuntime
 
 Done = Callable[[BaseException | None], None]
 
 _lock = threading.Lock()
-_streams: dict[torch.device, Any] = {}
-_watcher: _Watcher | None = None
+_running: weakref.WeakSet[Completion] = weakref.WeakSet()
 
 
-class _Watcher:
-    def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[tuple[Any, Any, Done] | None] = queue.SimpleQueue()
-        _exit.start_daemon(self._run, name="agang-cuda-watcher")
-        _exit.add_stopper(self.stop)  # after the gangs closed and aborted their work
+def _stop_all() -> None:
+    with _lock:
+        running = list(_running)
+    for completion in running:
+        completion.stop()
 
-    def put(self, event: Any, work: Any, done: Done) -> None:
-        self._queue.put((event, work, done))
+
+_exit.add_stopper(_stop_all)  # after the gangs closed and aborted their work
+
+
+class Completion:
+    """One gang's side stream and watcher thread (rules 1 to 3), made on first use."""
+
+    def __init__(
+        self, runtime: DeviceRuntime, device: torch.device, process_group: Any, name: str
+    ) -> None:
+        self._runtime = runtime
+        self._device = device
+        self._process_group = process_group
+        self._name = name
+        self._lock = threading.Lock()
+        self._queue: queue.SimpleQueue[tuple[DeviceEvent, Any, Done] | None] | None = None
+        self._stream: Any = None
+        self._stopped = False
+
+    def watch(
+        self, work: Any, done: Done, post: Callable[[], None] | None, *, stream_ordered: bool
+    ) -> None:
+        """Reports ``done`` once ``work`` has finished on the device (see the rules)."""
+        runtime = self._runtime
+        if stream_ordered:
+            current = runtime.current_stream(self._device)
+            with runtime.use_stream(current):
+                work.wait()  # the current stream waits; the CPU does not
+            if post is not None:
+                runtime.run_on(current, post)
+            done(None)
+            return
+        jobs, stream = self._start()
+        with runtime.use_stream(stream):
+            work.wait()
+        if post is not None:
+            runtime.run_on(stream, post)
+        event = runtime.new_event()
+        event.record(stream)
+        jobs.put((event, work, done))
+
+    def _start(self) -> tuple[queue.SimpleQueue[tuple[DeviceEvent, Any, Done] | None], Any]:
+        with self._lock:
+            if self._queue is None:
+                self._stream = self._runtime.side_stream(self._device, self)
+                self._queue = queue.SimpleQueue()
+                jobs = self._queue
+                _exit.start_daemon(lambda: self._run(jobs), name=f"agang-nccl-watch {self._name}")
+                with _lock:
+                    _running.add(self)
+            return self._queue, self._stream
 
     def stop(self) -> None:
-        self._queue.put(None)
+        """Ends the watcher once the events queued before have been reported."""
+        with self._lock:
+            if self._queue is not None and not self._stopped:
+                self._stopped = True
+                self._queue.put(None)
 
-    def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
+    def _run(self, jobs: queue.SimpleQueue[tuple[DeviceEvent, Any, Done] | None]) -> None:
+        self._runtime.bind_thread(self._device)
+        while (item := jobs.get()) is not None:
             event, work, done = item
             try:
                 event.synchronize()
-                work.is_completed()  # raises if the op failed or was aborted
+                error = self._runtime.check_work(work, self._process_group, self._device)
             except Exception as exc:
-                done(exc)
-            else:
-                done(None)
-
-
-def _side_stream(device: torch.device) -> Any:
-    with _lock:
-        stream = _streams.get(device)
-        if stream is None:
-            stream = _streams[device] = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
-        return stream
-
-
-def _get_watcher() -> _Watcher:
-    global _watcher
-    with _lock:
-        if _watcher is None:
-            _watcher = _Watcher()
-        return _watcher
-
-
-def watch(
-    work: Any,
-    device: torch.device,
-    done: Done,
-    post: Callable[[], None] | None,
-    *,
-    stream_ordered: bool,
-) -> None:
-    """Reports ``done`` once ``work`` has finished on ``device`` (see the rules above)."""
-    if stream_ordered:
-        current = torch.cuda.current_stream(device)
-        with torch.cuda.stream(current):
-            work.wait()  # the current stream waits; the CPU does not
-            if post is not None:
-                post()
-        done(None)
-        return
-    stream = _side_stream(device)
-    with torch.cuda.stream(stream):
-        work.wait()
-        if post is not None:
-            post()
-        event = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
-        event.record(stream)
-    _get_watcher().put(event, work, done)
+                error = exc
+            done(error)

@@ -1,0 +1,124 @@
+"""``SimulatedNccl``: agang's real NCCL code paths, run on a CPU against simulated devices."""
+
+from __future__ import annotations
+
+import itertools
+from types import TracebackType
+
+import torch
+
+from agang._backends.c10d import C10dBackend
+from agang._policy import OnTimeout, make_policy
+from agang._process_group_gang import ProcessGroupGang
+from agang.testing._sim_nccl_device import SimDevice
+from agang.testing._sim_nccl_group import Communicator, SimProcessGroup, SimRuntime
+
+
+class SimulatedNccl:
+    """``size`` simulated NCCL ranks in one process, for testing asyncio code on a CPU.
+
+    The gangs it makes are real ``agang.ProcessGroupGang`` objects with backend
+    ``"nccl"``: agang's NCCL completion path (side stream, event, watcher thread, error
+    check) runs unchanged. Only the device is simulated:
+
+    - Each rank has streams, FIFO queues of kernels, and events; one device thread
+      executes them. A collective's kernel runs only once every rank's kernel for it is at
+      the head of its stream, as NCCL's kernels block until all peers joined.
+    - Results are written when the kernel runs: reading a tensor before ``await`` may
+      see the old data, as on a GPU.
+    - Work behaves like NCCL's: done at enqueue, ``wait()`` orders the current stream
+      without blocking (a raw barrier's ``wait()`` blocks), ``is_completed()`` never
+      raises, errors are in ``exception()``; ``abort()`` makes pending kernels exit.
+
+    Tensors are CPU tensors: the gangs' device is ``cpu``. All ranks run in this process,
+    typically as tasks of one event loop. Lanes and sub-gangs are not simulated: call
+    :meth:`gangs` again for another communicator over the same ranks.
+
+    Args:
+        size: The number of ranks.
+        watchdog_timeout: Seconds after which c10d's watchdog fails a pending op and
+            aborts its communicator on that rank; None to use the timeout agang sets
+            (far behind its own deadlines).
+
+    Example::
+
+        with SimulatedNccl(2) as sim:
+            gangs = sim.gangs()
+            results = await asyncio.gather(*(g.all_reduce(torch.ones(4)) for g in gangs))
+    """
+
+    def __init__(self, size: int, *, watchdog_timeout: float | None = None) -> None:
+        if size < 1:
+            raise ValueError(f"`size` must be a positive int, but is {size!r} instead.")
+        self._size = size
+        self._device = SimDevice(watchdog_timeout=watchdog_timeout)
+        self._runtimes = [SimRuntime(self._device, rank) for rank in range(size)]
+        self._names = itertools.count()
+
+    @property
+    def size(self) -> int:
+        """The number of simulated ranks."""
+        return self._size
+
+    def gangs(
+        self,
+        name: str | None = None,
+        *,
+        op_timeout: float | None = None,
+        on_timeout: OnTimeout = "abort",
+        stream_ordered: bool = False,
+    ) -> list[ProcessGroupGang]:
+        """One gang per rank (in rank order) over a new simulated communicator."""
+        name = f"sim{next(self._names)}" if name is None else name
+        policy = make_policy(op_timeout=op_timeout, on_timeout=on_timeout, check_order=False)
+        communicator = Communicator(name, self._size)
+        gangs = []
+        for rank, runtime in enumerate(self._runtimes):
+            group = SimProcessGroup(communicator, rank, runtime, self._device)
+            backend = C10dBackend(
+                group,  # type: ignore[arg-type]  # a duck-typed ProcessGroup
+                device=torch.device("cpu"),
+                kind="nccl",
+                name=name,
+                is_world=False,
+                stream_ordered=stream_ordered,
+                runtime=runtime,
+                registered=False,
+            )
+            gangs.append(ProcessGroupGang._over(backend, policy))
+        return gangs
+
+    def pause(self, rank: int) -> None:
+        """Stops ``rank``'s device: none of its kernels runs (its peers' collectives
+        with it wait) until :meth:`resume`."""
+        self._device.pause(self._check_rank(rank))
+
+    def resume(self, rank: int) -> None:
+        """Lets ``rank``'s device run again."""
+        self._device.resume(self._check_rank(rank))
+
+    def fail_next(self, message: str = "simulated asynchronous NCCL error") -> None:
+        """Makes the next collective to run fail on every rank, as an asynchronous NCCL
+        error does: its kernels exit without writing outputs, its Work holds the error,
+        and the communicator is left in an error state."""
+        self._device.fail_next(message)
+
+    def close(self) -> None:
+        """Stops the device thread; close the gangs first."""
+        self._device.close()
+
+    def __enter__(self) -> SimulatedNccl:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def _check_rank(self, rank: int) -> int:
+        if not 0 <= rank < self._size:
+            raise ValueError(f"`rank` must be in [0, {self._size}), but is {rank} instead.")
+        return rank

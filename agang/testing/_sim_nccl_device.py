@@ -1,0 +1,254 @@
+"""The simulated device of ``SimulatedNccl``: streams, events and the kernels of
+collectives, executed by one device thread for every simulated rank.
+
+The rules it keeps, NCCL's and CUDA's:
+1. A stream is a FIFO queue of kernels: a kernel runs only once every kernel queued
+   before it on its stream has run. An event is recorded as a marker in the queue and is
+   complete once the stream has passed it; an event never recorded is complete.
+2. A collective's kernel runs only when every participating rank's kernel for it is at
+   the head of its stream (NCCL's kernels block until all peers have joined), and never
+   while one of those ranks is paused. It reads its inputs and writes its outputs *when
+   it runs*: a read before the device got there sees the old data.
+3. A failed collective (``fail_next``) and an aborted communicator's kernels exit without
+   writing outputs; their Work then holds the error. A c10d watchdog timeout fails every
+   pending op of the communicator on that rank and aborts it there.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from agang import _exit
+
+log = logging.getLogger("agang")
+
+
+class SimStream:
+    """A simulated stream of one rank (rule 1)."""
+
+    def __init__(self, device: SimDevice, rank: int, name: str) -> None:
+        self.rank = rank
+        self.name = name
+        self.items: deque[Any] = deque()
+        self._device = device
+
+    def __repr__(self) -> str:
+        return f"SimStream({self.name!r}, rank {self.rank})"
+
+
+class SimEvent:
+    """A simulated event (rule 1); ``synchronize`` blocks until the stream passed it."""
+
+    def __init__(self, device: SimDevice) -> None:
+        self._device = device
+        self.done = True
+
+    def record(self, stream: SimStream) -> None:
+        with self._device.cond:
+            self.done = False
+            self._device.enqueue(stream, self)
+
+    def synchronize(self) -> None:
+        with self._device.cond:
+            self._device.cond.wait_for(lambda: self.done or self._device.closed)
+
+    def query(self) -> bool:
+        return self.done
+
+
+class HostFn:
+    """Host code whose device work is ordered on a stream: runs when the stream gets there."""
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self.fn = fn
+
+
+class WaitFor:
+    """A kernel that holds its stream until ``marker`` (an event or a part) is done."""
+
+    def __init__(self, marker: SimEvent | Part) -> None:
+        self.marker = marker
+
+
+class Part:
+    """One rank's kernel of a collective. ``done`` once it has run or exited."""
+
+    def __init__(self, collective: Collective, rank: int, inputs: Any, outputs: Any) -> None:
+        self.collective = collective
+        self.rank = rank
+        self.inputs = inputs
+        self.outputs = outputs
+        self.done = False
+        self.error: BaseException | None = None
+        self.at_head = False
+        self.issued_at = time.monotonic()
+        self.timeout: float | None = None
+        self.communicator: Any = None  # the rank's group, for the watchdog
+
+
+class Collective:
+    """One op of a communicator, joined by each participant's ``Part``."""
+
+    def __init__(self, kind: str, ranks: list[int], run: Callable[[dict[int, Part]], None]):
+        self.kind = kind
+        self.ranks = ranks
+        self.run = run
+        self.parts: dict[int, Part] = {}
+
+
+_devices: weakref.WeakSet[SimDevice] = weakref.WeakSet()
+
+
+def _close_all() -> None:
+    for device in list(_devices):
+        device.close()
+
+
+_exit.add_stopper(_close_all)
+
+
+class SimDevice:
+    """Every simulated rank's streams, run by one device thread (rules 1 to 3)."""
+
+    def __init__(self, *, watchdog_timeout: float | None) -> None:
+        self.cond = threading.Condition()
+        self.closed = False
+        self.streams: list[SimStream] = []
+        self.paused: set[int] = set()
+        self.watchdog_timeout = watchdog_timeout
+        self._failures: deque[str] = deque()
+        self._pending: list[Part] = []
+        _devices.add(self)
+        _exit.start_daemon(self._run, name="agang-sim-nccl-device")
+
+    # Called with ``cond`` held or taking it.
+
+    def new_stream(self, rank: int, name: str) -> SimStream:
+        stream = SimStream(self, rank, name)
+        with self.cond:
+            self.streams.append(stream)
+        return stream
+
+    def enqueue(self, stream: SimStream, item: Any) -> None:
+        with self.cond:
+            stream.items.append(item)
+            if isinstance(item, Part):
+                self._pending.append(item)
+            self.cond.notify_all()
+
+    def pause(self, rank: int) -> None:
+        with self.cond:
+            self.paused.add(rank)
+
+    def resume(self, rank: int) -> None:
+        with self.cond:
+            self.paused.discard(rank)
+            self.cond.notify_all()
+
+    def fail_next(self, message: str) -> None:
+        with self.cond:
+            self._failures.append(message)
+
+    def fail(self, part: Part, error: BaseException) -> None:
+        """Makes ``part``'s kernel exit with ``error`` (it leaves its stream when at head)."""
+        with self.cond:
+            if not part.done and part.error is None:
+                part.error = error
+                self.cond.notify_all()
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+
+    # The device thread.
+
+    def _run(self) -> None:
+        with self.cond:
+            while not self.closed:
+                if self._step():
+                    self.cond.notify_all()
+                    continue
+                self.cond.wait(self._watchdog())
+
+    def _watchdog(self) -> float | None:
+        """Fails the ops past their c10d timeout (rule 3); the wait until the next one."""
+        now = time.monotonic()
+        self._pending = [p for p in self._pending if not p.done and p.error is None]
+        wait: float | None = None
+        for part in self._pending:
+            timeout = self.watchdog_timeout if self.watchdog_timeout is not None else part.timeout
+            if timeout is None:
+                continue
+            left = part.issued_at + timeout - now
+            if left <= 0 and part.communicator is not None:
+                part.communicator.watchdog_fired(timeout)
+                return 0.0
+            wait = left if wait is None else min(wait, left)
+        return wait
+
+    def _step(self) -> bool:
+        progress = False
+        for stream in self.streams:
+            while stream.items and stream.rank not in self.paused:
+                if not self._advance(stream, stream.items[0]):
+                    break
+                progress = True
+        return progress
+
+    def _advance(self, stream: SimStream, item: Any) -> bool:
+        """Runs ``item``, the head of ``stream``, if it can run now."""
+        if isinstance(item, SimEvent):
+            item.done = True
+        elif isinstance(item, WaitFor):
+            if not item.marker.done:
+                return False
+        elif isinstance(item, HostFn):
+            try:
+                item.fn()
+            except Exception:
+                log.exception("Host work queued on simulated stream %r failed.", stream.name)
+        elif isinstance(item, Part):
+            return self._advance_part(item)
+        stream.items.popleft()
+        return True
+
+    def _advance_part(self, part: Part) -> bool:
+        part.at_head = True
+        if part.error is not None:  # failed or aborted: the kernel exits
+            part.done = True
+            self._pop(part)
+            return True
+        collective = part.collective
+        parts = collective.parts
+        ready = len(parts) == len(collective.ranks) and all(
+            p.at_head and p.error is None and p.rank not in self.paused for p in parts.values()
+        )
+        if not ready:
+            return False
+        if self._failures:
+            message = self._failures.popleft()
+            for p in parts.values():
+                p.error = p.communicator.async_error(message)
+        else:
+            try:
+                collective.run(parts)
+            except Exception as exc:
+                for p in parts.values():
+                    p.error = exc
+        for p in parts.values():
+            p.done = True
+            self._pop(p)
+        return True
+
+    def _pop(self, part: Part) -> None:
+        for stream in self.streams:
+            if stream.items and stream.items[0] is part:
+                stream.items.popleft()
+                return

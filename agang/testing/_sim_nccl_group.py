@@ -1,0 +1,283 @@
+"""The simulated rank of ``SimulatedNccl``: its device runtime, its process groups (a
+duck-typed ``ProcessGroup`` over NCCL) and their Work.
+
+The group issues like ``ProcessGroupNCCL``: the communicator's own stream first waits for
+the caller's current stream, then gets the op's kernel. Its Work behaves like
+``WorkNCCL``:
+1. The future is done at enqueue (it only means "queued").
+2. ``wait()`` makes the caller's current stream wait for the op, without blocking the
+   CPU; only a barrier's ``wait()`` blocks the calling thread until it completed.
+3. ``is_completed()`` is true once the op finished *or failed*, and never raises; the
+   error is in ``exception()`` and the group's error state (``get_error()``).
+4. ``abort()`` makes this rank's pending kernels of the group exit with an error; new
+   ops on an aborted or failed communicator fail when issued.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from agang.testing._sim_nccl_device import (
+    Collective,
+    HostFn,
+    Part,
+    SimDevice,
+    SimEvent,
+    SimStream,
+    WaitFor,
+)
+from agang.testing._sim_nccl_ops import kernel_for
+
+
+class SimRuntime:
+    """One simulated rank's streams and events: a ``DeviceRuntime`` for ``C10dBackend``."""
+
+    def __init__(self, device: SimDevice, rank: int) -> None:
+        self.rank = rank
+        self.bound_threads: list[str] = []
+        self._device = device
+        self._default = device.new_stream(rank, f"rank {rank} default")
+        self._local = threading.local()
+        self._side: dict[tuple[torch.device, object], SimStream] = {}
+
+    def current_stream(self, device: torch.device | None = None) -> SimStream:
+        stream: SimStream | None = getattr(self._local, "stream", None)
+        return self._default if stream is None else stream
+
+    @contextlib.contextmanager
+    def use_stream(self, stream: SimStream) -> Iterator[None]:
+        previous = getattr(self._local, "stream", None)
+        self._local.stream = stream
+        try:
+            yield
+        finally:
+            self._local.stream = previous
+
+    def side_stream(self, device: torch.device, key: object) -> SimStream:
+        with self._device.cond:
+            stream = self._side.get((device, key))
+            if stream is None:
+                name = f"rank {self.rank} side {len(self._side)}"
+                stream = self._side[(device, key)] = self._device.new_stream(self.rank, name)
+            return stream
+
+    def run_on(self, stream: SimStream, fn: Callable[[], None]) -> None:
+        self._device.enqueue(stream, HostFn(fn))
+
+    def new_event(self) -> SimEvent:
+        return SimEvent(self._device)
+
+    def bind_thread(self, device: torch.device) -> None:
+        self.bound_threads.append(threading.current_thread().name)
+
+    def check_work(
+        self, work: Any, process_group: Any, device: torch.device
+    ) -> BaseException | None:
+        error = work.exception()
+        if error is not None:
+            return error  # type: ignore[no-any-return]
+        if process_group.get_error() != "SUCCESS":
+            return dist.DistBackendError(
+                f"The communicator is in error state {process_group.get_error()}."
+            )
+        return None
+
+
+class SimWork:
+    """The Work of one simulated NCCL op (rules 1 to 3)."""
+
+    def __init__(self, part: Part, runtime: SimRuntime, device: SimDevice, *, barrier: bool):
+        self._part = part
+        self._runtime = runtime
+        self._device = device
+        self._barrier = barrier
+        self._future: torch.futures.Future[Any] = torch.futures.Future()
+        self._future.set_result(part.outputs)  # done at enqueue (rule 1)
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        part = self._part
+        if part.error is not None:
+            raise part.error
+        if self._barrier:
+            with self._device.cond:
+                self._device.cond.wait_for(lambda: part.done or self._device.closed)
+            if part.error is not None:
+                raise part.error
+            return True
+        self._device.enqueue(self._runtime.current_stream(), WaitFor(part))
+        return True
+
+    def is_completed(self) -> bool:
+        return self._part.done or self._part.error is not None
+
+    def is_success(self) -> bool:
+        return self._part.done and self._part.error is None
+
+    def exception(self) -> BaseException | None:
+        return self._part.error
+
+    def get_future(self) -> torch.futures.Future[Any]:
+        return self._future
+
+    def result(self) -> Any:
+        return self._part.outputs
+
+
+class Communicator:
+    """What the ranks of one simulated communicator share: its ops, matched by order."""
+
+    def __init__(self, name: str, size: int) -> None:
+        self.name = name
+        self.size = size
+        self.collectives: dict[Any, Collective] = {}
+        self.counts: dict[Any, int] = {}
+
+
+class SimProcessGroup:
+    """One rank's view of a simulated NCCL communicator (rule 4, and the module's)."""
+
+    def __init__(
+        self, communicator: Communicator, rank: int, runtime: SimRuntime, device: SimDevice
+    ) -> None:
+        self._communicator = communicator
+        self._rank = rank
+        self._runtime = runtime
+        self._device = device
+        self._stream = device.new_stream(rank, f"rank {rank} nccl '{communicator.name}'")
+        self._timeout: float | None = None
+        self._error = "SUCCESS"
+        self._aborted = False
+        self._parts: list[Part] = []
+        self.group_name = communicator.name
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._communicator.size
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        self._timeout = timeout.total_seconds()
+
+    def get_error(self) -> str:
+        """``SUCCESS``, ``TIMEOUT`` or ``COMM_ERROR``: the communicator's error state."""
+        return self._error
+
+    def abort(self) -> None:
+        with self._device.cond:
+            self._aborted = True
+            for part in self._parts:
+                self._device.fail(part, dist.DistBackendError("NCCL communicator was aborted."))
+
+    def shutdown(self) -> None:
+        self.abort()
+
+    # Called by the device thread, with its lock held.
+
+    def async_error(self, message: str) -> BaseException:
+        self._error = "COMM_ERROR"
+        return dist.DistBackendError(f"NCCL error: {message}")
+
+    def watchdog_fired(self, timeout: float) -> None:
+        self._error = "TIMEOUT"
+        error = dist.DistBackendError(
+            f"Watchdog caught collective operation timeout ({timeout} s)."
+        )
+        for part in self._parts:
+            self._device.fail(part, error)
+        self._aborted = True
+
+    # Issuing.
+
+    def _issue(
+        self,
+        kind: str,
+        inputs: Any,
+        outputs: Any,
+        *,
+        key: Any = None,
+        ranks: list[int] | None = None,
+        options: Any = None,
+    ) -> SimWork:
+        device = self._device
+        with device.cond:
+            if self._aborted or self._error != "SUCCESS":
+                raise dist.DistBackendError(
+                    f"NCCL communicator '{self._communicator.name}' was aborted or failed."
+                )
+            communicator = self._communicator
+            key = ("collective",) if key is None else key
+            index = communicator.counts.get((key, self._rank), 0)
+            communicator.counts[(key, self._rank)] = index + 1
+            everyone = list(range(communicator.size)) if ranks is None else ranks
+            collective = communicator.collectives.get((key, index))
+            if collective is None:
+                collective = Collective(kind, everyone, kernel_for(kind, options))
+                communicator.collectives[(key, index)] = collective
+            if collective.kind != kind:
+                raise RuntimeError(
+                    f"Simulated NCCL: rank {self._rank} issued {kind} where a peer issued "
+                    f"{collective.kind} on '{communicator.name}'."
+                )
+            part = Part(collective, self._rank, inputs, outputs)
+            part.timeout = self._timeout
+            part.communicator = self
+            collective.parts[self._rank] = part
+            if len(collective.parts) == len(collective.ranks):
+                del communicator.collectives[(key, index)]
+            self._parts = [p for p in self._parts if not p.done] + [part]
+            # The communicator's stream waits for the caller's current stream first.
+            marker = SimEvent(device)
+            marker.record(self._runtime.current_stream())
+            device.enqueue(self._stream, WaitFor(marker))
+            device.enqueue(self._stream, part)
+        return SimWork(part, self._runtime, device, barrier=kind == "barrier")
+
+    def allreduce(self, tensors: list[torch.Tensor], options: Any = None) -> SimWork:
+        return self._issue("allreduce", tensors, tensors, options=options)
+
+    def broadcast(self, tensors: list[torch.Tensor], options: Any = None) -> SimWork:
+        return self._issue("broadcast", tensors, tensors, options=options)
+
+    def allgather(
+        self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], options: Any = None
+    ) -> SimWork:
+        return self._issue("allgather", inputs, outputs)
+
+    def all_gather_single(
+        self, output: torch.Tensor, input: torch.Tensor, options: Any = None
+    ) -> SimWork:
+        return self._issue("all_gather_single", input, output)
+
+    def reduce_scatter_single(
+        self, output: torch.Tensor, input: torch.Tensor, options: Any = None
+    ) -> SimWork:
+        return self._issue("reduce_scatter_single", input, output, options=options)
+
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: list[int],
+        input_split_sizes: list[int],
+        options: Any = None,
+    ) -> SimWork:
+        return self._issue("all_to_all_single", input, output)
+
+    def send(self, tensors: list[torch.Tensor], destination: int, tag: int = 0) -> SimWork:
+        pair = [self._rank, destination]
+        return self._issue("send", tensors, None, key=("p2p", *pair), ranks=sorted(pair))
+
+    def recv(self, tensors: list[torch.Tensor], source: int, tag: int = 0) -> SimWork:
+        pair = [source, self._rank]
+        return self._issue("send", None, tensors, key=("p2p", *pair), ranks=sorted(pair))
+
+    def barrier(self, options: Any = None) -> SimWork:
+        return self._issue("barrier", None, None)

@@ -1,0 +1,101 @@
+"""What each simulated NCCL kernel computes once every rank's part of it runs.
+
+Every kernel reads all its inputs before writing any output, in rank order, and writes
+in place: the data moves when the device runs the kernel, not when the op is issued.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from agang.testing._sim_nccl_device import Part
+
+Kernel = Callable[[dict[int, Part]], None]
+
+_RED = dist.ReduceOp  # its members compare equal to the RedOpType options hold
+
+
+def _reduce(tensors: list[torch.Tensor], op: Any) -> torch.Tensor:
+    stacked = torch.stack([t.clone() for t in tensors])
+    if op == _RED.SUM:
+        return stacked.sum(0).to(tensors[0].dtype)
+    if op == _RED.AVG:
+        return (stacked.sum(0) / len(tensors)).to(tensors[0].dtype)
+    if op == _RED.PRODUCT:
+        return stacked.prod(0).to(tensors[0].dtype)
+    if op == _RED.MIN:
+        return stacked.amin(0)
+    if op == _RED.MAX:
+        return stacked.amax(0)
+    raise NotImplementedError(f"Simulated NCCL does not reduce with {op}.")
+
+
+def _op(options: Any) -> Any:
+    return _RED.SUM if options is None else options.reduceOp
+
+
+def _ranked(parts: dict[int, Part]) -> list[Part]:
+    return [parts[r] for r in sorted(parts)]
+
+
+def kernel_for(kind: str, options: Any) -> Kernel:
+    """The kernel of a ``kind`` op issued with ``options`` (the first rank's)."""
+
+    def allreduce(parts: dict[int, Part]) -> None:
+        ranked = _ranked(parts)
+        for index in range(len(ranked[0].inputs)):
+            result = _reduce([p.inputs[index] for p in ranked], _op(options))
+            for p in ranked:
+                p.outputs[index].copy_(result)
+
+    def broadcast(parts: dict[int, Part]) -> None:
+        source = parts[options.rootRank].inputs[options.rootTensor].clone()
+        for p in parts.values():
+            p.outputs[0].copy_(source)
+
+    def allgather(parts: dict[int, Part]) -> None:
+        inputs = [p.inputs[0].clone() for p in _ranked(parts)]
+        for p in parts.values():
+            for out, value in zip(p.outputs[0], inputs, strict=True):
+                out.copy_(value)
+
+    def all_gather_single(parts: dict[int, Part]) -> None:
+        flat = torch.cat([p.inputs.reshape(-1).clone() for p in _ranked(parts)])
+        for p in parts.values():
+            p.outputs.view(-1).copy_(flat)
+
+    def reduce_scatter_single(parts: dict[int, Part]) -> None:
+        ranked = _ranked(parts)
+        total = _reduce([p.inputs.reshape(-1) for p in ranked], _op(options))
+        for rank, chunk in enumerate(total.chunk(len(ranked))):
+            ranked[rank].outputs.view(-1).copy_(chunk)
+
+    def all_to_all_single(parts: dict[int, Part]) -> None:
+        ranked = _ranked(parts)
+        chunks = [p.inputs.reshape(-1).clone().chunk(len(ranked)) for p in ranked]
+        for rank, p in enumerate(ranked):
+            p.outputs.view(-1).copy_(torch.cat([chunks[j][rank] for j in range(len(ranked))]))
+
+    def send(parts: dict[int, Part]) -> None:
+        sender = next(p for p in parts.values() if p.inputs is not None)
+        receiver = next(p for p in parts.values() if p.outputs is not None)
+        receiver.outputs[0].copy_(sender.inputs[0])
+
+    def barrier(parts: dict[int, Part]) -> None:
+        pass
+
+    kernels: dict[str, Kernel] = {
+        "allreduce": allreduce,
+        "broadcast": broadcast,
+        "allgather": allgather,
+        "all_gather_single": all_gather_single,
+        "reduce_scatter_single": reduce_scatter_single,
+        "all_to_all_single": all_to_all_single,
+        "send": send,
+        "barrier": barrier,
+    }
+    return kernels[kind]

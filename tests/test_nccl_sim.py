@@ -1,0 +1,157 @@
+"""agang's NCCL paths on a CPU, against ``agang.testing.SimulatedNccl``.
+
+The gangs are real ``ProcessGroupGang`` objects with backend ``"nccl"``: the completion
+path (side stream, event, watcher thread, error check) is agang's own. Each test is
+named after the audit finding it guards (C1, C2, C8). Timing bounds leave 10x margins.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+import anyio
+import pytest
+import torch
+
+import agang
+from agang import ProcessGroupGang
+from agang.testing import SimulatedNccl
+
+pytestmark = pytest.mark.anyio
+
+BOUND = 30.0  # seconds: no test may hang longer
+
+
+@pytest.fixture
+async def sim() -> AsyncIterator[SimulatedNccl]:
+    simulation = SimulatedNccl(2, watchdog_timeout=10.0)
+    yield simulation
+    simulation.close()
+
+
+async def close_all(*gangs: ProcessGroupGang) -> None:
+    for gang in gangs:
+        await gang.close()
+
+
+async def test_collectives_are_correct_and_written_when_the_device_runs(
+    sim: SimulatedNccl,
+) -> None:
+    gangs = sim.gangs()
+    with anyio.fail_after(BOUND):
+        # Rank 1's device is paused: the all-reduce cannot have run yet, so a read
+        # before ``await`` sees the old data, as on a GPU.
+        sim.pause(1)
+        tensors = [torch.full((4,), float(rank + 1)) for rank in range(2)]
+        handles = [gang.all_reduce(t) for gang, t in zip(gangs, tensors, strict=True)]
+        await anyio.sleep(0.05)
+        assert tensors[0].tolist() == [1.0] * 4  # stale: the kernel has not run
+        assert not handles[0].done()
+        sim.resume(1)
+        assert [(await h).tolist() for h in handles] == [[3.0] * 4] * 2
+
+        means = [torch.full((2,), float(rank)) for rank in range(2)]
+        handles = [g.all_reduce(t, agang.ReduceOp.MEAN) for g, t in zip(gangs, means, strict=True)]
+        assert [(await h).tolist() for h in handles] == [[0.5, 0.5]] * 2
+
+        sources = [torch.arange(3.0) + 10 * rank for rank in range(2)]
+        handles = [g.broadcast(t, 1) for g, t in zip(gangs, sources, strict=True)]
+        assert [(await h).tolist() for h in handles] == [[10.0, 11.0, 12.0]] * 2
+
+        outputs = [torch.empty(2, 3) for _ in range(2)]
+        inputs = [torch.full((3,), float(rank)) for rank in range(2)]
+        handles = [g.all_gather(o, i) for g, o, i in zip(gangs, outputs, inputs, strict=True)]
+        for handle in handles:
+            assert (await handle).tolist() == [[0.0] * 3, [1.0] * 3]
+
+        scattered = [torch.empty(2) for _ in range(2)]
+        handles = [
+            g.reduce_scatter(o, torch.arange(4.0).view(2, 2))
+            for g, o in zip(gangs, scattered, strict=True)
+        ]
+        assert [(await h).tolist() for h in handles] == [[0.0, 2.0], [4.0, 6.0]]
+
+        exchanged = [torch.empty(2) for _ in range(2)]
+        handles = [
+            g.all_to_all(o, torch.arange(2.0) + 10 * rank)
+            for rank, (g, o) in enumerate(zip(gangs, exchanged, strict=True))
+        ]
+        assert [(await h).tolist() for h in handles] == [[0.0, 10.0], [1.0, 11.0]]
+
+        received = torch.zeros(2)
+        sent = gangs[0].send(torch.tensor([7.0, 8.0]), 1)
+        got = gangs[1].recv(received, 0)
+        await sent
+        assert (await got).tolist() == [7.0, 8.0]
+    await close_all(*gangs)
+
+
+async def test_c1_async_nccl_error_is_a_collective_error(sim: SimulatedNccl) -> None:
+    gangs = sim.gangs()
+    with anyio.fail_after(BOUND):
+        sim.fail_next("unhandled cuda error (simulated)")
+        tensors = [torch.ones(4) for _ in range(2)]
+        handles = [gang.all_reduce(t) for gang, t in zip(gangs, tensors, strict=True)]
+        for handle in handles:
+            # NCCL's is_completed() is true for a failed op and never raises: agang
+            # must read the error itself, not hand back unreduced data as a success.
+            with pytest.raises(agang.CollectiveError, match="simulated"):
+                await handle
+        assert tensors[0].tolist() == [1.0] * 4  # the kernel wrote nothing
+    await close_all(*gangs)
+
+
+async def test_c2_barrier_returns_at_once_and_never_blocks_the_loop(
+    sim: SimulatedNccl,
+) -> None:
+    gangs = sim.gangs()
+    ticks = 0
+
+    async def tick() -> None:
+        nonlocal ticks
+        while True:
+            await anyio.sleep(0.01)
+            ticks += 1
+
+    with anyio.fail_after(BOUND):
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(tick)
+            started = time.monotonic()
+            first = gangs[0].barrier()  # rank 1 is late
+            assert time.monotonic() - started < 1.0  # at once, not when the peer comes
+            ticks_before = ticks
+            await anyio.sleep(0.3)
+            assert ticks - ticks_before >= 3  # the loop kept running (~30 ticks)
+            assert not first.done()
+            second = gangs[1].barrier()
+            await first
+            await second
+            tasks.cancel_scope.cancel()
+    await close_all(*gangs)
+
+
+async def test_c8_gang_b_completes_while_gang_a_hangs(sim: SimulatedNccl) -> None:
+    gangs_a = sim.gangs("a")
+    gangs_b = sim.gangs("b")
+    with anyio.fail_after(BOUND):
+        hung = gangs_a[0].all_reduce(torch.ones(2))  # rank 1 never joins (for now)
+        tensors = [torch.full((2,), float(rank)) for rank in range(2)]
+        handles = [g.all_reduce(t) for g, t in zip(gangs_b, tensors, strict=True)]
+        with anyio.fail_after(3.0):  # it takes milliseconds
+            assert [(await h).tolist() for h in handles] == [[1.0, 1.0]] * 2
+        assert not hung.done()
+        late = gangs_a[1].all_reduce(torch.ones(2))
+        assert (await hung).tolist() == [2.0, 2.0]
+        assert (await late).tolist() == [2.0, 2.0]
+    await close_all(*gangs_a, *gangs_b)
+
+
+async def test_closing_a_gang_with_a_hung_op_aborts_it(sim: SimulatedNccl) -> None:
+    gangs = sim.gangs()
+    with anyio.fail_after(BOUND):
+        hung = gangs[0].all_reduce(torch.ones(2))  # rank 1 never joins
+        await gangs[0].close()
+        with pytest.raises(agang.GangError):
+            await hung
+    await close_all(gangs[1])
