@@ -7,6 +7,7 @@ named after the audit finding it guards (C1, C2, C8). Timing bounds leave 10x ma
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import AsyncIterator
 
@@ -155,3 +156,24 @@ async def test_closing_a_gang_with_a_hung_op_aborts_it(sim: SimulatedNccl) -> No
         with pytest.raises(agang.GangError):
             await hung
     await close_all(gangs[1])
+
+
+async def test_each_gang_has_its_own_watcher_which_ends_when_the_gang_closes(
+    sim: SimulatedNccl,
+) -> None:
+    def watchers() -> set[str]:
+        return {t.name for t in threading.enumerate() if t.name.startswith("agang-nccl-watch")}
+
+    gangs_a = sim.gangs("wa")
+    gangs_b = sim.gangs("wb")
+    with anyio.fail_after(BOUND):
+        handles = [g.all_reduce(torch.ones(1)) for g in (*gangs_a, *gangs_b)]
+        for handle in handles:
+            await handle
+        assert {"agang-nccl-watch wa", "agang-nccl-watch wb"} <= watchers()
+        await close_all(*gangs_a, *gangs_b)
+        for _ in range(1000):  # the watchers end soon after the close (10 s bound)
+            if not watchers() & {"agang-nccl-watch wa", "agang-nccl-watch wb"}:
+                break
+            await anyio.sleep(0.01)
+        assert not watchers() & {"agang-nccl-watch wa", "agang-nccl-watch wb"}

@@ -57,6 +57,8 @@ class SimEvent:
     def synchronize(self) -> None:
         with self._device.cond:
             self._device.cond.wait_for(lambda: self.done or self._device.closed)
+            if not self.done:
+                raise RuntimeError("The simulated device was closed before the event completed.")
 
     def query(self) -> bool:
         return self.done
