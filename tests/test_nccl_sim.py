@@ -177,3 +177,53 @@ async def test_each_gang_has_its_own_watcher_which_ends_when_the_gang_closes(
                 break
             await anyio.sleep(0.01)
         assert not watchers() & {"agang-nccl-watch wa", "agang-nccl-watch wb"}
+
+
+class _Work:
+    def __init__(self, error: BaseException | None) -> None:
+        self._error = error
+
+    def exception(self) -> BaseException | None:
+        return self._error
+
+
+class _Group:
+    def __init__(self, error: object) -> None:
+        self._error = error
+
+    def _get_backend(self, device: torch.device) -> _Group:
+        return self
+
+    def get_error(self) -> object:
+        return self._error
+
+
+def test_the_torch_runtime_reads_the_work_error_and_the_communicator_state() -> None:
+    # C1 on the production runtime: the check after the event, without a GPU.
+    from torch._C._distributed_c10d import ErrorType
+
+    from agang._backends.device_runtime import TorchCudaRuntime
+
+    runtime, device = TorchCudaRuntime(), torch.device("cpu")
+    failure = RuntimeError("NCCL error")
+    assert runtime.check_work(_Work(failure), _Group(ErrorType.SUCCESS), device) is failure
+    assert runtime.check_work(_Work(None), _Group(ErrorType.SUCCESS), device) is None
+    error = runtime.check_work(_Work(None), _Group(ErrorType.REMOTE_ERROR), device)
+    assert isinstance(error, RuntimeError)
+    assert "REMOTE_ERROR" in str(error)
+    assert runtime.check_work(_Work(None), object(), device) is None  # no error state
+
+
+async def test_stream_ordered_ops_are_done_at_once_and_ordered_on_the_stream(
+    sim: SimulatedNccl,
+) -> None:
+    gangs = sim.gangs(stream_ordered=True)
+    with anyio.fail_after(BOUND):
+        sim.pause(1)
+        tensors = [torch.ones(2) for _ in range(2)]
+        handles = [g.all_reduce(t) for g, t in zip(gangs, tensors, strict=True)]
+        await handles[0]  # ordered before later work on the stream, not finished
+        assert tensors[0].tolist() == [1.0, 1.0]
+        sim.resume(1)
+        await handles[1]
+    await close_all(*gangs)

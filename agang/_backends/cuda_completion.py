@@ -50,6 +50,10 @@ def _stop_all() -> None:
 _exit.add_stopper(_stop_all)  # after the gangs closed and aborted their work
 
 
+class _Key:
+    """A gang's key for its side stream: holds nothing, so the runtime holds nothing."""
+
+
 class Completion:
     """One gang's side stream and watcher thread (rules 1 to 3), made on first use."""
 
@@ -63,6 +67,7 @@ class Completion:
         self._lock = threading.Lock()
         self._queue: queue.SimpleQueue[tuple[DeviceEvent, Any, Done] | None] | None = None
         self._stream: Any = None
+        self._key = _Key()
         self._stopped = False
 
     def watch(
@@ -90,7 +95,7 @@ class Completion:
     def _start(self) -> tuple[queue.SimpleQueue[tuple[DeviceEvent, Any, Done] | None], Any]:
         with self._lock:
             if self._queue is None:
-                self._stream = self._runtime.side_stream(self._device, self)
+                self._stream = self._runtime.side_stream(self._device, self._key)
                 self._queue = queue.SimpleQueue()
                 jobs = self._queue
                 _exit.start_daemon(lambda: self._run(jobs), name=f"agang-nccl-watch {self._name}")
@@ -115,3 +120,5 @@ class Completion:
             except Exception as exc:
                 error = exc
             done(error)
+        # The group is the backend's to free, on its closing thread: drop ours.
+        self._process_group = None

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
@@ -54,7 +55,8 @@ class DeviceRuntime(Protocol):
         """Makes ``stream`` the calling thread's current stream inside the block."""
 
     def side_stream(self, device: torch.device, key: object) -> Any:
-        """A stream of agang's own on ``device``, one per ``key``, made on first use."""
+        """A stream of agang's own on ``device``, one per ``key``, made on first use; it
+        may be dropped once ``key`` (weakly referenced) is gone."""
 
     def run_on(self, stream: Any, fn: Callable[[], None]) -> None:
         """Runs ``fn`` with its device work ordered on ``stream`` (rule 2)."""
@@ -76,7 +78,10 @@ class TorchCudaRuntime:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._side_streams: dict[tuple[torch.device, object], Any] = {}
+        # Weak keys: a gang's stream goes with the gang.
+        self._side_streams: weakref.WeakKeyDictionary[object, dict[torch.device, Any]] = (
+            weakref.WeakKeyDictionary()
+        )
 
     def current_stream(self, device: torch.device) -> Any:
         return torch.cuda.current_stream(device)
@@ -88,10 +93,10 @@ class TorchCudaRuntime:
 
     def side_stream(self, device: torch.device, key: object) -> Any:
         with self._lock:
-            stream = self._side_streams.get((device, key))
+            streams = self._side_streams.setdefault(key, {})
+            stream = streams.get(device)
             if stream is None:
-                stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
-                self._side_streams[(device, key)] = stream
+                stream = streams[device] = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
             return stream
 
     def run_on(self, stream: Any, fn: Callable[[], None]) -> None:
