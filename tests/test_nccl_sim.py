@@ -227,3 +227,15 @@ async def test_stream_ordered_ops_are_done_at_once_and_ordered_on_the_stream(
         sim.resume(1)
         await handles[1]
     await close_all(*gangs)
+
+
+async def test_the_simulated_watchdog_fails_an_op_whose_peer_never_comes() -> None:
+    with SimulatedNccl(2, watchdog_timeout=0.2) as sim:
+        gangs = sim.gangs()
+        with anyio.fail_after(BOUND):
+            hung = gangs[0].all_reduce(torch.ones(2))  # rank 1 never joins
+            with pytest.raises(agang.CollectiveError, match="timeout"):
+                await hung
+            with pytest.raises(agang.GangError):  # the gang broke; its group is aborted
+                await gangs[0].all_reduce(torch.ones(2))
+        await close_all(*gangs)
