@@ -113,6 +113,10 @@ class TorchCudaRuntime:
     def check_work(
         self, work: Any, process_group: Any, device: torch.device
     ) -> BaseException | None:
+        # ``Work.exception()`` is deprecated in torch (it prints a note once), but it is
+        # the one way to read a WorkNCCL's error without a stream wait; the
+        # communicator's error state is set before the watchdog aborts it, which covers
+        # ops on the same communicator that finished before the watchdog flagged them.
         try:
             error = work.exception()
         except Exception as exc:  # some Work types raise their error here
