@@ -2,7 +2,10 @@
 
 Rules:
 1. On NCCL, a child splits the parent's communicator (``split_group``: cheaper than a
-   new one); every rank of the parent takes part, and non-members get None.
+   new one); every rank of the parent takes part, and non-members get None. c10d splits
+   only when the default group is bound to a device (``init_process_group`` with
+   ``device_id``, as agang's init makes it); a world the user made without one gets
+   ``new_group`` instead.
 2. Otherwise a child is a ``new_group``. Over the world, every rank of the world takes
    part (c10d's rule), and non-members drop the placeholder they get. Under a sub-gang,
    only members take part (``use_local_synchronization``).
@@ -24,6 +27,13 @@ from agang._offload import run_blocking
 from agang._setup.retry import RetryPolicy, call_c10d, retrying
 
 Groups = tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]
+
+
+def _can_split() -> bool:
+    if not hasattr(dist, "split_group"):
+        return False
+    default = dist.distributed_c10d._get_default_group()
+    return getattr(default, "bound_device_id", None) is not None
 
 
 async def create_groups(
@@ -74,10 +84,7 @@ async def create_groups(
         return local
 
     def create() -> Groups:
-        if kind == "nccl" and hasattr(dist, "split_group"):
-            group = split()
-        else:
-            group = new_group(None, options)
+        group = split() if kind == "nccl" and _can_split() else new_group(None, options)
         side = new_group("gloo", None) if with_side_group else None  # rule 3
         return group, side
 
