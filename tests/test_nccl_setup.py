@@ -115,3 +115,94 @@ async def test_c7_create_gang_with_a_bound_device_splits(monkeypatch: pytest.Mon
 
     assert group == "split"
     assert calls == ["split_group"]
+
+
+# L2: a c10d-side timeout must not kill the process.
+
+_NCCL_KILL_SWITCHES = ("TORCH_NCCL_ENABLE_MONITORING", "TORCH_NCCL_DUMP_ON_TIMEOUT")
+
+
+def _nccl_plan() -> Any:
+    from agang._policy import make_policy
+    from agang._setup.init import _Plan
+
+    return _Plan(
+        backend="nccl",
+        device="cuda:0",
+        timeout=1,
+        policy=make_policy(op_timeout=1, env={}),
+        env={},
+        world=_world(0),
+        in_process=False,
+        stream_ordered=False,
+        retry=None,
+    )
+
+
+def test_l2_init_turns_off_the_heartbeat_monitor_and_the_dump_signal(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for name in (*_NCCL_KILL_SWITCHES, "TORCH_NCCL_ASYNC_ERROR_HANDLING"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")  # the user's choice is kept
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+
+    _nccl_plan()._prepare_process(_world(0))
+
+    import os
+
+    assert os.environ["TORCH_NCCL_ENABLE_MONITORING"] == "0"
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"
+    assert os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+
+
+class _TimedGroup:
+    """A group double that records c10d's timeout as agang sets it."""
+
+    group_name = "timed"
+
+    def __init__(self) -> None:
+        self.timeouts: list[float] = []
+
+    def rank(self) -> int:
+        return 0
+
+    def size(self) -> int:
+        return 2
+
+    def set_timeout(self, timeout: Any) -> None:
+        self.timeouts.append(timeout.total_seconds())
+
+
+def test_l2_an_op_without_a_deadline_lifts_c10ds_timeout_out_of_reach() -> None:
+    import math
+
+    from agang._backends.c10d import C10dBackend
+    from agang._engine.engine import Engine
+    from agang._policy import make_policy
+
+    group = _TimedGroup()
+    backend = C10dBackend(
+        group,  # type: ignore[arg-type]
+        device=torch.device("cpu"),
+        kind="nccl",
+        name="timed",
+        is_world=False,
+        registered=False,
+    )
+    engine = Engine(backend, make_policy(op_timeout=10.0))
+    assert group.timeouts == [45.0]  # 1.5 x 10 s + 30 s: behind agang's deadline
+
+    assert engine.resolve_timeout(math.inf) is None
+    assert group.timeouts[-1] >= 7 * 86400  # c10d's own timer never fires first
+
+
+def test_l2_doctor_warns_when_the_monitor_can_kill_the_process() -> None:
+    from agang._doctor.findings import Status
+    from agang._doctor.host import HostFacts, backend_findings
+
+    gpu = HostFacts("2.11.0", True, True, True, True, 1, "12.8", "2.27.3", 8)
+    findings = {f.check: f for f in backend_findings({"TORCH_NCCL_ENABLE_MONITORING": "1"}, gpu)}
+
+    assert findings["TORCH_NCCL_ENABLE_MONITORING"].status is Status.WARN
+    assert findings["TORCH_NCCL_DUMP_ON_TIMEOUT"].status is Status.OK

@@ -49,7 +49,11 @@ log = logging.getLogger("agang")
 # c10d's deadline sits this far behind agang's, so agang's always fires first.
 _BACKSTOP_FACTOR = 1.5
 _BACKSTOP_MARGIN = 30.0
-_DEFAULT_BACKSTOP = 1800.0
+# Behind an op with no agang deadline, c10d's timeout must not fire either: when it does,
+# NCCL's watchdog fails the op and signals every rank to dump its flight recorder, and
+# the default group's heartbeat monitor then kills the process minutes later whatever
+# the error handling mode. So "no deadline" lifts it to what is never reached in practice.
+_NO_DEADLINE_BACKSTOP = 30 * 86400.0
 
 
 def _all_gather_flat(group: Any, output: torch.Tensor, input: torch.Tensor) -> Any:
@@ -78,9 +82,10 @@ def _all_to_all_flat(group: Any, output: torch.Tensor, input: torch.Tensor) -> A
 
 
 def backstop_for(timeout: float | None) -> float:
-    """The c10d timeout to use behind an agang deadline of ``timeout`` seconds."""
+    """The c10d timeout to use behind an agang deadline of ``timeout`` seconds (None: no
+    deadline)."""
     if timeout is None:
-        return _DEFAULT_BACKSTOP
+        return _NO_DEADLINE_BACKSTOP
     return max(timeout * _BACKSTOP_FACTOR + _BACKSTOP_MARGIN, _BACKSTOP_MARGIN)
 
 
@@ -220,8 +225,6 @@ class C10dBackend:
     # Deadlines and deferred starts.
 
     def allow_timeout(self, seconds: float | None) -> None:
-        if seconds is None and self._backstop:
-            return  # no agang deadline: the backstop already set stays
         backstop = backstop_for(seconds)
         if backstop <= self._backstop:
             return

@@ -40,8 +40,9 @@ Order checks.
 Deadlines.
     agang's deadlines are the engine's. A backend with a deadline of its own (c10d's
     process-group timeout) keeps it behind agang's: ``allow_timeout(seconds)`` says
-    an op may now run that long (None: no agang deadline), and the backend moves its
-    own timeout past it, so it never fails an op before agang would.
+    an op may now run that long (None: no agang deadline, so the backend's own must
+    not fire at all), and the backend moves its own timeout past it, so it never fails
+    an op before agang would.
 Failure and lifecycle.
     ``abort()`` ends the running work after a failure, so its ``done`` calls come soon,
     and never blocks (it may start a thread). ``release(unfinished=...)`` frees the

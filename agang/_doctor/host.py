@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from agang._doctor.findings import Finding, Status
+from agang._setup.nccl_env import NCCL_SETTINGS
 
 
 @dataclass(frozen=True)
@@ -136,6 +137,7 @@ def backend_findings(env: Mapping[str, str], facts: HostFacts) -> list[Finding]:
     else:
         findings.append(Finding("nccl", Status.OK, "NCCL is not available (no CUDA)."))
     findings.append(_async_error_handling_finding(env, facts))
+    findings.extend(_monitoring_findings(env, facts))
     return findings
 
 
@@ -162,3 +164,31 @@ def _async_error_handling_finding(env: Mapping[str, str], facts: HostFacts) -> F
         f"{shown}, {meaning}, instead of agang raising an error the program can handle.",
         fix=f"Set {name}=2 if the program must survive a failed collective.",
     )
+
+
+def _monitoring_findings(env: Mapping[str, str], facts: HostFacts) -> list[Finding]:
+    """The NCCL settings besides error handling that ``agang.init`` makes (see
+    ``agang._setup.nccl_env``): whether the user's values keep a c10d-side timeout from
+    killing the process."""
+    used = facts.nccl_available and facts.cuda_available
+    findings = []
+    for name, (agangs, why) in NCCL_SETTINGS.items():
+        if name == "TORCH_NCCL_ASYNC_ERROR_HANDLING":
+            continue  # its own finding above
+        value = env.get(name)
+        if value is None:
+            shown = f"unset: agang.init sets {agangs} ({why})"
+            findings.append(Finding(name, Status.OK, f"{shown}." if used else f"{shown}; no NCCL."))
+        elif value == agangs or not used:
+            findings.append(Finding(name, Status.OK, f"{value}."))
+        else:
+            findings.append(
+                Finding(
+                    name,
+                    Status.WARN,
+                    f"{value}: after a c10d-side timeout or error NCCL's heartbeat monitor may "
+                    f"kill every rank, instead of agang raising an error the program can handle.",
+                    fix=f"Unset {name} (agang.init sets {agangs}) or set it to {agangs}.",
+                )
+            )
+    return findings

@@ -127,10 +127,9 @@ class Engine:
         if timeout is None:
             return self.default_seconds
         seconds = check_timeout(timeout)
-        if seconds is None or math.isinf(seconds):
-            return None
-        self.backend.allow_timeout(seconds)
-        return seconds
+        resolved = None if seconds is None or math.isinf(seconds) else seconds
+        self.backend.allow_timeout(resolved)
+        return resolved
 
     def context(self, op: str, seq: int, timeout: float | None) -> OpContext:
         return OpContext(self.name, self.rank, self.size, op, seq, timeout)

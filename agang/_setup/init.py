@@ -10,10 +10,11 @@ Rules:
 3. Transient failures are retried (:mod:`agang._setup.retry`); a deadline names the
    missing ranks (:mod:`agang._setup.rendezvous`). Every error is a ``GangInitError``
    with the store address, the attempts, the elapsed time and the likely causes.
-4. Before the group is made: on NCCL, ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` defaults to 2
-   (abort the communicator, keep the process), so an agang deadline is survivable; with
-   several local ranks and no ``OMP_NUM_THREADS``, each rank gets its share of the CPUs.
-   Every setting agang makes is logged.
+4. Before the group is made: on NCCL, the settings of :mod:`agang._setup.nccl_env`
+   (abort the communicator and keep the process; no heartbeat monitor that kills it), so
+   an agang deadline is survivable; with several local ranks and no
+   ``OMP_NUM_THREADS``, each rank gets its share of the CPUs. Every setting agang makes
+   is logged.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from agang._policy import GangPolicy, InFlightLimits, OnTimeout, make_policy
 from agang._process_group_gang import ProcessGroupGang
 from agang._setup.device import resolve_backend, resolve_device
 from agang._setup.env import WorldInfo, world_from_env
+from agang._setup.nccl_env import apply_nccl_settings
 from agang._setup.rendezvous import InitCancelled, check_in, end_round, open_store
 from agang._setup.retry import PortInUseError, RetryPolicy, TransientSetupError, call_c10d
 from agang._validate import check_timeout
@@ -60,11 +62,6 @@ _LIKELY_CAUSES = (
     "a rank was not started or crashed; MASTER_ADDR/MASTER_PORT differ between ranks; "
     "a firewall blocks the port (run `agang doctor` on each node)"
 )
-
-
-def _set_env(name: str, value: str, why: str) -> None:
-    os.environ[name] = value
-    log.info("agang: set %s=%s (%s).", name, value, why)
 
 
 def _prove(deadline: float) -> None:
@@ -151,8 +148,7 @@ class _Plan:
     def _prepare_process(self, world: WorldInfo) -> None:
         if self.backend == "nccl":
             torch.cuda.set_device(self.device)
-            if "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in os.environ:
-                _set_env("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2", "survive a timeout in-process")
+            apply_nccl_settings(os.environ)
         local = world.local_world_size or 1
         if local > 1 and "OMP_NUM_THREADS" not in self.env:
             threads = max(1, (os.cpu_count() or 1) // local)
