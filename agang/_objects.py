@@ -1,7 +1,8 @@
 """Picklable objects as byte tensors, for the two-phase object collectives.
 
 c10d's own object collectives block and need numpy; agang's are built from two tensor
-collectives (lengths, then bytes) so they are awaitable like any other op.
+collectives (lengths, then bytes) so they are awaitable like any other op. Both phases
+are read on the host, so both ask the backend for host-readable results (``to_host``).
 """
 
 from __future__ import annotations
@@ -72,12 +73,12 @@ def broadcast_phases(
     def second(start: Callable[[Start, Callable[[], Any]], None]) -> None:
         buffer = byte_buffer(payload, int(length.item()), device)
         start(
-            lambda done: backend.start_broadcast(buffer, source_rank, done),
+            lambda done: backend.start_broadcast(buffer, source_rank, done, to_host=True),
             lambda: objects if is_source else replace(objects, buffer),
         )
 
     def first(done: Callable[[BaseException | None], None]) -> None:
-        backend.start_broadcast(length, source_rank, done)
+        backend.start_broadcast(length, source_rank, done, to_host=True)
 
     return len(payload or b""), first, second
 
@@ -93,11 +94,11 @@ def all_gather_phases(backend: Backend, obj: Any, device: torch.device) -> Phase
         buffer = byte_buffer(payload, longest, device)
         gathered = torch.empty(backend.size * longest, dtype=torch.uint8, device=device)
         start(
-            lambda done: backend.start_all_gather(gathered, buffer, done),
+            lambda done: backend.start_all_gather(gathered, buffer, done, to_host=True),
             lambda: split(gathered, lengths, longest),
         )
 
     def first(done: Callable[[BaseException | None], None]) -> None:
-        backend.start_all_gather(lengths, length, done)
+        backend.start_all_gather(lengths, length, done, to_host=True)
 
     return len(payload), first, second

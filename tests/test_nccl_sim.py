@@ -239,3 +239,36 @@ async def test_the_simulated_watchdog_fails_an_op_whose_peer_never_comes() -> No
             with pytest.raises(agang.GangError):  # the gang broke; its group is aborted
                 await gangs[0].all_reduce(torch.ones(2))
         await close_all(*gangs)
+
+
+async def test_c4_stream_ordered_object_collectives_read_finished_results(
+    sim: SimulatedNccl,
+) -> None:
+    """In stream-ordered mode an op is reported done once it is ordered on the caller's
+    stream, before the device ran it. The object collectives read their first phase (the
+    payload's length) and their result on the host, so each of their phases must have
+    finished on the device first, or they read stale bytes (on a GPU: block the loop)."""
+    gangs = sim.gangs(stream_ordered=True)
+    with anyio.fail_after(BOUND):
+        sim.pause(1)  # the first phase cannot run until rank 1's device resumes
+        handles = [
+            gang.broadcast_objects([{"from": gang.rank}, "x" * 100], source_rank=0)
+            for gang in gangs
+        ]
+        await anyio.sleep(0.05)
+        assert not any(h.done() for h in handles)
+        sim.resume(1)
+        assert [await h for h in handles] == [[{"from": 0}, "x" * 100]] * 2
+
+        gathered = [gang.all_gather_objects(("rank", gang.rank)) for gang in gangs]
+        assert [await h for h in gathered] == [[("rank", 0), ("rank", 1)]] * 2
+
+        # Tensor ops keep the cheap mode: done once ordered, before the device ran them.
+        sim.pause(1)
+        tensor = torch.ones(2)
+        ordered = gangs[0].all_reduce(tensor)
+        assert (await ordered) is tensor
+        partner = gangs[1].all_reduce(torch.ones(2))
+        sim.resume(1)
+        await partner
+    await close_all(*gangs)

@@ -248,9 +248,17 @@ class C10dBackend:
 
     # Completion routing.
 
-    def _watch(self, work: Any, done: Done, post: Callable[[], None] | None = None) -> None:
+    def _watch(
+        self,
+        work: Any,
+        done: Done,
+        post: Callable[[], None] | None = None,
+        *,
+        to_host: bool = False,
+    ) -> None:
         if self._kind == "nccl":
-            self._completion.watch(work, done, post, stream_ordered=self._stream_ordered)
+            stream_ordered = self._stream_ordered and not to_host
+            self._completion.watch(work, done, post, stream_ordered=stream_ordered)
             return
 
         finish = after_post(post, done)
@@ -298,12 +306,14 @@ class C10dBackend:
             post = _then(_divider(tensor, self._size), post)
         self._watch(work, done, post)
 
-    def start_all_gather(self, output: torch.Tensor, input: torch.Tensor, done: Done) -> None:
+    def start_all_gather(
+        self, output: torch.Tensor, input: torch.Tensor, done: Done, *, to_host: bool = False
+    ) -> None:
         # Gloo concatenates along the first dimension: the input must be flat like the
         # output, or a 2-D or 0-dim input fails ("invalid tensor size at index 0").
         flat_input = _real(input.view(-1))
         work = _all_gather_flat(self._group(), _real(output), flat_input)
-        self._watch(work, done)
+        self._watch(work, done, to_host=to_host)
 
     def start_all_gather_to_list(
         self, outputs: list[torch.Tensor], input: torch.Tensor, done: Done
@@ -318,12 +328,14 @@ class C10dBackend:
         work = _reduce_scatter_flat(self._group(), _real(output.view(-1)), _real(input), c10d_op)
         self._watch(work, done, _divider(output, self._size) if divide else None)
 
-    def start_broadcast(self, tensor: torch.Tensor, source_rank: int, done: Done) -> None:
+    def start_broadcast(
+        self, tensor: torch.Tensor, source_rank: int, done: Done, *, to_host: bool = False
+    ) -> None:
         options = dist.BroadcastOptions()
         options.rootRank = source_rank
         options.rootTensor = 0
         work = self._group().broadcast([_real(tensor)], options)
-        self._watch(work, done)
+        self._watch(work, done, to_host=to_host)
 
     def start_all_to_all(self, output: torch.Tensor, input: torch.Tensor, done: Done) -> None:
         work = _all_to_all_flat(self._group(), _real(output), _real(input))

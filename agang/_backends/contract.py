@@ -20,6 +20,11 @@ Starting.
     engine calls ``start_*`` in the op's sequence order, one at a time per gang, never
     on two threads at once, possibly later than the user's call and on another thread
     (see ``defer``).
+Read on the host.
+    ``to_host=True`` (the object collectives, whose bytes agang reads on the CPU) asks
+    for ``done`` only once the result can be read on the host, even where the backend
+    otherwise reports an op done earlier (NCCL's stream-ordered mode: done once ordered
+    on the caller's stream, before the device ran it).
 Post-processing.
     ``start_all_reduce``'s ``post``, when given, runs after the reduction and before
     ``done(None)``: on CUDA in stream order, after the reduction's kernels. Its error
@@ -110,7 +115,9 @@ class Backend(Protocol):
     ) -> None:
         """Reduces ``tensor`` in place across ranks; runs ``post`` before ``done``."""
 
-    def start_all_gather(self, output: torch.Tensor, input: torch.Tensor, done: Done) -> None:
+    def start_all_gather(
+        self, output: torch.Tensor, input: torch.Tensor, done: Done, *, to_host: bool = False
+    ) -> None:
         """``output`` is flat: ``size`` runs shaped like ``input``, in rank order."""
 
     def start_all_gather_to_list(
@@ -123,7 +130,9 @@ class Backend(Protocol):
     ) -> None:
         """``input`` is flat: ``size`` runs shaped like ``output``; it stays unchanged."""
 
-    def start_broadcast(self, tensor: torch.Tensor, source_rank: int, done: Done) -> None:
+    def start_broadcast(
+        self, tensor: torch.Tensor, source_rank: int, done: Done, *, to_host: bool = False
+    ) -> None:
         """Copies ``source_rank``'s ``tensor`` into ``tensor`` on every rank."""
 
     def start_all_to_all(self, output: torch.Tensor, input: torch.Tensor, done: Done) -> None:

@@ -79,7 +79,9 @@ class FakeBackend:
             post()
         done(None)
 
-    def start_all_gather(self, output: torch.Tensor, input: torch.Tensor, done: Done) -> None:
+    def start_all_gather(
+        self, output: torch.Tensor, input: torch.Tensor, done: Done, *, to_host: bool = False
+    ) -> None:
         output.view(self._size, -1).copy_(input.reshape(1, -1))
         done(None)
 
@@ -97,7 +99,9 @@ class FakeBackend:
         _repeat_reduce(output, op, self._size)
         done(None)
 
-    def start_broadcast(self, tensor: torch.Tensor, source_rank: int, done: Done) -> None:
+    def start_broadcast(
+        self, tensor: torch.Tensor, source_rank: int, done: Done, *, to_host: bool = False
+    ) -> None:
         done(None)  # the source holds what this rank holds
 
     def start_all_to_all(self, output: torch.Tensor, input: torch.Tensor, done: Done) -> None:

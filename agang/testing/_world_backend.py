@@ -321,7 +321,9 @@ class FakeWorldBackend:
         done = after_post(post, done)
         self._arrive("all_reduce", (op, *_shapes(tensor)), (tensor,), done)
 
-    def start_all_gather(self, output: torch.Tensor, input: torch.Tensor, done: Done) -> None:
+    def start_all_gather(
+        self, output: torch.Tensor, input: torch.Tensor, done: Done, *, to_host: bool = False
+    ) -> None:
         self._arrive("all_gather", _shapes(output, input), (output, input), done)
 
     def start_all_gather_to_list(
@@ -334,7 +336,9 @@ class FakeWorldBackend:
     ) -> None:
         self._arrive("reduce_scatter", (op, *_shapes(output, input)), (output, input), done)
 
-    def start_broadcast(self, tensor: torch.Tensor, source_rank: int, done: Done) -> None:
+    def start_broadcast(
+        self, tensor: torch.Tensor, source_rank: int, done: Done, *, to_host: bool = False
+    ) -> None:
         self._arrive("broadcast", (source_rank, *_shapes(tensor)), (tensor,), done)
 
     def start_all_to_all(self, output: torch.Tensor, input: torch.Tensor, done: Done) -> None:
