@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from typing import Any, Literal, Self, TypeVar, overload
+from typing import Any, Literal, Self, overload
 
 import torch
 from typing_extensions import override
@@ -26,7 +26,8 @@ from typing_extensions import override
 from agang import _objects
 from agang._backends.contract import Backend, Done
 from agang._engine.coalescer import DEFAULT_BUCKET_BYTES, Coalesced, Coalescer, all_of, describe
-from agang._engine.engine import Engine, Start
+from agang._engine.engine import Engine
+from agang._engine.ops import Start
 from agang._future import Future
 from agang._gang import Gang
 from agang._handle import Handle
@@ -48,8 +49,6 @@ from agang._validate import (
     check_tensor,
     check_tensor_list,
 )
-
-T = TypeVar("T")
 
 # How long ``close`` waits for the backend to be released before it returns anyway.
 _CLOSE_SECONDS = 5.0
@@ -128,7 +127,7 @@ class CollectiveGang(Gang):
         self,
         op: str,
         tensors: Sequence[tuple[str, torch.Tensor]],
-        output: T,
+        output: Any,
         timeout: float | None,
         start: Start,
         *,

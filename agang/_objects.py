@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from agang._backends.contract import Backend
-from agang._engine.engine import SecondPhase, Start
+from agang._engine.ops import SecondPhase, Start
 
 #: An object collective as the engine issues it: bytes, its first and second phases.
 Phases = tuple[int, Start, SecondPhase]

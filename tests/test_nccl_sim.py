@@ -272,3 +272,32 @@ async def test_c4_stream_ordered_object_collectives_read_finished_results(
         sim.resume(1)
         await partner
     await close_all(*gangs)
+
+
+async def test_c5_stream_ordered_ops_keep_their_deadline_and_close(sim: SimulatedNccl) -> None:
+    """A stream-ordered op's handle finishes once the op is ordered, but the op stays in
+    flight until the device ran it: when its deadline passes first (a peer never came),
+    the gang breaks (on_timeout="abort") and close aborts the hung kernel."""
+    gangs = sim.gangs(stream_ordered=True, op_timeout=0.5)
+    with anyio.fail_after(BOUND):
+        sim.pause(1)
+        tensor = torch.ones(2)
+        handle = gangs[0].all_reduce(tensor)
+        assert (await handle) is tensor  # ordered: done at once, as promised
+        assert gangs[0].statistics().num_in_flight == 1  # still running on the device
+
+        cause: BaseException | None = None
+        started = time.monotonic()
+        while cause is None and time.monotonic() - started < 10.0:  # the deadline is 0.5 s
+            try:
+                gangs[0].barrier()
+            except agang.GangBrokenError as error:
+                cause = error.first_cause
+            await anyio.sleep(0.05)
+        assert isinstance(cause, agang.GangTimeoutError), "the late op never broke the gang"
+
+        closing = time.monotonic()
+        await gangs[0].close()
+        assert time.monotonic() - closing < 5.0
+    sim.resume(1)
+    await gangs[1].close()

@@ -20,6 +20,11 @@ Starting.
     engine calls ``start_*`` in the op's sequence order, one at a time per gang, never
     on two threads at once, possibly later than the user's call and on another thread
     (see ``defer``).
+Ordered before done.
+    A backend that reports ops once they are ordered on the caller's stream, before
+    they ran (NCCL's stream-ordered mode), calls ``report_ordered(done)`` then, and
+    still calls ``done(error)`` once the op really ended: the handle finishes at the
+    first, while the op stays in flight (deadlines, close, abort) until the second.
 Read on the host.
     ``to_host=True`` (the object collectives, whose bytes agang reads on the CPU) asks
     for ``done`` only once the result can be read on the host, even where the backend
@@ -196,3 +201,13 @@ def after_post(post: Callable[[], None] | None, done: Done) -> Done:
         done(error)
 
     return post_then_done
+
+
+def report_ordered(done: Done) -> bool:
+    """Tells the engine an op is ordered on the caller's stream, before it ran (see
+    "Ordered before done"); False if ``done`` cannot take it (then report ``done``)."""
+    ordered = getattr(done, "ordered", None)
+    if ordered is None:
+        return False
+    ordered()
+    return True

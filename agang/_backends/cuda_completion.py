@@ -15,8 +15,10 @@ device" for ``await``, so, per gang (one ``Completion`` per ``C10dBackend``):
    communicator finish in order anyway, on its one NCCL stream). The watcher ends when
    the gang releases its communicator, or at exit.
 4. In stream-ordered mode the caller's current stream waits for the op instead and the
-   op is reported done at once: ``await`` then means "ordered before later work on this
-   stream", the cheap mode for callers who only need that.
+   op is reported *ordered* at once (``report_ordered``): ``await`` then means "ordered
+   before later work on this stream", the cheap mode for callers who only need that.
+   The gang's watcher still learns when the op finished on the device and reports
+   ``done`` then, so deadlines, errors, close and abort still see the op until it ends.
 5. An op's ``post`` (copying a flat result back into its members) is queued on the same
    stream right after the wait, before the event: it is part of what the event covers.
 """
@@ -32,6 +34,7 @@ from typing import Any
 import torch
 
 from agang import _exit
+from agang._backends.contract import report_ordered
 from agang._backends.device_runtime import DeviceEvent, DeviceRuntime
 
 Done = Callable[[BaseException | None], None]
@@ -81,8 +84,10 @@ class Completion:
                 work.wait()  # the current stream waits; the CPU does not
             if post is not None:
                 runtime.run_on(current, post)
-            done(None)
-            return
+            if not report_ordered(done):
+                done(None)
+                return
+            post = None  # ran on the caller's stream; the side stream only watches
         jobs, stream = self._start()
         with runtime.use_stream(stream):
             work.wait()

@@ -9,6 +9,7 @@ which reduces them; it never calls back into the gang.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from agang._engine.grouping import (
     group_timeout,
     plan_buckets,
 )
+from agang._engine.ops import OpEnd
 from agang._handle import UNNUMBERED, Handle, finish_all
 from agang._reduce_op import ReduceOp
 
@@ -272,10 +274,7 @@ class Coalescer:
             def post() -> None:
                 self._buffers.unpack(packed, tensors)  # the backend is done with the buffer
 
-        def done(error: BaseException | None) -> None:
-            busy.release_all(claims)
-            engine.complete(handle, tensors, error)
-
+        done = OpEnd(engine, handle, tensors, functools.partial(busy.release_all, claims))
         start_all_reduce = self._backend.start_all_reduce
 
         def start(done: Done) -> None:

@@ -44,6 +44,10 @@ Rules:
 9. *Two phases.* An op whose second step depends on the first one's result (the object
    collectives: sizes, then bytes) holds the core's gate between its phases, so later
    ops start after its second phase on every rank.
+10. *Ordered, then done.* An op the backend reports ordered before it ran (NCCL's
+   stream-ordered mode) finishes its handle then, successfully, but stays in flight
+   until the backend reports its end: a deadline that passes meanwhile, or a failure
+   then, breaks the gang as for any op.
 """
 
 from __future__ import annotations
@@ -60,6 +64,7 @@ import torch
 
 from agang._backends.contract import Backend, Done
 from agang._engine import busy, deadline, reports
+from agang._engine.ops import OpEnd, SecondPhase, Start, start_guarded
 from agang._engine.room import Room
 from agang._engine.scheduler import Entry, Scheduler
 from agang._errors import (
@@ -75,20 +80,6 @@ from agang._statistics import Counters, GangStatistics
 from agang._validate import check_timeout
 
 log = logging.getLogger("agang")
-
-#: Starts an op in the backend; the op reports its end through the ``Done`` it is given.
-Start = Callable[[Done], None]
-#: The second phase of a two-phase op: given a way to start its backend op, with the
-#: function that turns the op's buffers into the handle's value.
-SecondPhase = Callable[[Callable[[Start, Callable[[], Any]], None]], None]
-
-
-def start_guarded(start: Start, done: Done) -> None:
-    """Starts an op; an error raised while starting is the op's error (rule 4)."""
-    try:
-        start(done)
-    except Exception as exc:
-        done(exc)
 
 
 class Engine:
@@ -118,6 +109,8 @@ class Engine:
         self._counters = Counters()
         self._ops_left_in_backend = False
         self._released = False
+        # The seqs of ops reported ordered whose end the backend has not reported (rule 10).
+        self._ordered_early: set[int] = set()
         backend.allow_timeout(policy.op_timeout)
 
     # Numbering and admission (rules 1, 2, 3 and 8).
@@ -181,11 +174,7 @@ class Engine:
         """Numbers, admits and (room permitting) starts one backend op; its handle
         finishes with ``output``."""
         handle, claim = self.new_handle(op, seconds, tensors)
-
-        def done(error: BaseException | None) -> None:
-            busy.release(claim)
-            self.complete(handle, output, error)
-
+        done = OpEnd(self, handle, output, functools.partial(busy.release, claim))
         self.admit(handle, start, done, fingerprint=fingerprint)
         return handle
 
@@ -320,6 +309,10 @@ class Engine:
         with self.lock:
             self._scheduler.finish(handle.seq, seconds=now - handle.issued_at, outcome=outcome)
             room_waiters = self._room.wake()
+            if self._ordered_early and handle.seq in self._ordered_early:
+                self._ordered_early.discard(handle.seq)
+                if error is None:
+                    self._counters.completed(handle.op, now - handle.issued_at)
         for waiter in room_waiters:
             waiter._finish(None, None)
         if error is None:
@@ -349,6 +342,12 @@ class Engine:
                 # the op itself, so the communicator is unusable all the same.
                 self.break_gang(wrapped)
         self._drain()
+
+    def ordered(self, handle: Handle[Any], value: Any) -> None:
+        """The op behind ``handle`` is ordered on the caller's stream (rule 10)."""
+        with self.lock:
+            self._ordered_early.add(handle.seq)
+        handle._finish(value, None)
 
     def count_coalesced(self, num_members: int) -> None:
         with self.lock:
@@ -415,6 +414,12 @@ class Engine:
             if abort:
                 self.break_gang(error)
 
+        with self.lock:
+            ordered_only = handle.seq in self._ordered_early
+        if ordered_only:  # its handle succeeded once ordered; the op itself is late
+            log.error("%s", error)
+            count_timed_out()
+            return
         # Broken before the waiters wake: their next call must be refused (rule 6).
         handle._finish(None, error, then=count_timed_out)
 

@@ -1,0 +1,68 @@
+"""What an op is to the engine: how it starts, and how its end comes back.
+
+The engine hands the backend a ``start`` (which calls a ``start_*`` of the backend) and
+an ``OpEnd`` (the ``done`` the backend calls); see ``engine``'s rules "The end is
+reported once" and "Ordered, then done".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from agang._backends.contract import Done
+
+if TYPE_CHECKING:
+    from agang._engine.engine import Engine
+    from agang._handle import Handle
+
+#: Starts an op in the backend; the op reports its end through the ``Done`` it is given.
+Start = Callable[[Done], None]
+#: The second phase of a two-phase op: given a way to start its backend op, with the
+#: function that turns the op's buffers into the handle's value.
+SecondPhase = Callable[[Callable[[Start, Callable[[], Any]], None]], None]
+
+
+def start_guarded(start: Start, done: Done) -> None:
+    """Starts an op; an error raised while starting is the op's error."""
+    try:
+        start(done)
+    except Exception as exc:
+        done(exc)
+
+
+class OpEnd:
+    """The ``done`` of one op: the backend calls it once the op ended.
+
+    A backend that reports an op once it is ordered on the caller's stream, before it
+    ran, calls :meth:`ordered` first: the handle finishes then and the tensors are free
+    for work ordered after it, while the op stays in flight (deadlines, close, abort)
+    until the call.
+    """
+
+    __slots__ = ("_engine", "_handle", "_output", "_release", "_released")
+
+    def __init__(
+        self,
+        engine: Engine,
+        handle: Handle[Any],
+        output: Any,
+        release: Callable[[], None],
+    ) -> None:
+        self._engine = engine
+        self._handle = handle
+        self._output = output
+        self._release = release
+        self._released = False
+
+    def __call__(self, error: BaseException | None) -> None:
+        if not self._released:
+            self._released = True
+            self._release()
+        self._engine.complete(self._handle, self._output, error)
+
+    def ordered(self) -> None:
+        if not self._released:
+            self._released = True
+            self._release()
+        self._engine.ordered(self._handle, self._output)
