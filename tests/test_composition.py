@@ -111,3 +111,22 @@ def test_every_gang_is_the_one_implementation() -> None:
         # Gang -> CollectiveGang -> the public constructor: depth 3 at most.
         depth = len([c for c in gang_class.__mro__ if issubclass(c, agang.Gang)])
         assert depth <= 3, gang_class.__mro__
+
+
+async def _group_is_freed_at_close(gang: agang.Gang) -> bool:
+    import gc
+    import weakref
+
+    assert isinstance(gang, agang.ProcessGroupGang)
+    await gang.all_reduce(torch.ones(1))
+    group = weakref.ref(gang.process_group)
+    await gang.close()
+    gc.collect()
+    return group() is None
+
+
+@pytest.mark.gloo
+def test_close_frees_the_process_group_while_the_gang_lives_on() -> None:
+    """Nothing of the gang keeps its group alive past close: the group (and the store
+    its world holds, with its port) goes then, not whenever the gang object does."""
+    assert run_world(_group_is_freed_at_close, 2, timeout=60) == [True, True]

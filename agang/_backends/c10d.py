@@ -417,7 +417,7 @@ class C10dBackend:
         self._stopped = True
         for waiter in self._waiters.values():
             waiter.stop()
-        self._completion.stop()
+        self._completion.release()
         try:
             if unfinished:
                 # Work still running would make destroy (NCCL) or the group's destructor

@@ -115,13 +115,20 @@ class Completion:
                 self._stopped = True
                 self._queue.put(None)
 
+    def release(self) -> None:
+        """Stops the watcher and drops the group: the gang frees it on its closing thread,
+        and a reference kept here would keep it (and a store's port) alive past close."""
+        self.stop()
+        self._process_group = None
+
     def _run(self, jobs: queue.SimpleQueue[tuple[DeviceEvent, Any, Done] | None]) -> None:
         self._runtime.bind_thread(self._device)
         while (item := jobs.get()) is not None:
             event, work, done = item
             try:
                 event.synchronize()
-                error = self._runtime.check_work(work, self._process_group, self._device)
+                group = self._process_group  # None once released: the Work alone tells
+                error = self._runtime.check_work(work, group, self._device)
             except Exception as exc:
                 error = exc
             done(error)

@@ -70,7 +70,10 @@ class DeviceRuntime(Protocol):
     def check_work(
         self, work: Any, process_group: Any, device: torch.device
     ) -> BaseException | None:
-        """The error of ``work`` once its event completed, or None if it succeeded (rule 4)."""
+        """The error of ``work`` once its event completed, or None if it succeeded (rule 4).
+
+        ``process_group`` is None once the gang released it: then only the Work tells.
+        """
 
 
 class TorchCudaRuntime:
@@ -123,6 +126,8 @@ class TorchCudaRuntime:
             return exc
         if error is not None:
             return error  # type: ignore[no-any-return]
+        if process_group is None:
+            return None
         try:
             backend_error = process_group._get_backend(device).get_error()
             failed = backend_error != type(backend_error).SUCCESS

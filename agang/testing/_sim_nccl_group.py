@@ -83,7 +83,7 @@ class SimRuntime:
         error = work.exception()
         if error is not None:
             return error  # type: ignore[no-any-return]
-        if process_group.get_error() != "SUCCESS":
+        if process_group is not None and process_group.get_error() != "SUCCESS":
             return dist.DistBackendError(
                 f"The communicator is in error state {process_group.get_error()}."
             )
