@@ -6,6 +6,12 @@
 - C7: a sub-gang or lane of an NCCL world was always made by ``split_group``, which
   refuses a default group made without ``device_id`` (a world the user set up before
   ``agang.init``); such a world now gets ``new_group``.
+- L1: with order checking on, every rank of an NCCL world joined the sub-gang's side
+  Gloo group, and c10d split NCCL's world communicator on the non-members alone (they
+  hung); now only members make it.
+- L2: a c10d-side timeout killed the process minutes later (NCCL's heartbeat monitor);
+  init now turns the monitor and the dump signal off unless the user set them, and an op
+  without a deadline lifts c10d's timeout out of reach.
 """
 
 from __future__ import annotations
@@ -206,3 +212,75 @@ def test_l2_doctor_warns_when_the_monitor_can_kill_the_process() -> None:
 
     assert findings["TORCH_NCCL_ENABLE_MONITORING"].status is Status.WARN
     assert findings["TORCH_NCCL_DUMP_ON_TIMEOUT"].status is Status.OK
+
+
+# L1: order checking + create_gang on an NCCL world hung the non-members.
+
+
+class _Rank2(_Group):
+    def rank(self) -> int:
+        return 2
+
+
+def _record_new_groups(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    calls: list[dict[str, Any]] = []
+
+    class Default:
+        bound_device_id = torch.device("cuda", 0)
+
+    def new_group(ranks: Any = None, **kwargs: Any) -> Any:
+        calls.append({"ranks": ranks, **kwargs})
+        return "side"
+
+    monkeypatch.setattr(dist.distributed_c10d, "_get_default_group", lambda: Default())
+    monkeypatch.setattr(dist, "split_group", lambda **kwargs: None, raising=False)
+    monkeypatch.setattr(dist, "new_group", new_group)
+    monkeypatch.setattr(dist, "get_global_rank", lambda group, rank: rank)
+    return calls
+
+
+@pytest.mark.anyio
+async def test_l1_order_checked_sub_gang_asks_nothing_of_nccl_non_members(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls = _record_new_groups(monkeypatch)
+
+    group, side = await c10d_children.create_groups(
+        _Rank2(),  # type: ignore[arg-type]
+        [0, 1],
+        kind="nccl",
+        is_world=True,
+        with_side_group=True,
+        high_priority=False,
+        backstop=60.0,
+        seconds=10.0,
+        parent_name="root",
+    )
+
+    # A world new_group joined by a non-member would split NCCL's world communicator on
+    # that rank alone: the non-member makes no group at all.
+    assert (group, side) == (None, None)
+    assert calls == []
+
+
+@pytest.mark.anyio
+async def test_l1_members_make_the_side_group_among_themselves(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls = _record_new_groups(monkeypatch)
+    monkeypatch.setattr(dist, "split_group", lambda **kwargs: "split", raising=False)
+
+    group, side = await c10d_children.create_groups(
+        _Group(),  # type: ignore[arg-type]
+        [0, 1],
+        kind="nccl",
+        is_world=True,
+        with_side_group=True,
+        high_priority=False,
+        backstop=60.0,
+        seconds=10.0,
+        parent_name="root",
+    )
+
+    assert (group, side) == ("split", "side")
+    assert [(c["backend"], c.get("use_local_synchronization")) for c in calls] == [("gloo", True)]

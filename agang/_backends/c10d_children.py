@@ -9,7 +9,11 @@ Rules:
 2. Otherwise a child is a ``new_group``. Over the world, every rank of the world takes
    part (c10d's rule), and non-members drop the placeholder they get. Under a sub-gang,
    only members take part (``use_local_synchronization``).
-3. With order checking on, each child gets its own side Gloo group for its checks.
+3. With order checking on, each child gets its own side Gloo group for its checks. On
+   NCCL only its members make it (``use_local_synchronization``): over an NCCL world
+   bound to a device, c10d answers a ``new_group`` that a non-member joins by splitting
+   the world's NCCL communicator with no colour on that rank alone, a split the members
+   never make, so the non-member would hang in it (pytorch#145376).
 4. The whole creation runs on a thread, within the gang's op deadline; a store hiccup
    that c10d reports as transient (``agang._setup.retry.call_c10d``) is retried within it.
 """
@@ -66,8 +70,10 @@ async def create_groups(
         )
         return group
 
-    def new_group(backend: str | None, pg_options: Any) -> dist.ProcessGroup | None:  # rule 2
-        if is_world:
+    def new_group(
+        backend: str | None, pg_options: Any, *, members_only: bool = False
+    ) -> dist.ProcessGroup | None:  # rule 2
+        if is_world and not members_only:
             group = dist.new_group(
                 global_ranks, timeout=timeout, backend=backend, pg_options=pg_options
             )
@@ -85,7 +91,8 @@ async def create_groups(
 
     def create() -> Groups:
         group = split() if kind == "nccl" and _can_split() else new_group(None, options)
-        side = new_group("gloo", None) if with_side_group else None  # rule 3
+        # Rule 3: on NCCL, members only.
+        side = new_group("gloo", None, members_only=kind == "nccl") if with_side_group else None
         return group, side
 
     stop_at = time.monotonic() + (seconds if seconds is not None else 1e9)
