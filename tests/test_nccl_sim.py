@@ -301,3 +301,21 @@ async def test_c5_stream_ordered_ops_keep_their_deadline_and_close(sim: Simulate
         assert time.monotonic() - closing < 5.0
     sim.resume(1)
     await gangs[1].close()
+
+
+async def test_raw_process_groups_and_synchronize_model_a_blocking_caller(
+    sim: SimulatedNccl,
+) -> None:
+    """``gang.process_group`` is the simulated group: driven directly, as raw c10d code
+    would, ``Work.wait()`` orders the current stream and ``sim.synchronize`` waits for it."""
+    gangs = sim.gangs()
+    tensors = [torch.full((3,), float(rank + 1)) for rank in range(2)]
+    works = [g.process_group.allreduce([t]) for g, t in zip(gangs, tensors, strict=True)]
+    for work in works:
+        work.wait()
+    for rank in range(2):
+        sim.synchronize(rank)
+    assert [t.tolist() for t in tensors] == [[3.0] * 3] * 2
+    with pytest.raises(ValueError, match="`rank`"):
+        sim.synchronize(2)
+    await close_all(*gangs)

@@ -103,6 +103,15 @@ class SimulatedNccl:
         and the communicator is left in an error state."""
         self._device.fail_next(message)
 
+    def synchronize(self, rank: int) -> None:
+        """Blocks until everything queued so far on ``rank``'s current stream (of this
+        thread) has run: ``torch.cuda.synchronize()`` for one simulated rank, for code
+        that drives the process groups directly (``gang.process_group``)."""
+        runtime = self._runtimes[self._check_rank(rank)]
+        event = runtime.new_event()
+        event.record(runtime.current_stream())
+        event.synchronize()
+
     def close(self) -> None:
         """Stops the device thread; close the gangs first."""
         self._device.close()
