@@ -284,3 +284,62 @@ async def test_l1_members_make_the_side_group_among_themselves(
 
     assert (group, side) == ("split", "side")
     assert [(c["backend"], c.get("use_local_synchronization")) for c in calls] == [("gloo", True)]
+
+
+# C3: the caller's thread stayed on GPU 0 after init.
+
+
+class _UpGang:
+    """What init hands back, standing in for an NCCL gang (no GPU here)."""
+
+    device = torch.device("cuda", 1)
+
+
+def _bind_recorder(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, torch.device]]:
+    import threading
+
+    from agang._setup.init import _Plan
+
+    bound: list[tuple[int, torch.device]] = []
+    monkeypatch.setattr(
+        torch.cuda,
+        "set_device",
+        lambda device: bound.append((threading.get_ident(), torch.device(device))),
+    )
+    monkeypatch.setattr(_Plan, "connect", lambda self: _UpGang())
+    return bound
+
+
+_NCCL_INIT: dict[str, Any] = {
+    "world": _world(1),
+    "in_process": False,
+    "backend": "nccl",
+    "device": "cuda:1",
+    "timeout": 10,
+}
+
+
+@pytest.mark.anyio
+async def test_c3_init_binds_the_callers_thread_to_the_gangs_gpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import threading
+
+    bound = _bind_recorder(monkeypatch)
+
+    gang = await agang.init(**_NCCL_INIT)
+
+    assert isinstance(gang, _UpGang)
+    assert (threading.get_ident(), torch.device("cuda", 1)) in bound
+
+
+def test_c3_init_sync_binds_the_callers_thread_to_the_gangs_gpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import threading
+
+    bound = _bind_recorder(monkeypatch)
+
+    agang.init_sync(**_NCCL_INIT)
+
+    assert (threading.get_ident(), torch.device("cuda", 1)) in bound

@@ -319,3 +319,30 @@ async def test_raw_process_groups_and_synchronize_model_a_blocking_caller(
     with pytest.raises(ValueError, match="`rank`"):
         sim.synchronize(2)
     await close_all(*gangs)
+
+
+async def test_c3_agang_threads_bind_the_gangs_device_before_touching_it(
+    sim: SimulatedNccl,
+) -> None:
+    """CUDA's current device is per host thread, and a thread starts on GPU 0: each of
+    agang's own threads that touches a gang's device (the watcher, the abort after a
+    timeout, the close) makes that device its own first."""
+    gangs = sim.gangs(op_timeout=0.3)
+    with anyio.fail_after(BOUND):
+        first = [g.all_reduce(torch.ones(1)) for g in gangs]
+        for handle in first:
+            await handle
+        sim.pause(1)
+        with pytest.raises(agang.GangTimeoutError):
+            await gangs[0].all_reduce(torch.ones(1))
+        await gangs[0].close()
+        started = time.monotonic()
+        kinds = {"agang-nccl-watch", "agang: abort gang", "agang: close gang"}
+        seen: set[str] = set()
+        while seen != kinds and time.monotonic() - started < 10.0:
+            names = sim.bound_threads(0)
+            seen = {kind for kind in kinds if any(n.startswith(kind) for n in names)}
+            await anyio.sleep(0.05)
+        assert seen == kinds
+    sim.resume(1)
+    await gangs[1].close()

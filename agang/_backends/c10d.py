@@ -396,14 +396,23 @@ class C10dBackend:
 
     # Failure and lifecycle.
 
+    def _bind(self) -> None:
+        """Makes the gang's GPU this thread's device before it touches CUDA (agang's own
+        threads start on GPU 0, where a CUDA call would make a context of its own)."""
+        if self._kind == "nccl":
+            self._runtime.bind_thread(self._device)
+
     def abort(self) -> None:
         self._stopped = True
         # An abort can take a moment; never on the caller's (maybe the loop's) thread.
         groups = self._groups()
         if groups:  # none: a release on another thread has freed them already
-            _exit.start_daemon(
-                lambda: self._aborter.abort(groups), name=f"agang: abort gang '{self._name}'"
-            )
+
+            def abort_groups() -> None:
+                self._bind()
+                self._aborter.abort(groups)
+
+            _exit.start_daemon(abort_groups, name=f"agang: abort gang '{self._name}'")
 
     def _groups(self) -> list[tuple[dist.ProcessGroup, str]]:
         """The groups and their backends, while the backend holds them."""
@@ -414,6 +423,7 @@ class C10dBackend:
         return groups
 
     def release(self, *, unfinished: bool) -> None:
+        self._bind()  # runs on a closing thread of agang's, or the caller's
         self._stopped = True
         for waiter in self._waiters.values():
             waiter.stop()
@@ -457,6 +467,7 @@ class C10dBackend:
             backstop=self._backstop,
             seconds=seconds,
             parent_name=self._name,
+            bind=self._bind,
         )
         if group is None:
             return None

@@ -21,6 +21,7 @@ Rules:
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -51,6 +52,7 @@ async def create_groups(
     backstop: float,
     seconds: float | None,
     parent_name: str,
+    bind: Callable[[], None] = lambda: None,
 ) -> Groups:
     """The child's group and side group on members; ``(None, None)`` on non-members.
 
@@ -98,6 +100,7 @@ async def create_groups(
     stop_at = time.monotonic() + (seconds if seconds is not None else 1e9)
 
     def create_with_retry() -> Groups:  # rule 4
+        bind()  # the gang's device, before c10d touches CUDA on this thread
         for attempt in retrying(RetryPolicy(), stop_at):
             with attempt:
                 groups = call_c10d(create)

@@ -15,6 +15,8 @@ Rules:
    an agang deadline is survivable; with several local ranks and no
    ``OMP_NUM_THREADS``, each rank gets its share of the CPUs. Every setting agang makes
    is logged.
+5. On CUDA, the gang's device becomes the calling thread's current device before
+   ``init`` returns (CUDA keeps one per host thread, and set-up ran on its own).
 """
 
 from __future__ import annotations
@@ -143,6 +145,7 @@ class _Plan:
 
     def local_gang(self) -> Gang:
         log.info("agang: no multi-rank world in the environment; using an in-process gang.")
+        self._bind_caller()
         return FakeGang(rank=0, size=1, device=self.device, policy=self.policy)
 
     def _prepare_process(self, world: WorldInfo) -> None:
@@ -286,8 +289,16 @@ class _Plan:
         return failure
 
     def up(self, gang: ProcessGroupGang) -> ProcessGroupGang:
+        """The gang, handed over on the caller's thread (rule 5)."""
+        self._bind_caller()
         log.info("agang: %r is up after %.2f s.", gang, time.monotonic() - self.started)
         return gang
+
+    def _bind_caller(self) -> None:
+        # CUDA's current device is per host thread, and set-up ran on another one: the
+        # caller was still on GPU 0, where its own tensors and streams would then go.
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
 
 
 def _start(

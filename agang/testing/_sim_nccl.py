@@ -103,6 +103,11 @@ class SimulatedNccl:
         and the communicator is left in an error state."""
         self._device.fail_next(message)
 
+    def bound_threads(self, rank: int) -> list[str]:
+        """The names of the threads that made ``rank``'s device theirs, in order (on a
+        GPU: ``torch.cuda.set_device`` before touching it)."""
+        return list(self._runtimes[self._check_rank(rank)].bound_threads)
+
     def synchronize(self, rank: int) -> None:
         """Blocks until everything queued so far on ``rank``'s current stream (of this
         thread) has run: ``torch.cuda.synchronize()`` for one simulated rank, for code
