@@ -4,12 +4,13 @@ The c10d work is its backend's (``agang._backends.c10d``). A process group still
 at interpreter exit can abort the process ("terminate called without an active
 exception", seen with raw c10d too once future callbacks were used), so the world gangs
 still open are closed at exit (``_exit``, within its bound): their running work is
-aborted, their threads end.
+aborted, their threads end. They are held strongly until closed: c10d keeps the world
+group registered whether or not the program still holds its gang, so a gang the program
+dropped without closing must still be closed at exit.
 """
 
 from __future__ import annotations
 
-import weakref
 from typing import final
 
 import torch
@@ -21,7 +22,7 @@ from agang._collective_gang import CollectiveGang
 from agang._errors import GangClosedError
 from agang._policy import GangPolicy
 
-_open_world_gangs: weakref.WeakSet[ProcessGroupGang] = weakref.WeakSet()
+_open_world_gangs: list[ProcessGroupGang] = []
 
 
 def _close_open_gangs() -> None:
@@ -74,7 +75,9 @@ class ProcessGroupGang(CollectiveGang):
         )
         super().__init__(c10d, policy)
         if is_world:
-            _open_world_gangs.add(self)
+            # Closed ones are dropped here: one strong reference per open world gang.
+            _open_world_gangs[:] = [g for g in _open_world_gangs if not g.closed]
+            _open_world_gangs.append(self)
 
     @property
     def process_group(self) -> dist.ProcessGroup:

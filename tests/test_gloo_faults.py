@@ -312,3 +312,51 @@ def test_processes_that_never_close_their_gang_exit_cleanly() -> None:
                 process.join()
             exit_codes.append(process.exitcode)
     assert exit_codes == [0] * 6
+
+
+def _rank_that_drops_its_gang(rank: int, port: int) -> None:
+    import gc
+    import sys
+    import weakref
+
+    env = {
+        "RANK": str(rank),
+        "WORLD_SIZE": "2",
+        "LOCAL_RANK": str(rank),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+    }
+    gang = agang.init_sync(env=env, in_process=False, timeout=60, op_timeout=60)
+    gang.all_reduce(torch.ones(4)).wait(timeout=60)
+    kept = weakref.ref(gang)
+    del gang
+    gc.collect()
+    if kept() is None:  # gone: nothing would close its group at exit
+        sys.exit(3)
+
+
+def test_a_world_gang_dropped_unclosed_is_kept_for_the_exit_closer() -> None:
+    """c10d keeps the world group registered after the program drops its gang; agang
+    keeps the gang too, so that exit closes the group (a group alive at exit can abort
+    the process, as in the test above). Exit code 3: the gang was gone."""
+    import multiprocessing
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    context = multiprocessing.get_context("spawn")
+    store = dist.TCPStore(  # type: ignore[attr-defined]
+        "127.0.0.1", 0, 2, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
+    )
+    ranks = [
+        context.Process(target=_rank_that_drops_its_gang, args=(r, store.port)) for r in (0, 1)
+    ]
+    for process in ranks:
+        process.start()
+    for process in ranks:
+        process.join(timeout=60)
+        if process.is_alive():
+            process.kill()
+            process.join()
+    assert [process.exitcode for process in ranks] == [0, 0]
