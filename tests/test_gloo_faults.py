@@ -268,7 +268,8 @@ def test_close_with_an_op_in_flight_wakes_waiters_and_exits_cleanly() -> None:
     assert report["refused_after_close"]
 
 
-def _rank_that_never_closes(rank: int, port: int) -> None:
+def _world_gang_of_two(rank: int, port: int) -> agang.Gang:
+    """This spawned process's root gang, rank ``rank`` of 2, on the test's store."""
     env = {
         "RANK": str(rank),
         "WORLD_SIZE": "2",
@@ -277,40 +278,42 @@ def _rank_that_never_closes(rank: int, port: int) -> None:
         "MASTER_PORT": str(port),
         "TORCHELASTIC_USE_AGENT_STORE": "True",
     }
-    gang = agang.init_sync(env=env, in_process=False, timeout=60, op_timeout=60)
-    for _ in range(100):
-        gang.all_reduce(torch.ones(4)).wait(timeout=60)
+    return agang.init_sync(env=env, in_process=False, timeout=60, op_timeout=60)
 
 
-def test_processes_that_never_close_their_gang_exit_cleanly() -> None:
-    # Raw c10d sometimes aborts at exit here (1 run in 6 seen); agang closes at exit.
+def _exit_codes_of_two_ranks(target: Any) -> list[int | None]:
+    """Runs ``target(rank, port)`` in two spawned processes on a store hosted here."""
     import multiprocessing
     from datetime import timedelta
 
     import torch.distributed as dist
 
     context = multiprocessing.get_context("spawn")
+    store = dist.TCPStore(  # type: ignore[attr-defined]
+        "127.0.0.1", 0, 2, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
+    )
+    ranks = [context.Process(target=target, args=(r, store.port)) for r in range(2)]
+    for process in ranks:
+        process.start()
+    for process in ranks:
+        process.join(timeout=60)
+        if process.is_alive():
+            process.kill()
+            process.join()
+    return [process.exitcode for process in ranks]
+
+
+def _rank_that_never_closes(rank: int, port: int) -> None:
+    gang = _world_gang_of_two(rank, port)
+    for _ in range(100):
+        gang.all_reduce(torch.ones(4)).wait(timeout=60)
+
+
+def test_processes_that_never_close_their_gang_exit_cleanly() -> None:
+    # Raw c10d sometimes aborts at exit here (1 run in 6 seen); agang closes at exit.
     exit_codes = []
     for _ in range(3):
-        store = dist.TCPStore(  # type: ignore[attr-defined]
-            "127.0.0.1",
-            0,
-            2,
-            is_master=True,
-            wait_for_workers=False,
-            timeout=timedelta(seconds=60),
-        )
-        ranks = [
-            context.Process(target=_rank_that_never_closes, args=(r, store.port)) for r in range(2)
-        ]
-        for process in ranks:
-            process.start()
-        for process in ranks:
-            process.join(timeout=60)
-            if process.is_alive():
-                process.kill()
-                process.join()
-            exit_codes.append(process.exitcode)
+        exit_codes += _exit_codes_of_two_ranks(_rank_that_never_closes)
     assert exit_codes == [0] * 6
 
 
@@ -319,15 +322,7 @@ def _rank_that_drops_its_gang(rank: int, port: int) -> None:
     import sys
     import weakref
 
-    env = {
-        "RANK": str(rank),
-        "WORLD_SIZE": "2",
-        "LOCAL_RANK": str(rank),
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-        "TORCHELASTIC_USE_AGENT_STORE": "True",
-    }
-    gang = agang.init_sync(env=env, in_process=False, timeout=60, op_timeout=60)
+    gang = _world_gang_of_two(rank, port)
     gang.all_reduce(torch.ones(4)).wait(timeout=60)
     kept = weakref.ref(gang)
     del gang
@@ -340,23 +335,4 @@ def test_a_world_gang_dropped_unclosed_is_kept_for_the_exit_closer() -> None:
     """c10d keeps the world group registered after the program drops its gang; agang
     keeps the gang too, so that exit closes the group (a group alive at exit can abort
     the process, as in the test above). Exit code 3: the gang was gone."""
-    import multiprocessing
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    context = multiprocessing.get_context("spawn")
-    store = dist.TCPStore(  # type: ignore[attr-defined]
-        "127.0.0.1", 0, 2, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
-    )
-    ranks = [
-        context.Process(target=_rank_that_drops_its_gang, args=(r, store.port)) for r in (0, 1)
-    ]
-    for process in ranks:
-        process.start()
-    for process in ranks:
-        process.join(timeout=60)
-        if process.is_alive():
-            process.kill()
-            process.join()
-    assert [process.exitcode for process in ranks] == [0, 0]
+    assert _exit_codes_of_two_ranks(_rank_that_drops_its_gang) == [0, 0]

@@ -86,18 +86,18 @@ def _record_creation(monkeypatch: pytest.MonkeyPatch, bound_device: Any) -> list
     return calls
 
 
-async def _create(**options: Any) -> tuple[Any, Any]:
+async def _create(parent: _Group | None = None, *, with_side_group: bool = False) -> Any:
+    """Members [0, 1] of an NCCL world, as this rank (``parent``'s) makes them."""
     return await c10d_children.create_groups(
-        _Group(),  # type: ignore[arg-type]
+        parent or _Group(),  # type: ignore[arg-type]
         [0, 1],
         kind="nccl",
         is_world=True,
-        with_side_group=False,
+        with_side_group=with_side_group,
         high_priority=False,
         backstop=60.0,
         seconds=10.0,
         parent_name="root",
-        **options,
     )
 
 
@@ -245,17 +245,7 @@ async def test_l1_order_checked_sub_gang_asks_nothing_of_nccl_non_members(
 ) -> None:
     calls = _record_new_groups(monkeypatch)
 
-    group, side = await c10d_children.create_groups(
-        _Rank2(),  # type: ignore[arg-type]
-        [0, 1],
-        kind="nccl",
-        is_world=True,
-        with_side_group=True,
-        high_priority=False,
-        backstop=60.0,
-        seconds=10.0,
-        parent_name="root",
-    )
+    group, side = await _create(_Rank2(), with_side_group=True)
 
     # A world new_group joined by a non-member would split NCCL's world communicator on
     # that rank alone: the non-member makes no group at all.
@@ -270,17 +260,7 @@ async def test_l1_members_make_the_side_group_among_themselves(
     calls = _record_new_groups(monkeypatch)
     monkeypatch.setattr(dist, "split_group", lambda **kwargs: "split", raising=False)
 
-    group, side = await c10d_children.create_groups(
-        _Group(),  # type: ignore[arg-type]
-        [0, 1],
-        kind="nccl",
-        is_world=True,
-        with_side_group=True,
-        high_priority=False,
-        backstop=60.0,
-        seconds=10.0,
-        parent_name="root",
-    )
+    group, side = await _create(with_side_group=True)
 
     assert (group, side) == ("split", "side")
     assert [(c["backend"], c.get("use_local_synchronization")) for c in calls] == [("gloo", True)]
