@@ -1,12 +1,11 @@
 """The one implementation of :class:`agang.Gang`: validation in front of an engine.
 
-A ``CollectiveGang`` is made of three parts, each holding the next, with one-way calls:
-- the gang itself checks every call's input, naming the parameter, and resolves its
-  timeout once; then it hands the op to
-- the coalescer (``agang._engine.coalescer``) when the op is an all-reduce in an open
-  ``coalesce()`` scope or a bucketed all-reduce, and otherwise straight to
-- the engine (``agang._engine.engine``), which numbers, admits, starts, completes and
-  times out ops, and breaks and closes the gang, over
+A ``CollectiveGang`` is made of parts, each holding the next, with one-way calls:
+- the gang checks every call's input, naming the parameter, resolves its timeout once,
+  and hands the op to the coalescer (``agang._engine.coalescer``: all-reduces in an open
+  ``coalesce()`` scope, bucketed all-reduces) or straight to
+- the engine (``agang._engine.engine``): numbers, admits, starts, completes and times
+  out ops, breaks and closes the gang, over
 - the backend (``agang._backends.contract``), which moves the bytes.
 
 ``ProcessGroupGang``, ``FakeGang`` and ``testing.FakeWorldGang`` are this class over
@@ -25,6 +24,7 @@ from typing_extensions import override
 
 from agang import _objects
 from agang._backends.contract import Backend, Done
+from agang._backends.device_runtime import StreamOrder
 from agang._engine.coalescer import DEFAULT_BUCKET_BYTES, Coalesced, Coalescer, all_of, describe
 from agang._engine.engine import Engine
 from agang._engine.ops import Start
@@ -50,8 +50,7 @@ from agang._validate import (
     check_tensor_list,
 )
 
-# How long ``close`` waits for the backend to be released before it returns anyway.
-_CLOSE_SECONDS = 5.0
+_CLOSE_SECONDS = 5.0  # how long ``close`` waits for the backend's release at most
 
 
 class CollectiveGang(Gang):
@@ -114,6 +113,10 @@ class CollectiveGang(Gang):
         """The gang's timeout, in-flight and order-checking policy."""
         return self._engine.policy
 
+    def stream_order(self) -> StreamOrder | None:
+        """Orders device work of code above the gang around its ops; None on a CPU."""
+        return self._backend.stream_order()
+
     def __repr__(self) -> str:
         return (
             f"<{type(self).__name__} '{self.name}' rank {self.rank} of {self.size} "
@@ -175,8 +178,7 @@ class CollectiveGang(Gang):
     def coalesce(self) -> contextlib.AbstractContextManager[Coalesced]:
         return self._coalescer.coalesce()
 
-    # The overloads repeat the ABC's: mypy refuses a plain override of an overloaded
-    # method whose return is the union.
+    # The overloads repeat the ABC's: mypy refuses a plain override of the union.
     @overload
     def all_reduce_bucketed(
         self,
@@ -394,11 +396,10 @@ class CollectiveGang(Gang):
         seconds = self._engine.resolve_timeout(timeout)
         self._coalescer.flush()
         num_bytes, first, second = phases
-        return self._engine.issue_two_phase(
+        engine = self._engine
+        return engine.issue_two_phase(
             op, seconds, num_bytes, first, second, fingerprint=fingerprint
         )
-
-    # Back-pressure.
 
     @override
     async def wait_for_room(self, num_bytes: int = 0) -> None:

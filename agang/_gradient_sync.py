@@ -28,6 +28,13 @@ Rules:
    gives that parameter a gradient too (rule 4).
 6. The parameters (and buffers) are broadcast from ``source_rank`` when the object is
    made; ``ready()`` waits for that, and a forward pass before it raises.
+7. On a device with streams (NCCL), device work follows the streams that hold its
+   inputs, as in DDP: a bucket is issued on the stream its first gradient came from
+   (backward's), also when ``wait()`` issues it from another thread, so the
+   all-reduce reads accumulated gradients; the broadcast parameters are copied in by
+   ``ready()`` (or the first forward) on the caller's current stream, never on an agang
+   thread's; and where the gang reports ops once ordered (stream-ordered mode),
+   ``wait()`` and that copy first make the caller's current stream wait for the ops.
 """
 
 from __future__ import annotations
@@ -35,12 +42,14 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, final
 
 import torch
 
+from agang._backends.device_runtime import DeviceEvent, StreamOrder
+from agang._collective_gang import CollectiveGang
 from agang._engine.coalescer import all_of
 from agang._engine.grouping import flatten, plan_buckets, unflatten_into
 from agang._future import Future
@@ -62,6 +71,8 @@ class _Bucket:
     num_pending: int = 0
     ready: set[int] = field(default_factory=set)  # positions in ``params``
     handle: Handle[torch.Tensor] | None = None
+    stream: Any = None  # where its first gradient of the step came from (rule 7)
+    ordered: DeviceEvent | None = None  # after its all-reduce, in stream-ordered mode
 
 
 @dataclass(frozen=True)
@@ -154,6 +165,9 @@ class GradientSync:
                 f"`gang` must be an agang.Gang, but is of type `{type(gang).__name__}` instead."
             )
         self._gang = gang
+        self._order: StreamOrder | None = (
+            gang.stream_order() if isinstance(gang, CollectiveGang) else None
+        )
         self._op = check_reduce_op(op)
         self._bucket_bytes = check_positive_int(bucket_bytes, name="bucket_bytes")
         self._first_bucket_bytes = min(
@@ -178,6 +192,7 @@ class GradientSync:
             p.register_post_accumulate_grad_hook(self._on_gradient)  # type: ignore[no-untyped-call]
             for p in params
         ]
+        self._install: Callable[[], None] | None = None  # the copy ``ready()`` makes
         self._ready = self._broadcast_state(model, source_rank)
         self._forward_check = model.register_forward_pre_hook(self._check_ready)
 
@@ -222,27 +237,52 @@ class GradientSync:
             broadcasts.append((handle, flat, members))
         everything = all_of([b[0] for b in broadcasts], None, op="broadcast parameters")
         done: Future[Any] = Future("broadcast parameters")
+        order = self._order
+        ordered = order.mark() if order is not None and order.stream_ordered else None
 
         def copy_back() -> None:
+            with torch.no_grad():
+                for _, flat, members in broadcasts:
+                    unflatten_into(flat, [t.detach() for t in members])
+
+        def install() -> None:  # on the caller's thread and stream (rule 7)
+            assert order is not None
+            if ordered is not None:
+                order.wait(ordered)
+            order.run_here(copy_back)
+
+        def finished() -> None:
             error = everything.exception()
-            if error is None:
-                with torch.no_grad():
-                    for _, flat, members in broadcasts:
-                        unflatten_into(flat, [t.detach() for t in members])
+            if error is None and order is None:
+                copy_back()  # on a CPU the copy is the work itself: off the loop
             done._finish(None, error)
 
-        everything._add_done_callback(copy_back)
+        self._install = install if order is not None else None
+        everything._add_done_callback(finished)
         return done
+
+    def _install_parameters(self) -> None:
+        """Queues the broadcast parameters' copy on the caller's stream, once (rule 7)."""
+        with self._lock:
+            install, self._install = self._install, None
+        if install is not None:
+            install()
 
     # The user's side.
 
     async def ready(self) -> None:
-        """Waits until every replica holds the source rank's parameters and buffers."""
+        """Waits until every replica holds the source rank's parameters and buffers.
+
+        On a GPU, the copy into the parameters is queued on the caller's current
+        stream: run forward on that stream, or after it.
+        """
         await self._ready
+        self._install_parameters()
 
     def ready_sync(self, timeout: float | None = None) -> None:
         """:meth:`ready` for synchronous code."""
         self._ready.wait(timeout)
+        self._install_parameters()
 
     def _check_ready(self, module: torch.nn.Module, args: Any) -> None:
         if not self._ready.done():
@@ -251,6 +291,7 @@ class GradientSync:
                 "`await sync.ready()` (or `sync.ready_sync()`) first."
             )
         self._ready.result()  # raises the broadcast's error, if any
+        self._install_parameters()
         self._forward_check.remove()
 
     @contextlib.contextmanager
@@ -280,6 +321,7 @@ class GradientSync:
         handles = self._finish_step()
         for handle in handles:
             await handle
+        self._order_callers_stream()
         self._end_step(handles, started)
 
     def wait_sync(self, timeout: float | None = None) -> None:
@@ -288,6 +330,7 @@ class GradientSync:
         handles = self._finish_step()
         for handle in handles:
             handle.wait(timeout)
+        self._order_callers_stream()
         self._end_step(handles, started)
 
     @property
@@ -324,40 +367,63 @@ class GradientSync:
                 )
             bucket.ready.add(position)
             bucket.num_pending -= 1
+            if self._order is not None and bucket.stream is None:
+                bucket.stream = self._order.current()
             self._issue_ready_buckets()
+
+    def _on_stream_of(self, bucket: _Bucket) -> contextlib.AbstractContextManager[None]:
+        """Inside: the stream of the bucket's gradients is current (rule 7)."""
+        if self._order is None or bucket.stream is None:
+            return contextlib.nullcontext()
+        return self._order.use(bucket.stream)
 
     def _issue_ready_buckets(self) -> None:
         # The caller holds the lock (rule 3).
+        order = self._order
         while self._next_to_issue < len(self._buckets):
             bucket = self._buckets[self._next_to_issue]
             if bucket.num_pending:
                 return
-            bucket.handle = self._gang.all_reduce(bucket.buffer, self._op, timeout=self._timeout)
+            with self._on_stream_of(bucket):
+                bucket.handle = self._gang.all_reduce(
+                    bucket.buffer, self._op, timeout=self._timeout
+                )
+                if order is not None and order.stream_ordered:
+                    bucket.ordered = order.mark()
             self._next_to_issue += 1
+
+    def _order_callers_stream(self) -> None:
+        """Stream-ordered mode: the caller's stream waits for every bucket (rule 7)."""
+        for bucket in self._buckets:
+            if bucket.ordered is not None and self._order is not None:
+                self._order.wait(bucket.ordered)
 
     def _finish_step(self) -> list[Handle[torch.Tensor]]:
         """Rule 4: the open buckets, with what ``.grad`` holds (or zeros), in order."""
         with self._lock:
             for bucket in self._buckets[self._next_to_issue :]:
-                for position, (param, view) in enumerate(
-                    zip(bucket.params, bucket.views, strict=True)
-                ):
-                    if position in bucket.ready:
-                        continue
-                    # No gradient this step, but ``.grad`` may hold one accumulated under
-                    # ``no_sync()``: in the view already, or in a fresh tensor when it was
-                    # None before. None means no gradient since the last clear.
-                    grad = param.grad
-                    if grad is None:
-                        view.zero_()
-                    elif grad.data_ptr() != view.data_ptr():
-                        view.copy_(grad)
-                    bucket.ready.add(position)
-                    bucket.num_pending -= 1
-                    param.grad = view
+                with self._on_stream_of(bucket):
+                    self._fill_missing(bucket)
             self._issue_ready_buckets()
             handles = [b.handle for b in self._buckets if b.handle is not None]
         return handles
+
+    @staticmethod
+    def _fill_missing(bucket: _Bucket) -> None:
+        for position, (param, view) in enumerate(zip(bucket.params, bucket.views, strict=True)):
+            if position in bucket.ready:
+                continue
+            # No gradient this step, but ``.grad`` may hold one accumulated under
+            # ``no_sync()``: in the view already, or in a fresh tensor when it was None
+            # before. None means no gradient since the last clear.
+            grad = param.grad
+            if grad is None:
+                view.zero_()
+            elif grad.data_ptr() != view.data_ptr():
+                view.copy_(grad)
+            bucket.ready.add(position)
+            bucket.num_pending -= 1
+            param.grad = view
 
     def _end_step(self, handles: list[Handle[torch.Tensor]], started: float) -> None:
         finished = time.monotonic()
@@ -380,4 +446,5 @@ class GradientSync:
                 bucket.ready.clear()
                 bucket.num_pending = len(bucket.params)
                 bucket.handle = None
+                bucket.stream = bucket.ordered = None
             self._next_to_issue = 0

@@ -41,7 +41,7 @@ from agang._backends import c10d_order, cuda_completion
 from agang._backends.c10d_abort import Aborter
 from agang._backends.c10d_children import create_groups
 from agang._backends.contract import Census, Checked, Done, after_post
-from agang._backends.device_runtime import DeviceRuntime, torch_runtime
+from agang._backends.device_runtime import DeviceRuntime, StreamOrder, torch_runtime
 from agang._reduce_op import ReduceOp, to_c10d
 
 log = logging.getLogger("agang")
@@ -245,6 +245,11 @@ class C10dBackend:
                 start()
 
         return start_on_callers_stream
+
+    def stream_order(self) -> StreamOrder | None:
+        if self._kind != "nccl" and self._device.type != "cuda":
+            return None
+        return StreamOrder(self._runtime, self._device, stream_ordered=self._stream_ordered)
 
     # Completion routing.
 

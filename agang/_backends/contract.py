@@ -75,6 +75,7 @@ from typing import Protocol
 
 import torch
 
+from agang._backends.device_runtime import StreamOrder
 from agang._reduce_op import ReduceOp
 
 #: How a backend reports the end of an op: None on success, else the error.
@@ -165,6 +166,10 @@ class Backend(Protocol):
     def defer(self, start: Callable[[], None]) -> Callable[[], None]:
         """Wraps a start that may run later, on another thread, as if run now (CUDA:
         on the caller's current stream)."""
+
+    def stream_order(self) -> StreamOrder | None:
+        """How code above the gang orders its own device work around the gang's ops on
+        its streams (a GPU, or a simulated one); None where ops need no stream order."""
 
     def allow_timeout(self, seconds: float | None) -> None:
         """An op may now run ``seconds`` (None: no agang deadline); keep the backend's

@@ -31,6 +31,8 @@ from typing import Any, Protocol
 
 import torch
 
+from agang._backends.cuda_streams import PrivateStreams
+
 
 class DeviceEvent(Protocol):
     """A marker in a stream (rule 3)."""
@@ -55,14 +57,18 @@ class DeviceRuntime(Protocol):
         """Makes ``stream`` the calling thread's current stream inside the block."""
 
     def side_stream(self, device: torch.device, key: object) -> Any:
-        """A stream of agang's own on ``device``, one per ``key``, made on first use; it
-        may be dropped once ``key`` (weakly referenced) is gone."""
+        """A stream of agang's own on ``device``, one per ``key``, made on first use: no
+        other code can be handed the same stream (``cuda_streams``); it may be dropped
+        once ``key`` (weakly referenced) is gone."""
 
     def run_on(self, stream: Any, fn: Callable[[], None]) -> None:
         """Runs ``fn`` with its device work ordered on ``stream`` (rule 2)."""
 
     def new_event(self) -> DeviceEvent:
         """A new event whose ``synchronize`` blocks without spinning."""
+
+    def wait_event(self, stream: Any, event: DeviceEvent) -> None:
+        """Makes ``stream`` wait for ``event`` (device side: the CPU does not block)."""
 
     def bind_thread(self, device: torch.device) -> None:
         """Makes ``device`` the calling thread's device (for agang's own threads)."""
@@ -77,9 +83,15 @@ class DeviceRuntime(Protocol):
 
 
 class TorchCudaRuntime:
-    """The production runtime: torch.cuda."""
+    """The production runtime: torch.cuda.
 
-    def __init__(self) -> None:
+    Args:
+        streams: Makes the side streams (private ones, outside torch's pool; tests pass a
+            double).
+    """
+
+    def __init__(self, streams: PrivateStreams | None = None) -> None:
+        self._streams = PrivateStreams() if streams is None else streams
         self._lock = threading.Lock()
         # Weak keys: a gang's stream goes with the gang.
         self._side_streams: weakref.WeakKeyDictionary[object, dict[torch.device, Any]] = (
@@ -99,7 +111,7 @@ class TorchCudaRuntime:
             streams = self._side_streams.setdefault(key, {})
             stream = streams.get(device)
             if stream is None:
-                stream = streams[device] = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+                stream = streams[device] = self._streams.new(device, key)
             return stream
 
     def run_on(self, stream: Any, fn: Callable[[], None]) -> None:
@@ -108,6 +120,9 @@ class TorchCudaRuntime:
 
     def new_event(self) -> DeviceEvent:
         return torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
+
+    def wait_event(self, stream: Any, event: DeviceEvent) -> None:
+        stream.wait_event(event)
 
     def bind_thread(self, device: torch.device) -> None:
         if device.type == "cuda" and device.index is not None:
@@ -136,6 +151,47 @@ class TorchCudaRuntime:
         if failed:
             return RuntimeError(f"The NCCL communicator reports an error: {backend_error}.")
         return None
+
+
+class StreamOrder:
+    """Orders a caller's device work around a gang's ops, on the caller's own streams.
+
+    For code above the gang that queues device work of its own (``GradientSync``'s
+    copies): each call acts on the calling thread's current stream, as torch's kernels do.
+
+    Args:
+        runtime: The gang's device runtime.
+        device: The gang's device.
+        stream_ordered: Whether the gang reports ops once ordered on the issuing
+            thread's current stream (then only that stream waits for them).
+    """
+
+    def __init__(self, runtime: DeviceRuntime, device: torch.device, *, stream_ordered: bool):
+        self._runtime = runtime
+        self._device = device
+        self.stream_ordered = stream_ordered
+
+    def current(self) -> Any:
+        """The calling thread's current stream."""
+        return self._runtime.current_stream(self._device)
+
+    def use(self, stream: Any) -> contextlib.AbstractContextManager[None]:
+        """Makes ``stream`` current inside the block."""
+        return self._runtime.use_stream(stream)
+
+    def run_here(self, fn: Callable[[], None]) -> None:
+        """Runs ``fn`` with its device work ordered on the current stream."""
+        self._runtime.run_on(self.current(), fn)
+
+    def mark(self) -> DeviceEvent:
+        """An event at the current end of the current stream."""
+        event = self._runtime.new_event()
+        event.record(self.current())
+        return event
+
+    def wait(self, event: DeviceEvent) -> None:
+        """Makes the current stream wait for ``event``."""
+        self._runtime.wait_event(self.current(), event)
 
 
 _default: TorchCudaRuntime | None = None

@@ -14,6 +14,7 @@ from typing import final
 import torch
 
 from agang._backends.contract import Census, Checked, Done
+from agang._backends.device_runtime import StreamOrder
 from agang._errors import GangError
 from agang._reduce_op import ReduceOp
 
@@ -127,6 +128,9 @@ class FakeBackend:
 
     def defer(self, start: Callable[[], None]) -> Callable[[], None]:
         return start
+
+    def stream_order(self) -> StreamOrder | None:
+        return None
 
     def allow_timeout(self, seconds: float | None) -> None:
         pass

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+from collections.abc import Callable, Iterator
 from types import TracebackType
 
 import torch
@@ -10,7 +12,7 @@ import torch
 from agang._backends.c10d import C10dBackend
 from agang._policy import OnTimeout, make_policy
 from agang._process_group_gang import ProcessGroupGang
-from agang.testing._sim_nccl_device import SimDevice
+from agang.testing._sim_nccl_device import SimDevice, SimEvent, SimStream
 from agang.testing._sim_nccl_group import Communicator, SimProcessGroup, SimRuntime
 
 
@@ -112,10 +114,35 @@ class SimulatedNccl:
         """Blocks until everything queued so far on ``rank``'s current stream (of this
         thread) has run: ``torch.cuda.synchronize()`` for one simulated rank, for code
         that drives the process groups directly (``gang.process_group``)."""
+        self.record_event(rank).synchronize()
+
+    # Streams of the user's own, for code that orders its device work (torch.cuda's
+    # ``Stream``, ``stream(s)``, a long kernel, ``Event().record()``).
+
+    def stream(self, rank: int) -> SimStream:
+        """A new stream of ``rank``, as ``torch.cuda.Stream()`` on that rank's GPU."""
+        return self._device.new_stream(self._check_rank(rank), f"rank {rank} user")
+
+    @contextlib.contextmanager
+    def use_stream(self, rank: int, stream: SimStream) -> Iterator[None]:
+        """Makes ``stream`` ``rank``'s current stream on this thread inside the block, as
+        ``torch.cuda.stream(stream)`` does."""
+        with self._runtimes[self._check_rank(rank)].use_stream(stream):
+            yield
+
+    def hold(self, rank: int) -> Callable[[], None]:
+        """Holds ``rank``'s current stream (of this thread) until the returned function
+        is called: stands in for long device work queued there, such as compute."""
+        runtime = self._runtimes[self._check_rank(rank)]
+        return self._device.hold(runtime.current_stream())
+
+    def record_event(self, rank: int) -> SimEvent:
+        """An event at the end of ``rank``'s current stream (of this thread): its
+        ``query()`` says whether the stream got there, ``synchronize()`` waits for it."""
         runtime = self._runtimes[self._check_rank(rank)]
         event = runtime.new_event()
         event.record(runtime.current_stream())
-        event.synchronize()
+        return event
 
     def close(self) -> None:
         """Stops the device thread; close the gangs first."""

@@ -164,6 +164,19 @@ class SimDevice:
                 part.error = error
                 self.cond.notify_all()
 
+    def hold(self, stream: SimStream) -> Callable[[], None]:
+        """Holds ``stream`` at its current end until the returned function is called."""
+        gate = SimEvent(self)
+        gate.done = False
+        self.enqueue(stream, WaitFor(gate))
+
+        def release() -> None:
+            with self.cond:
+                gate.done = True
+                self.cond.notify_all()
+
+        return release
+
     def close(self) -> None:
         with self.cond:
             self.closed = True

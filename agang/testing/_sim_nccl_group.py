@@ -74,6 +74,9 @@ class SimRuntime:
     def new_event(self) -> SimEvent:
         return SimEvent(self._device)
 
+    def wait_event(self, stream: SimStream, event: Any) -> None:
+        self._device.enqueue(stream, WaitFor(event))
+
     def bind_thread(self, device: torch.device) -> None:
         self.bound_threads.append(threading.current_thread().name)
 

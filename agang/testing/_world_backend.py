@@ -34,6 +34,7 @@ import torch
 
 from agang import _asynclib
 from agang._backends.contract import Census, Checked, Done, after_post
+from agang._backends.device_runtime import StreamOrder
 from agang._engine import deadline
 from agang._errors import GangError, GangInitError
 from agang._future import Future
@@ -361,6 +362,9 @@ class FakeWorldBackend:
 
     def defer(self, start: Callable[[], None]) -> Callable[[], None]:
         return start
+
+    def stream_order(self) -> StreamOrder | None:
+        return None
 
     def allow_timeout(self, seconds: float | None) -> None:
         pass
