@@ -1,7 +1,7 @@
-"""The ``agang`` command: ``agang doctor`` (or ``python -m agang doctor``).
+"""The ``agang`` command (or ``python -m agang``): ``doctor`` and ``selfcheck``.
 
-Exit status: 0 when the doctor found no problem (warnings allowed), 1 when it found
-one, 2 on a usage error.
+Exit status: 0 when the doctor found no problem (warnings allowed) or every self-check
+passed, 1 otherwise, 2 on a usage error.
 """
 
 from __future__ import annotations
@@ -47,6 +47,21 @@ def _parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="bound on each network call (default: 1)",
     )
+    selfcheck = commands.add_parser(
+        "selfcheck",
+        help="check agang's NCCL paths on this machine's GPUs (or on the simulation)",
+        description="Runs agang's NCCL paths and prints a PASS/FAIL table with figures: "
+        "completion, barrier, timeout then abort, close, stream-ordered mode, separate "
+        "gangs, GradientSync against DDP, device binding, private streams. On a GPU "
+        "machine it uses real NCCL (one GPU, or `torchrun --nproc-per-node N -m agang "
+        "selfcheck`); without a GPU it runs the same checks on agang.testing.SimulatedNccl.",
+    )
+    selfcheck.add_argument(
+        "--simulate", action="store_true", help="use the simulation even where a GPU is present"
+    )
+    selfcheck.add_argument(
+        "--verbose", action="store_true", help="show agang's log (the checks break gangs)"
+    )
     return parser
 
 
@@ -64,6 +79,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         0
     """
     arguments = _parser().parse_args(argv)
+    if arguments.command == "selfcheck":
+        from agang._selfcheck.run import selfcheck  # imports torch.cuda paths only here
+
+        return selfcheck(simulate=arguments.simulate, out=sys.stdout, verbose=arguments.verbose)
     findings = diagnose(os.environ, probe_host_facts(), SocketProbe(timeout=arguments.timeout))
     sys.stdout.write(render_json(findings) if arguments.json else render(findings))
     return 1 if has_problems(findings) else 0

@@ -129,3 +129,19 @@ def test_gradient_sync_averages_into_buckets_on_the_device(gang: agang.Gang) -> 
     assert len({g.untyped_storage().data_ptr() for g in grads if g is not None}) == 1
     for got, want in zip(grads, reference.parameters(), strict=True):
         torch.testing.assert_close(got, want.grad)  # one rank: the mean is the gradient
+
+
+def test_selfcheck_passes_on_this_gpu() -> None:
+    """``agang selfcheck`` on real NCCL, one GPU (in its own process: its own world)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "agang", "selfcheck"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "agang selfcheck: NCCL on" in done.stdout
