@@ -98,7 +98,8 @@ def _all_reduce_options(op: ReduceOp, backend: str) -> tuple[dist.AllreduceOptio
 
 def _divider(tensor: torch.Tensor, size: int) -> Callable[[], None]:
     def divide() -> None:
-        tensor.div_(size)
+        with torch.no_grad():  # a leaf that requires grad takes results, as c10d writes them
+            tensor.div_(size)
 
     return divide
 

@@ -68,6 +68,7 @@ class FakeBackend:
     def name(self) -> str:
         return self._name
 
+    @torch.no_grad()  # results go into tensors that may require grad
     def start_all_reduce(
         self,
         tensor: torch.Tensor,
@@ -80,12 +81,14 @@ class FakeBackend:
             post()
         done(None)
 
+    @torch.no_grad()  # results go into tensors that may require grad
     def start_all_gather(
         self, output: torch.Tensor, input: torch.Tensor, done: Done, *, to_host: bool = False
     ) -> None:
         output.view(self._size, -1).copy_(input.reshape(1, -1))
         done(None)
 
+    @torch.no_grad()  # results go into tensors that may require grad
     def start_all_gather_to_list(
         self, outputs: list[torch.Tensor], input: torch.Tensor, done: Done
     ) -> None:
@@ -93,6 +96,7 @@ class FakeBackend:
             output.copy_(input)
         done(None)
 
+    @torch.no_grad()  # results go into tensors that may require grad
     def start_reduce_scatter(
         self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp, done: Done
     ) -> None:
@@ -105,6 +109,7 @@ class FakeBackend:
     ) -> None:
         done(None)  # the source holds what this rank holds
 
+    @torch.no_grad()  # results go into tensors that may require grad
     def start_all_to_all(self, output: torch.Tensor, input: torch.Tensor, done: Done) -> None:
         # Rank j sends this rank its chunk number `rank`, which equals ours.
         chunk = input.view(self._size, -1)[self._rank]

@@ -68,15 +68,17 @@ def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
     """A new 1-D buffer holding the (contiguous) ``tensors``' elements in order."""
     # A view costs microseconds from Python: 1-D tensors (biases, norms, flat buffers)
     # are concatenated as they are, and views of the others are made in C++.
-    if all(t.dim() == 1 for t in tensors):
-        return torch.cat(tensors)
-    return torch._C._nn.flatten_dense_tensors(tensors)
+    with torch.no_grad():  # the buffer carries values, never an autograd graph
+        if all(t.dim() == 1 for t in tensors):
+            return torch.cat(tensors)
+        return torch._C._nn.flatten_dense_tensors(tensors)
 
 
 def unflatten_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
     """Copies ``flat``'s consecutive parts back into ``tensors`` (contiguous)."""
-    targets = [t if t.dim() == 1 else t.view(-1) for t in tensors]
-    torch._foreach_copy_(targets, flat.split_with_sizes([t.numel() for t in targets]))
+    with torch.no_grad():  # a leaf that requires grad takes results, as c10d writes them
+        targets = [t if t.dim() == 1 else t.view(-1) for t in tensors]
+        torch._foreach_copy_(targets, flat.split_with_sizes([t.numel() for t in targets]))
 
 
 Shapes = tuple[torch.Size, ...]
@@ -113,6 +115,7 @@ class FlatBuffers:
         self._bytes = 0
         self._max_bytes = max_bytes
 
+    @torch.no_grad()  # members may require grad; the buffer carries values only
     def pack(self, tensors: list[torch.Tensor]) -> Packed:
         """The members copied into a kept buffer of their layout, or a new one."""
         first = tensors[0]
@@ -132,6 +135,7 @@ class FlatBuffers:
                 return packed
         return Packed(flatten(tensors), all(t.dim() == 1 for t in tensors), key)
 
+    @torch.no_grad()  # results go into members that may require grad, as c10d's do
     def unpack(self, packed: Packed, tensors: list[torch.Tensor]) -> None:
         """Copies the reduced buffer back into the members; the buffer may then be
         reused (call it only once c10d is done with the buffer)."""

@@ -24,6 +24,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from agang import _exit
 
 log = logging.getLogger("agang")
@@ -253,7 +255,8 @@ class SimDevice:
                 p.error = p.communicator.async_error(message)
         else:
             try:
-                collective.run(parts)
+                with torch.no_grad():  # results go into tensors that may require grad
+                    collective.run(parts)
             except Exception as exc:
                 for p in parts.values():
                     p.error = exc

@@ -117,7 +117,8 @@ class Communicator:
             self._finish_all(arrivals, error)
             return
         try:
-            _COMPUTE[first.kind](arrivals)
+            with torch.no_grad():  # results go into tensors that may require grad
+                _COMPUTE[first.kind](arrivals)
         except Exception as exc:
             self._finish_all(arrivals, exc)
             return
@@ -208,7 +209,8 @@ class Communicator:
             self.world.schedule(lambda: done(error))
             self.world.schedule(lambda: other_done(error))
             return
-        received.copy_(sent)
+        with torch.no_grad():
+            received.copy_(sent)
         self.world.schedule(lambda: done(None))
         self.world.schedule(lambda: other_done(None))
 
