@@ -11,12 +11,18 @@ Rules:
    stuck there says so under a key of its own, and whoever has not said so within
    ``CENSUS_SECONDS`` is named absent (the stuck ranks time out at about the same
    moment, so that is enough for them to speak).
+4. The census answers within ``CENSUS_BOUND`` whatever the store does: a deadline waits
+   for it, and a store whose host is stopped would otherwise hold the answer (and the
+   timeout) until the store client's own timeout, many times the deadline. Past the
+   bound it answers None (unknown); the thread that asked may stay blocked, and is
+   not joined at exit.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -30,6 +36,7 @@ from agang._offload import start_thread
 log = logging.getLogger("agang")
 
 CENSUS_SECONDS = 0.25
+CENSUS_BOUND = CENSUS_SECONDS + 0.25
 
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -68,6 +75,7 @@ def start_order_check(
         _ = start_thread(
             lambda: _exchange(prefix, rank, fingerprint, digests, checked, give_up),
             name=f"order mismatch on '{name}'",
+            join_at_exit=False,  # it may wait on a stopped store; a deadline covers it
         )
 
     work.get_future().add_done_callback(on_gathered)
@@ -115,8 +123,24 @@ def start_census(
     """Reports the ranks that had not reached the ``index``-th check (rule 3)."""
     # Keyed by c10d's group name: equal on every rank, and unique for the store's life.
     prefix = f"agang/census/{group_name}/{index}"
+    lock = threading.Lock()
+    reported = False
+
+    def once(absent: list[int] | None) -> None:  # rule 4: the first answer counts
+        nonlocal reported
+        with lock:
+            if reported:
+                return
+            reported = True
+        report(absent)
+
+    timer = threading.Timer(CENSUS_BOUND, once, args=(None,))
+    timer.daemon = True
+    timer.start()
     _ = start_thread(
-        lambda: report(_absent_from_check(prefix, rank, size, name)), name=f"census '{name}'"
+        lambda: once(_absent_from_check(prefix, rank, size, name)),
+        name=f"census '{name}'",
+        join_at_exit=False,
     )
 
 

@@ -405,7 +405,7 @@ class Engine:
             recent=recent,
             abort=abort,
             index=index,
-            absent=absent or [],
+            absent=absent,
         )
 
         def count_timed_out() -> None:

@@ -33,10 +33,10 @@ def timed_out(
     recent: list[str],
     abort: bool,
     index: int | None,
-    absent: list[int],
+    absent: list[int] | None,
 ) -> GangTimeoutError:
     """An op's deadline passed; ``absent`` are the ranks a census found had not reached
-    its order check (``index``), if any."""
+    its order check (``index``), if any; None where a census could not tell."""
     consequence = (
         "The gang is now broken."
         if abort
@@ -48,6 +48,12 @@ def timed_out(
             f"checking got no fingerprint of theirs): they skipped it, or are stalled "
             f"or late before it."
         )
+    elif index is not None and absent is None:
+        why = (
+            f"order checking got no fingerprint from some rank for collective #{index}, "
+            f"and the store could not be asked which (its host may be stopped or "
+            f"unreachable): a peer may be late, stopped, or issuing its ops in another order."
+        )
     else:
         why = "a peer may be late, stopped, or issuing its ops in another order."
     return GangTimeoutError(
@@ -56,5 +62,5 @@ def timed_out(
         elapsed=elapsed,
         in_flight=in_flight,
         recent=recent,
-        absent_ranks=absent,
+        absent_ranks=absent or [],
     )
