@@ -14,7 +14,7 @@ from typing_extensions import override
 from agang._backends.fake import FakeBackend, no_peers
 from agang._collective_gang import CollectiveGang
 from agang._handle import Handle
-from agang._policy import GangPolicy, InFlightLimits, OnTimeout, make_policy
+from agang._policy import CheckOrder, GangPolicy, InFlightLimits, OnTimeout, make_policy
 from agang._validate import check_positive_int, check_rank
 
 
@@ -48,7 +48,7 @@ class FakeGang(CollectiveGang):
         op_timeout: float | None = None,
         on_timeout: OnTimeout = "abort",
         limits: InFlightLimits | None = None,
-        check_order: bool | None = False,
+        check_order: CheckOrder | None = False,
         policy: GangPolicy | None = None,
     ) -> None:
         check_positive_int(size, name="size")

@@ -14,11 +14,14 @@ from agang._validate import check_positive_int, check_timeout
 
 WhenFull = Literal["queue", "raise", "block"]
 OnTimeout = Literal["abort", "raise"]
+#: Order checking: off, on, or on with each op's call site in its fingerprint.
+CheckOrder = bool | Literal["call_site"]
 
 _WHEN_FULL = ("queue", "raise", "block")
 _ON_TIMEOUT = ("abort", "raise")
 
-#: Environment variable that turns order checking on for every gang (``1``/``0``).
+#: Environment variable that turns order checking on for every gang (``1``/``0``, or
+#: ``call_site``).
 CHECK_ORDER_ENV = "AGANG_CHECK_ORDER"
 
 
@@ -62,7 +65,7 @@ class GangPolicy:
     op_timeout: float | None = None
     on_timeout: OnTimeout = "abort"
     limits: InFlightLimits = InFlightLimits()
-    check_order: bool = False
+    check_order: CheckOrder = False
 
 
 def make_policy(
@@ -93,13 +96,15 @@ def make_policy(
         )
     if check_order is None:
         value = (os.environ if env is None else env).get(CHECK_ORDER_ENV, "0").strip()
-        if value not in ("", "0", "1"):
-            raise ValueError(f"`{CHECK_ORDER_ENV}` must be 0 or 1, but is {value!r} instead.")
-        check_order = value == "1"
-    if not isinstance(check_order, bool):
+        if value not in ("", "0", "1", "call_site"):
+            raise ValueError(
+                f"`{CHECK_ORDER_ENV}` must be 0, 1 or call_site, but is {value!r} instead."
+            )
+        check_order = "call_site" if value == "call_site" else value == "1"
+    if not isinstance(check_order, bool) and check_order != "call_site":
         raise TypeError(
-            f"`check_order` must be a bool or None, "
-            f"but is of type `{type(check_order).__name__}` instead."
+            f"`check_order` must be a bool, 'call_site' or None, but is {check_order!r} "
+            f"of type `{type(check_order).__name__}` instead."
         )
     return GangPolicy(
         op_timeout=timeout,

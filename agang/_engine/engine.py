@@ -64,6 +64,7 @@ import torch
 
 from agang._backends.contract import Backend, Done
 from agang._engine import busy, deadline, reports
+from agang._engine.call_site import call_site
 from agang._engine.ops import OpEnd, SecondPhase, Start, start_guarded
 from agang._engine.room import Room
 from agang._engine.scheduler import Entry, Scheduler
@@ -109,8 +110,7 @@ class Engine:
         self._counters = Counters()
         self._ops_left_in_backend = False
         self._released = False
-        # The seqs of ops reported ordered whose end the backend has not reported (rule 10).
-        self._ordered_early: set[int] = set()
+        self._ordered_early: set[int] = set()  # seqs reported ordered, not ended (rule 10)
         backend.allow_timeout(policy.op_timeout)
 
     # Numbering and admission (rules 1, 2, 3 and 8).
@@ -195,7 +195,7 @@ class Engine:
         ``done`` ends the op; it is also how a never-started op is abandoned.
         """
         due = None if handle.timeout is None else handle.issued_at + handle.timeout
-        checked = fingerprint is not None and self.policy.check_order
+        checked = fingerprint is not None and self.policy.check_order is not False
         entry = Entry(
             seq=handle.seq,
             op=handle.op,
@@ -211,6 +211,8 @@ class Engine:
             self._scheduler.admit(entry)
             if checked:
                 assert fingerprint is not None
+                if self.policy.check_order == "call_site":
+                    fingerprint = f"{fingerprint} at {call_site()}"
                 index = entry.check_index = self._next_check
                 self._next_check += 1
                 self._check_order(entry, index, fingerprint)
@@ -426,9 +428,8 @@ class Engine:
     # Failure and lifecycle (rules 6 and 7).
 
     def _take_pending(self) -> tuple[list[Any], list[tuple[Handle[Any], Done]]]:
-        """The pending handles and room waiters, and the never-started ops, now dropped
-        from the queue. The caller holds the lock and has just marked the gang broken or
-        closed; it fails them outside the lock."""
+        """The pending handles, room waiters and never-started ops (now dropped); the caller
+        holds the lock, has marked the gang broken or closed, and fails them unlocked."""
         items = [entry.item for entry in self._scheduler.entries.values()]
         dropped = [entry.item for entry in self._scheduler.drop_queued()]
         pending: list[Any] = [handle for handle, _ in items if not handle._settled()]
@@ -467,8 +468,7 @@ class Engine:
             log.exception("Aborting the communicator of gang '%s' failed.", self.name)
 
     def mark_closed(self) -> bool:
-        """Closes the gang at once: pending waiters fail right away (rule 7). Returns
-        False if it was closed already."""
+        """Closes the gang at once, failing pending waiters (rule 7); False if closed."""
         with self.lock:
             if self.closed:
                 return False

@@ -40,7 +40,7 @@ from agang._fake_gang import FakeGang
 from agang._future import Future
 from agang._gang import Gang
 from agang._offload import start_thread
-from agang._policy import GangPolicy, InFlightLimits, OnTimeout, make_policy
+from agang._policy import CheckOrder, GangPolicy, InFlightLimits, OnTimeout, make_policy
 from agang._process_group_gang import ProcessGroupGang
 from agang._setup.device import resolve_backend, resolve_device
 from agang._setup.env import WorldInfo, world_from_env
@@ -314,7 +314,7 @@ def _start(
     retry: RetryPolicy | None,
     on_timeout: OnTimeout,
     limits: InFlightLimits | None,
-    check_order: bool | None,
+    check_order: CheckOrder | None,
 ) -> tuple[_Plan, Future[ProcessGroupGang] | None]:
     """The body :func:`init` and :func:`init_sync` share: checks the arguments, plans,
     and starts the set-up thread. No handle means an in-process gang
@@ -359,7 +359,7 @@ async def init(
     retry: RetryPolicy | None = None,
     on_timeout: OnTimeout = "abort",
     limits: InFlightLimits | None = None,
-    check_order: bool | None = None,
+    check_order: CheckOrder | None = None,
 ) -> Gang:
     """Makes the gang of this process's world.
 
@@ -391,8 +391,11 @@ async def init(
             (:class:`agang.InFlightLimits`); None for 1,024 ops and 1 GiB, queued.
         check_order: Compare every collective's fingerprint (op, shapes, dtypes, reduce
             op, root) across ranks before starting it, and raise
-            :class:`agang.CollectiveMismatchError` on every rank on a mismatch. None reads
-            ``AGANG_CHECK_ORDER`` (``1`` turns it on); it must be equal on every rank.
+            :class:`agang.CollectiveMismatchError` on every rank on a mismatch.
+            ``"call_site"`` also puts the file and line that issued each op into its
+            fingerprint, which tells swapped ops of equal shape apart (for debugging:
+            ranks must then issue each op from the same line). None reads
+            ``AGANG_CHECK_ORDER`` (``1`` or ``call_site``); equal on every rank.
 
     Returns:
         The root gang.
@@ -458,7 +461,7 @@ def init_sync(
     retry: RetryPolicy | None = None,
     on_timeout: OnTimeout = "abort",
     limits: InFlightLimits | None = None,
-    check_order: bool | None = None,
+    check_order: CheckOrder | None = None,
 ) -> Gang:
     """:func:`init` for programs without an event loop; blocks at most ``timeout`` seconds.
 

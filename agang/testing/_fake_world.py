@@ -15,7 +15,7 @@ import torch
 
 from agang._collective_gang import CollectiveGang
 from agang._gang import Gang
-from agang._policy import GangPolicy, InFlightLimits, OnTimeout, make_policy
+from agang._policy import CheckOrder, GangPolicy, InFlightLimits, OnTimeout, make_policy
 from agang._validate import check_positive_int, check_timeout
 from agang.testing._world_backend import Communicator, FakeWorldBackend, Simulation
 
@@ -84,7 +84,7 @@ class FakeWorld:
         latency: float = 0.0,
         on_timeout: OnTimeout = "abort",
         limits: InFlightLimits | None = None,
-        check_order: bool | None = False,
+        check_order: CheckOrder | None = False,
     ) -> None:
         check_positive_int(size, name="size")
         simulation = Simulation(check_timeout(latency, name="latency") or 0.0)
