@@ -31,7 +31,7 @@ from agang._engine.ops import Start
 from agang._future import Future
 from agang._gang import Gang
 from agang._handle import Handle
-from agang._offload import run_blocking
+from agang._offload import run_all, run_blocking
 from agang._policy import GangPolicy
 from agang._reduce_op import ReduceOp
 from agang._statistics import GangStatistics
@@ -477,8 +477,7 @@ class CollectiveGang(Gang):
     def _release(self) -> None:
         with self._engine.lock:
             children = list(self._children)
-        for child in children:
-            child._release()
+        run_all([c._release for c in children], name=f"release sub-gangs of '{self.name}'")
         self._engine.release()
 
     @override
