@@ -9,17 +9,21 @@ Rules:
    :class:`~agang._future.Deferred` value: the received bytes are decoded when the
    handle's result is taken, never on c10d's threads, each rank's row from a zero-copy
    view of the received tensor.
-2. *A rank that cannot encode still takes part.* It sends the length -1 in the first
+2. *Small payloads need one phase.* The first phase sends a fixed slot per rank: the
+   payload's length, then the payload itself when it fits the slot. Only a payload too
+   big for it is sent again, whole, in a second phase of the longest payload's size.
+3. *A rank that cannot encode still takes part.* It sends the length -1 in the first
    phase, so every rank skips the second phase and learns which rank failed; the op
    keeps its place in the sequence on every rank and the gang stays usable. The failing
    rank's call raises its ``TypeError`` once the op is issued.
-3. *A payload that does not decode fails only that result* (a ``ValueError`` when it is
+4. *A payload that does not decode fails only that result* (a ``ValueError`` when it is
    taken): the op itself ended on every rank, so the gang stays usable.
 """
 
 from __future__ import annotations
 
 import ctypes
+import struct
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -32,8 +36,11 @@ from agang._future import Deferred
 from agang._handle import Handle
 from agang._serialize import Serializer, check_serializer, decode, encode
 
-#: The first phase's length of a rank that could not encode its objects (rule 2).
+#: The first phase's length of a rank that could not encode its objects (rule 3).
 REFUSED = -1
+#: The first phase's slot: a little-endian int64 length, then the payload if it fits.
+BROADCAST_SLOT = 4096
+_LENGTH = struct.Struct("<q")
 
 
 class Phases(NamedTuple):
@@ -66,8 +73,13 @@ def issue(
         op, seconds, phases.num_bytes, phases.first, phases.second, fingerprint=fingerprint
     )
     if phases.refused is not None:
-        raise phases.refused  # issued all the same: the other ranks learn of it (rule 2)
+        raise phases.refused  # issued all the same: the other ranks learn of it (rule 3)
     return handle
+
+
+def gather_slot(size: int) -> int:
+    """The all-gather's first-phase slot per rank: 4 KiB, less from 16 ranks up."""
+    return max(256, min(4096, 65536 // size))
 
 
 def _encode(obj: Any, serializer: Serializer, name: str) -> tuple[list[bytes], TypeError | None]:
@@ -77,9 +89,13 @@ def _encode(obj: Any, serializer: Serializer, name: str) -> tuple[list[bytes], T
         return [], exc
 
 
-def _length(parts: list[bytes], refused: TypeError | None, device: torch.device) -> torch.Tensor:
+def _first(
+    parts: list[bytes], refused: TypeError | None, slot: int, device: torch.device
+) -> torch.Tensor:
+    """This rank's first-phase slot (rule 2)."""
     length = REFUSED if refused is not None else sum(map(len, parts))
-    return torch.tensor([length], dtype=torch.int64, device=device)
+    inline = parts if 0 <= length <= slot - _LENGTH.size else []
+    return _fill([_LENGTH.pack(length), *inline], slot, device)
 
 
 def _fill(parts: list[bytes], length: int, device: torch.device) -> torch.Tensor:
@@ -101,14 +117,22 @@ def _view(data: torch.Tensor) -> memoryview:
     return memoryview(array).cast("B")
 
 
-def _skipped(error: Exception) -> Callable[[Callable[[Start, Callable[[], Any]], None]], None]:
-    """A second phase that sends nothing, whose result raises ``error``."""
+def _decode_rows(
+    data: torch.Tensor, rows: list[tuple[int, int]], serializer: Serializer
+) -> list[Any]:
+    """The objects at ``(offset, length)`` in ``data``, each rank's row read in place."""
+    host = data.cpu().contiguous()  # held while its view is read
+    view = _view(host)
+    return [
+        decode(view[at : at + length], serializer, sender=f"rank {rank}")
+        for rank, (at, length) in enumerate(rows)
+    ]
 
-    def second(start: Callable[[Start, Callable[[], Any]], None]) -> None:
-        deferred = Deferred(lambda: _raise(error))
-        start(lambda done: done(None), lambda: deferred)
 
-    return second
+def _finish(start: Callable[[Start, Callable[[], Any]], None], compute: Callable[[], Any]) -> None:
+    """Ends a two-phase op after its first phase: no second phase is needed."""
+    deferred = Deferred(compute)
+    start(lambda done: done(None), lambda: deferred)
 
 
 def _raise(error: Exception) -> Any:
@@ -122,37 +146,42 @@ def broadcast_phases(
     device: torch.device,
     serializer: Serializer,
 ) -> Phases:
-    """``broadcast_objects``: the source's payload length, then the payload."""
+    """``broadcast_objects``: the source's slot (length, and a small payload), then the
+    payload if it did not fit."""
     is_source = backend.rank == source_rank
     parts, refused = _encode(objects, serializer, "objects") if is_source else ([], None)
-    length = _length(parts, refused, device)
+    slot = _first(parts, refused, BROADCAST_SLOT, device)
 
-    def receive(buffer: torch.Tensor) -> list[Any]:
-        host = buffer.cpu().contiguous()
-        received = decode(_view(host), serializer, sender=f"rank {source_rank}")
+    def receive(data: torch.Tensor, at: int, length: int) -> list[Any]:
+        if is_source:
+            return objects
+        (received,) = _decode_rows(data, [(at, length)], serializer)
         if type(received) is not list:
             raise ValueError(f"rank {source_rank} sent a {type(received).__name__}, not a list.")
         objects[:] = received
         return objects
 
     def second(start: Callable[[Start, Callable[[], Any]], None]) -> None:
-        size = int(length.item())
-        if size == REFUSED:
+        host = slot.cpu()
+        (length,) = _LENGTH.unpack_from(_view(host))
+        if length == REFUSED:
             error = ValueError(
                 f"`broadcast_objects`: rank {source_rank}, the source, could not encode its "
                 f"`objects`, so nothing was sent (its call raised why); the gang is usable."
             )
-            _skipped(error)(start)
-            return
-        buffer = _fill(parts, size, device)
-        deferred = Deferred(lambda: objects if is_source else receive(buffer))
-        start(
-            lambda done: backend.start_broadcast(buffer, source_rank, done, to_host=True),
-            lambda: deferred,
-        )
+            _finish(start, lambda: _raise(error))
+        elif length <= BROADCAST_SLOT - _LENGTH.size:
+            _finish(start, lambda: receive(host, _LENGTH.size, length))
+        else:
+            buffer = _fill(parts, length, device)
+            deferred = Deferred(lambda: receive(buffer, 0, length))
+            start(
+                lambda done: backend.start_broadcast(buffer, source_rank, done, to_host=True),
+                lambda: deferred,
+            )
 
     def first(done: Callable[[BaseException | None], None]) -> None:
-        backend.start_broadcast(length, source_rank, done, to_host=True)
+        backend.start_broadcast(slot, source_rank, done, to_host=True)
 
     return Phases(sum(map(len, parts)), first, second, refused)
 
@@ -160,40 +189,40 @@ def broadcast_phases(
 def all_gather_phases(
     backend: Backend, obj: Any, device: torch.device, serializer: Serializer
 ) -> Phases:
-    """``all_gather_objects``: every rank's payload length, then the padded payloads."""
+    """``all_gather_objects``: every rank's slot (length, and a small payload), then the
+    padded payloads if one did not fit."""
     check_serializer(serializer)
     parts, refused = _encode(obj, serializer, "obj")
-    length = _length(parts, refused, device)
-    lengths = torch.zeros(backend.size, dtype=torch.int64, device=device)
-
-    def split(gathered: torch.Tensor, sizes: list[int], longest: int) -> list[Any]:
-        host = gathered.cpu().contiguous()  # held while its view is read
-        view = _view(host)
-        return [
-            decode(view[rank * longest : rank * longest + size], serializer, sender=f"rank {rank}")
-            for rank, size in enumerate(sizes)
-        ]
+    size, slot_bytes = backend.size, gather_slot(backend.size)
+    mine = _first(parts, refused, slot_bytes, device)
+    slots = torch.empty(size * slot_bytes, dtype=torch.uint8, device=device)
 
     def second(start: Callable[[Start, Callable[[], Any]], None]) -> None:
-        sizes = lengths.tolist()
-        failed = [rank for rank, size in enumerate(sizes) if size == REFUSED]
+        host = slots.cpu()
+        view = _view(host)
+        lengths = [_LENGTH.unpack_from(view, r * slot_bytes)[0] for r in range(size)]
+        failed = [rank for rank, length in enumerate(lengths) if length == REFUSED]
+        longest = max(lengths)
         if failed:
             error = ValueError(
                 f"`all_gather_objects`: rank(s) {failed} could not encode their `obj`, so "
                 f"nothing was gathered (their calls raised why); the gang is usable."
             )
-            _skipped(error)(start)
-            return
-        longest = max(sizes)
-        buffer = _fill(parts, longest, device)
-        gathered = torch.empty(backend.size * longest, dtype=torch.uint8, device=device)
-        deferred = Deferred(lambda: split(gathered, sizes, longest))
-        start(
-            lambda done: backend.start_all_gather(gathered, buffer, done, to_host=True),
-            lambda: deferred,
-        )
+            _finish(start, lambda: _raise(error))
+        elif longest <= slot_bytes - _LENGTH.size:
+            rows = [(r * slot_bytes + _LENGTH.size, n) for r, n in enumerate(lengths)]
+            _finish(start, lambda: _decode_rows(host, rows, serializer))
+        else:
+            buffer = _fill(parts, longest, device)
+            gathered = torch.empty(size * longest, dtype=torch.uint8, device=device)
+            rows = [(r * longest, n) for r, n in enumerate(lengths)]
+            deferred = Deferred(lambda: _decode_rows(gathered, rows, serializer))
+            start(
+                lambda done: backend.start_all_gather(gathered, buffer, done, to_host=True),
+                lambda: deferred,
+            )
 
     def first(done: Callable[[BaseException | None], None]) -> None:
-        backend.start_all_gather(lengths, length, done, to_host=True)
+        backend.start_all_gather(slots, mine, done, to_host=True)
 
     return Phases(sum(map(len, parts)), first, second, refused)
