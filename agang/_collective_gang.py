@@ -34,6 +34,7 @@ from agang._handle import Handle
 from agang._offload import run_all, run_blocking
 from agang._policy import GangPolicy
 from agang._reduce_op import ReduceOp
+from agang._serialize import Serializer
 from agang._statistics import GangStatistics
 from agang._validate import (
     check_bool,
@@ -374,32 +375,30 @@ class CollectiveGang(Gang):
 
     @override
     def broadcast_objects(
-        self, objects: list[Any], source_rank: int = 0, *, timeout: float | None = None
+        self,
+        objects: list[Any],
+        source_rank: int = 0,
+        *,
+        timeout: float | None = None,
+        serializer: Serializer = "safe",
     ) -> Handle[list[Any]]:
-        if not isinstance(objects, list):
-            raise TypeError(
-                f"`objects` must be a list, but is of type `{type(objects).__name__}` instead."
-            )
+        _objects.check_objects(objects, serializer)
         source_rank = check_rank(source_rank, self.size, name="source_rank")
-        phases = _objects.broadcast_phases(self._backend, objects, source_rank, self._device)
-        fingerprint = f"broadcast_objects(source_rank={source_rank})"
-        return self._issue_two_phase("broadcast_objects", timeout, phases, fingerprint)
+        seconds = self._engine.resolve_timeout(timeout)
+        phases = _objects.broadcast_phases(
+            self._backend, objects, source_rank, self._device, serializer
+        )
+        self._coalescer.flush()
+        return _objects.issue(self._engine, "broadcast_objects", seconds, phases, source_rank)
 
     @override
-    def all_gather_objects(self, obj: Any, *, timeout: float | None = None) -> Handle[list[Any]]:
-        phases = _objects.all_gather_phases(self._backend, obj, self._device)
-        return self._issue_two_phase("all_gather_objects", timeout, phases, "all_gather_objects()")
-
-    def _issue_two_phase(
-        self, op: str, timeout: float | None, phases: _objects.Phases, fingerprint: str
-    ) -> Handle[Any]:
+    def all_gather_objects(
+        self, obj: Any, *, timeout: float | None = None, serializer: Serializer = "safe"
+    ) -> Handle[list[Any]]:
         seconds = self._engine.resolve_timeout(timeout)
+        phases = _objects.all_gather_phases(self._backend, obj, self._device, serializer)
         self._coalescer.flush()
-        num_bytes, first, second = phases
-        engine = self._engine
-        return engine.issue_two_phase(
-            op, seconds, num_bytes, first, second, fingerprint=fingerprint
-        )
+        return _objects.issue(self._engine, "all_gather_objects", seconds, phases)
 
     @override
     async def wait_for_room(self, num_bytes: int = 0) -> None:

@@ -15,6 +15,7 @@ from agang._backends.fake import FakeBackend, no_peers
 from agang._collective_gang import CollectiveGang
 from agang._handle import Handle
 from agang._policy import CheckOrder, GangPolicy, InFlightLimits, OnTimeout, make_policy
+from agang._serialize import Serializer
 from agang._validate import check_positive_int, check_rank
 
 
@@ -65,12 +66,17 @@ class FakeGang(CollectiveGang):
 
     @override
     def broadcast_objects(
-        self, objects: list[Any], source_rank: int = 0, *, timeout: float | None = None
+        self,
+        objects: list[Any],
+        source_rank: int = 0,
+        *,
+        timeout: float | None = None,
+        serializer: Serializer = "safe",
     ) -> Handle[list[Any]]:
         # The source is a copy of this rank, so this rank's objects are the source's; as
         # a receiver it would get no bytes (broadcast is a no-op here) and fail to unpickle.
         check_rank(source_rank, self.size, name="source_rank")
-        return super().broadcast_objects(objects, self.rank, timeout=timeout)
+        return super().broadcast_objects(objects, self.rank, timeout=timeout, serializer=serializer)
 
     @override
     def send(

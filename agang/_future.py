@@ -18,6 +18,10 @@ underscore so that they stay off the public ``Handle``: ``_finish`` (rule 1, wit
 optional ``then`` for what must change before any waiter wakes), ``_finish_at`` (many at
 one timestamp), ``_add_done_callback`` and ``_remove_done_callback`` (rule 2), and
 ``_settled`` (the outcome is set, waiters maybe not yet told).
+
+A future may finish with a :class:`Deferred` value: the work of turning the op's buffers
+into the value (decoding received objects) then runs on the thread that takes the result,
+once, instead of on the thread that finished the future (c10d's, which must not be held).
 """
 
 from __future__ import annotations
@@ -37,6 +41,34 @@ T = TypeVar("T")
 _PENDING = 0
 _FINISHING = 1  # the outcome is set; its owner reacts to it before any waiter may see it
 _DONE = 2
+
+
+class Deferred:
+    """A value computed on first :meth:`take`, by the taker's thread; its error is kept.
+
+    Args:
+        compute: Makes the value; called at most once.
+    """
+
+    __slots__ = ("_compute", "_error", "_lock", "_value")
+
+    def __init__(self, compute: Callable[[], Any]) -> None:
+        self._compute: Callable[[], Any] | None = compute
+        self._lock = threading.Lock()
+        self._value: Any = None
+        self._error: Exception | None = None
+
+    def take(self) -> Any:
+        with self._lock:
+            compute, self._compute = self._compute, None
+            if compute is not None:
+                try:
+                    self._value = compute()
+                except Exception as exc:
+                    self._error = exc
+        if self._error is not None:
+            raise self._error
+        return self._value
 
 
 class Future(Generic[T]):
@@ -88,6 +120,8 @@ class Future(Generic[T]):
             )
         if self._error is not None:
             raise self._error
+        if type(self._value) is Deferred:
+            return self._value.take()  # type: ignore[no-any-return]
         return self._value  # type: ignore[no-any-return]
 
     def exception(self) -> BaseException | None:
@@ -100,6 +134,11 @@ class Future(Generic[T]):
             raise asyncio.InvalidStateError(
                 f"{self} has not finished yet; await it or call wait()."
             )
+        if self._error is None and type(self._value) is Deferred:
+            try:
+                self._value.take()
+            except Exception as exc:
+                return exc
         return self._error
 
     def wait(self, timeout: float | None = None) -> T:

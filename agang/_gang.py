@@ -22,6 +22,7 @@ import torch
 from agang._engine.coalescer import Coalesced
 from agang._handle import Handle
 from agang._reduce_op import ReduceOp
+from agang._serialize import Serializer
 from agang._statistics import GangStatistics
 
 
@@ -267,26 +268,54 @@ class Gang(ABC):
 
     @abstractmethod
     def broadcast_objects(
-        self, objects: list[Any], source_rank: int = 0, *, timeout: float | None = None
+        self,
+        objects: list[Any],
+        source_rank: int = 0,
+        *,
+        timeout: float | None = None,
+        serializer: Serializer = "safe",
     ) -> Handle[list[Any]]:
-        """Sends the picklable ``objects`` of ``source_rank`` to every rank.
+        """Sends the ``objects`` of ``source_rank`` to every rank.
 
-        On the other ranks the contents of ``objects`` are replaced by the received ones.
-        Only unpickle data from ranks you trust: unpickling can run code.
+        On the other ranks the contents of ``objects`` are replaced by the received ones
+        when the handle's result is taken (``await``), on the awaiting thread.
+
+        Args:
+            objects: The list to send (on ``source_rank``) or to fill (elsewhere).
+            source_rank: The rank whose ``objects`` are sent.
+            timeout: Seconds before the op fails, as for every collective.
+            serializer: ``"safe"`` (plain data only: None, bool, int, float, str,
+                bytes, list, tuple, dict; reading it runs no code) or ``"pickle"`` (any
+                picklable object; unpickling runs whatever code the sender chose, so
+                only between ranks that trust each other). Pass the same on every rank.
 
         Returns:
             A handle whose ``await`` returns ``objects``.
+
+        Raises:
+            TypeError: On ``source_rank``, once the op is issued, when ``objects``
+                cannot be written in the ``serializer``'s format; the other ranks'
+                ``await`` then raises ``ValueError`` naming it, and the gang stays usable.
 
         Example:
             >>> config = (await gang.broadcast_objects([config]))[0]
         """
 
     @abstractmethod
-    def all_gather_objects(self, obj: Any, *, timeout: float | None = None) -> Handle[list[Any]]:
-        """Gathers one picklable object from every rank.
+    def all_gather_objects(
+        self, obj: Any, *, timeout: float | None = None, serializer: Serializer = "safe"
+    ) -> Handle[list[Any]]:
+        """Gathers one object from every rank; ``serializer`` as for
+        :meth:`broadcast_objects`.
 
         Returns:
-            A handle whose ``await`` returns a list with rank r's object at index r.
+            A handle whose ``await`` returns a list with rank r's object at index r,
+            decoded when the result is taken.
+
+        Raises:
+            TypeError: On a rank whose ``obj`` cannot be written in the ``serializer``'s
+                format, once the op is issued; the other ranks' ``await`` then raises
+                ``ValueError`` naming every such rank, and the gang stays usable.
 
         Example:
             >>> hosts = await gang.all_gather_objects(socket.gethostname())

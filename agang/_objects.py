@@ -1,104 +1,228 @@
-"""Picklable objects as byte tensors, for the two-phase object collectives.
+"""Objects as byte tensors, for the two-phase object collectives.
 
 c10d's own object collectives block and need numpy; agang's are built from two tensor
 collectives (lengths, then bytes) so they are awaitable like any other op. Both phases
 are read on the host, so both ask the backend for host-readable results (``to_host``).
+
+Rules:
+1. *Decoding runs on the caller's thread.* The second phase ends with a
+   :class:`~agang._future.Deferred` value: the received bytes are decoded when the
+   handle's result is taken, never on c10d's threads, each rank's row from a zero-copy
+   view of the received tensor.
+2. *Small payloads need one phase.* The first phase sends a fixed slot per rank: the
+   payload's length, then the payload itself when it fits the slot. Only a payload too
+   big for it is sent again, whole, in a second phase of the longest payload's size.
+3. *A rank that cannot encode still takes part.* It sends the length -1 in the first
+   phase, so every rank skips the second phase and learns which rank failed; the op
+   keeps its place in the sequence on every rank and the gang stays usable. The failing
+   rank's call raises its ``TypeError`` once the op is issued.
+4. *A payload that does not decode fails only that result* (a ``ValueError`` when it is
+   taken): the op itself ended on every rank, so the gang stays usable.
 """
 
 from __future__ import annotations
 
-import pickle
+import ctypes
+import struct
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from agang._backends.contract import Backend
+from agang._engine.engine import Engine
 from agang._engine.ops import SecondPhase, Start
+from agang._future import Deferred
+from agang._handle import Handle
+from agang._serialize import Serializer, check_serializer, decode, encode
 
-#: An object collective as the engine issues it: bytes, its first and second phases.
-Phases = tuple[int, Start, SecondPhase]
+#: The first phase's length of a rank that could not encode its objects (rule 3).
+REFUSED = -1
+#: The first phase's slot: a little-endian int64 length, then the payload if it fits.
+BROADCAST_SLOT = 4096
+_LENGTH = struct.Struct("<q")
 
 
-def to_bytes(obj: Any, *, name: str) -> bytes:
-    try:
-        return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception as exc:
+class Phases(NamedTuple):
+    """An object collective as the engine issues it."""
+
+    #: Bytes this rank sends.
+    num_bytes: int
+    first: Start
+    second: SecondPhase
+    #: Why this rank could not encode its objects (raised once issued), or None.
+    refused: TypeError | None
+
+
+def check_objects(objects: object, serializer: object) -> None:
+    """The checks of ``broadcast_objects``'s own arguments."""
+    if not isinstance(objects, list):
         raise TypeError(
-            f"`{name}` must be picklable, but pickling it failed instead: {exc}"
-        ) from exc
+            f"`objects` must be a list, but is of type `{type(objects).__name__}` instead."
+        )
+    check_serializer(serializer)
 
 
-def length_tensor(payload: bytes | None, device: torch.device) -> torch.Tensor:
-    return torch.tensor([len(payload or b"")], dtype=torch.int64, device=device)
+def issue(
+    engine: Engine, op: str, seconds: float | None, phases: Phases, source_rank: int | None = None
+) -> Handle[list[Any]]:
+    """Issues an object collective; raises, once it is issued, why this rank refused."""
+    root = "" if source_rank is None else f"source_rank={source_rank}"
+    fingerprint = f"{op}({root})"
+    handle = engine.issue_two_phase(
+        op, seconds, phases.num_bytes, phases.first, phases.second, fingerprint=fingerprint
+    )
+    if phases.refused is not None:
+        raise phases.refused  # issued all the same: the other ranks learn of it (rule 3)
+    return handle
 
 
-def byte_buffer(payload: bytes | None, length: int, device: torch.device) -> torch.Tensor:
-    """``payload`` padded to ``length`` bytes, or an empty buffer to receive into."""
-    buffer = torch.zeros(length, dtype=torch.uint8)
-    if payload:
-        buffer[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+def gather_slot(size: int) -> int:
+    """The all-gather's first-phase slot per rank: 4 KiB, less from 16 ranks up."""
+    return max(256, min(4096, 65536 // size))
+
+
+def _encode(obj: Any, serializer: Serializer, name: str) -> tuple[list[bytes], TypeError | None]:
+    try:
+        return encode(obj, serializer, name=name), None
+    except TypeError as exc:
+        return [], exc
+
+
+def _first(
+    parts: list[bytes], refused: TypeError | None, slot: int, device: torch.device
+) -> torch.Tensor:
+    """This rank's first-phase slot (rule 2)."""
+    length = REFUSED if refused is not None else sum(map(len, parts))
+    inline = parts if 0 <= length <= slot - _LENGTH.size else []
+    return _fill([_LENGTH.pack(length), *inline], slot, device)
+
+
+def _fill(parts: list[bytes], length: int, device: torch.device) -> torch.Tensor:
+    """``parts`` copied once into a buffer of ``length`` bytes, zero-padded."""
+    buffer = torch.empty(length, dtype=torch.uint8)
+    at = buffer.data_ptr()
+    for part in parts:
+        ctypes.memmove(at, part, len(part))
+        at += len(part)
+    buffer[at - buffer.data_ptr() :].zero_()
     return buffer.to(device)
 
 
-def _load(data: torch.Tensor) -> Any:
-    # Through untyped storage, not numpy: numpy is not a dependency.
-    data = data.cpu().contiguous()
-    raw = bytes(data.untyped_storage())[
-        data.storage_offset() : data.storage_offset() + data.numel()
+def _view(data: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous host uint8 tensor, not copied; valid while it lives."""
+    if data.numel() == 0:
+        return memoryview(b"")
+    array = (ctypes.c_char * data.numel()).from_address(data.data_ptr())
+    return memoryview(array).cast("B")
+
+
+def _decode_rows(
+    data: torch.Tensor, rows: list[tuple[int, int]], serializer: Serializer
+) -> list[Any]:
+    """The objects at ``(offset, length)`` in ``data``, each rank's row read in place."""
+    host = data.cpu().contiguous()  # held while its view is read
+    view = _view(host)
+    return [
+        decode(view[at : at + length], serializer, sender=f"rank {rank}")
+        for rank, (at, length) in enumerate(rows)
     ]
-    return pickle.loads(raw)
 
 
-def replace(objects: list[Any], buffer: torch.Tensor) -> list[Any]:
-    """Replaces the contents of ``objects`` with the list pickled in ``buffer``."""
-    received = _load(buffer)
-    objects[:] = received
-    return objects
+def _finish(start: Callable[[Start, Callable[[], Any]], None], compute: Callable[[], Any]) -> None:
+    """Ends a two-phase op after its first phase: no second phase is needed."""
+    deferred = Deferred(compute)
+    start(lambda done: done(None), lambda: deferred)
 
 
-def split(gathered: torch.Tensor, lengths: torch.Tensor, longest: int) -> list[Any]:
-    rows = gathered.view(-1, longest) if longest else gathered.view(len(lengths), 0)
-    return [_load(row[: int(n)]) for row, n in zip(rows, lengths.tolist(), strict=True)]
+def _raise(error: Exception) -> Any:
+    raise error
 
 
 def broadcast_phases(
-    backend: Backend, objects: list[Any], source_rank: int, device: torch.device
+    backend: Backend,
+    objects: list[Any],
+    source_rank: int,
+    device: torch.device,
+    serializer: Serializer,
 ) -> Phases:
-    """``broadcast_objects``: the source's payload length, then the payload."""
+    """``broadcast_objects``: the source's slot (length, and a small payload), then the
+    payload if it did not fit."""
     is_source = backend.rank == source_rank
-    payload = to_bytes(objects, name="objects") if is_source else None
-    length = length_tensor(payload, device)
+    parts, refused = _encode(objects, serializer, "objects") if is_source else ([], None)
+    slot = _first(parts, refused, BROADCAST_SLOT, device)
+
+    def receive(data: torch.Tensor, at: int, length: int) -> list[Any]:
+        if is_source:
+            return objects
+        (received,) = _decode_rows(data, [(at, length)], serializer)
+        if type(received) is not list:
+            raise ValueError(f"rank {source_rank} sent a {type(received).__name__}, not a list.")
+        objects[:] = received
+        return objects
 
     def second(start: Callable[[Start, Callable[[], Any]], None]) -> None:
-        buffer = byte_buffer(payload, int(length.item()), device)
-        start(
-            lambda done: backend.start_broadcast(buffer, source_rank, done, to_host=True),
-            lambda: objects if is_source else replace(objects, buffer),
-        )
+        host = slot.cpu()
+        (length,) = _LENGTH.unpack_from(_view(host))
+        if length == REFUSED:
+            error = ValueError(
+                f"`broadcast_objects`: rank {source_rank}, the source, could not encode its "
+                f"`objects`, so nothing was sent (its call raised why); the gang is usable."
+            )
+            _finish(start, lambda: _raise(error))
+        elif length <= BROADCAST_SLOT - _LENGTH.size:
+            _finish(start, lambda: receive(host, _LENGTH.size, length))
+        else:
+            buffer = _fill(parts, length, device)
+            deferred = Deferred(lambda: receive(buffer, 0, length))
+            start(
+                lambda done: backend.start_broadcast(buffer, source_rank, done, to_host=True),
+                lambda: deferred,
+            )
 
     def first(done: Callable[[BaseException | None], None]) -> None:
-        backend.start_broadcast(length, source_rank, done, to_host=True)
+        backend.start_broadcast(slot, source_rank, done, to_host=True)
 
-    return len(payload or b""), first, second
+    return Phases(sum(map(len, parts)), first, second, refused)
 
 
-def all_gather_phases(backend: Backend, obj: Any, device: torch.device) -> Phases:
-    """``all_gather_objects``: every rank's payload length, then the padded payloads."""
-    payload = to_bytes(obj, name="obj")
-    length = length_tensor(payload, device)
-    lengths = torch.zeros(backend.size, dtype=torch.int64, device=device)
+def all_gather_phases(
+    backend: Backend, obj: Any, device: torch.device, serializer: Serializer
+) -> Phases:
+    """``all_gather_objects``: every rank's slot (length, and a small payload), then the
+    padded payloads if one did not fit."""
+    check_serializer(serializer)
+    parts, refused = _encode(obj, serializer, "obj")
+    size, slot_bytes = backend.size, gather_slot(backend.size)
+    mine = _first(parts, refused, slot_bytes, device)
+    slots = torch.empty(size * slot_bytes, dtype=torch.uint8, device=device)
 
     def second(start: Callable[[Start, Callable[[], Any]], None]) -> None:
-        longest = int(lengths.max().item())
-        buffer = byte_buffer(payload, longest, device)
-        gathered = torch.empty(backend.size * longest, dtype=torch.uint8, device=device)
-        start(
-            lambda done: backend.start_all_gather(gathered, buffer, done, to_host=True),
-            lambda: split(gathered, lengths, longest),
-        )
+        host = slots.cpu()
+        view = _view(host)
+        lengths = [_LENGTH.unpack_from(view, r * slot_bytes)[0] for r in range(size)]
+        failed = [rank for rank, length in enumerate(lengths) if length == REFUSED]
+        longest = max(lengths)
+        if failed:
+            error = ValueError(
+                f"`all_gather_objects`: rank(s) {failed} could not encode their `obj`, so "
+                f"nothing was gathered (their calls raised why); the gang is usable."
+            )
+            _finish(start, lambda: _raise(error))
+        elif longest <= slot_bytes - _LENGTH.size:
+            rows = [(r * slot_bytes + _LENGTH.size, n) for r, n in enumerate(lengths)]
+            _finish(start, lambda: _decode_rows(host, rows, serializer))
+        else:
+            buffer = _fill(parts, longest, device)
+            gathered = torch.empty(size * longest, dtype=torch.uint8, device=device)
+            rows = [(r * longest, n) for r, n in enumerate(lengths)]
+            deferred = Deferred(lambda: _decode_rows(gathered, rows, serializer))
+            start(
+                lambda done: backend.start_all_gather(gathered, buffer, done, to_host=True),
+                lambda: deferred,
+            )
 
     def first(done: Callable[[BaseException | None], None]) -> None:
-        backend.start_all_gather(lengths, length, done, to_host=True)
+        backend.start_all_gather(slots, mine, done, to_host=True)
 
-    return len(payload), first, second
+    return Phases(sum(map(len, parts)), first, second, refused)

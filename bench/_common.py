@@ -28,14 +28,14 @@ WORLD_SIZE = 2
 RankTarget = Callable[[dict[str, str], Any, Connection], None]
 
 
-def rank_env(rank: int, port: int) -> dict[str, str]:
+def rank_env(rank: int, port: int, world_size: int = WORLD_SIZE) -> dict[str, str]:
     """The torchrun-style environment of one local rank joining the store at ``port``."""
     return {
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(port),
         "RANK": str(rank),
         "LOCAL_RANK": str(rank),
-        "WORLD_SIZE": str(WORLD_SIZE),
+        "WORLD_SIZE": str(world_size),
         "TORCHELASTIC_USE_AGENT_STORE": "True",
     }
 
@@ -73,16 +73,18 @@ def _stop(processes: Sequence[BaseProcess]) -> None:
             process.join(timeout=5.0)
 
 
-def run_ranks(target: RankTarget, payload: Any, timeout: float) -> list[Any]:
-    """Runs ``target(env, payload, conn)`` on WORLD_SIZE local ranks; their results."""
-    store = TCPStore("127.0.0.1", 0, WORLD_SIZE, is_master=True, wait_for_workers=False)
+def run_ranks(
+    target: RankTarget, payload: Any, timeout: float, world_size: int = WORLD_SIZE
+) -> list[Any]:
+    """Runs ``target(env, payload, conn)`` on ``world_size`` local ranks; their results."""
+    store = TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
     context = multiprocessing.get_context("spawn")
     processes: list[BaseProcess] = []
     conns: list[Connection] = []
     try:
-        for rank in range(WORLD_SIZE):
+        for rank in range(world_size):
             receiver, sender = context.Pipe(duplex=False)
-            env = rank_env(rank, store.port)
+            env = rank_env(rank, store.port, world_size)
             process = context.Process(target=target, args=(env, payload, sender), daemon=True)
             process.start()
             sender.close()

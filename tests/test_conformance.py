@@ -17,7 +17,6 @@ from ``size`` copies of its own input.
 from __future__ import annotations
 
 import dataclasses
-import pickle
 from typing import Any
 
 import pytest
@@ -33,6 +32,7 @@ from conformance_program import (
 
 import agang
 from agang import ReduceOp
+from agang._serialize import encode
 from agang.testing import FakeWorld, run_world
 
 SIZES = (2, 3, 4)
@@ -106,9 +106,10 @@ def expected_handles(case: Case, rank: int, inputs: list[Any]) -> list[tuple[str
         return [("send", num_bytes(mine)), ("recv", num_bytes(mine))]
     if case.op == "barrier":
         return [("barrier", 0)]
-    # The object collectives count the pickled bytes this rank sends: none on a receiver.
+    # The object collectives count the encoded bytes this rank sends (in the default, safe
+    # format): none on a receiver.
     sends = case.op == "all_gather_objects" or rank == case.source_rank
-    payload = len(pickle.dumps(mine, protocol=pickle.HIGHEST_PROTOCOL)) if sends else 0
+    payload = len(b"".join(encode(mine, "safe", name="obj"))) if sends else 0
     return [(case.op, payload)]
 
 

@@ -274,7 +274,7 @@ class Engine:
                     return
                 try:
                     value = result()
-                except Exception as exc:  # a payload that does not unpickle
+                except Exception as exc:  # a value that cannot be made (objects decode later)
                     self.complete(handle, None, exc)
                     return
                 self.complete(handle, value, None)
