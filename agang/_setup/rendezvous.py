@@ -260,7 +260,8 @@ def _check_in(
     ):
         raise GangInitError(
             f"`RANK` must be unique, but rank {world.rank} checked in twice: two processes "
-            f"were started with the same rank."
+            f"were started with the same rank (or another process that reaches the store "
+            f"at MASTER_ADDR:MASTER_PORT claimed it: the store has no authentication)."
         )
     store.set(key, me)
     keys = [f"{prefix}/rank/{rank}" for rank in range(world.world_size)]
