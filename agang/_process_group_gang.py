@@ -7,10 +7,13 @@ still open are closed at exit (``_exit``, within its bound): their running work 
 aborted, their threads end. They are held strongly until closed: c10d keeps the world
 group registered whether or not the program still holds its gang, so a gang the program
 dropped without closing must still be closed at exit.
+
+A forked child forgets the parent's open world gangs (``agang._fork``).
 """
 
 from __future__ import annotations
 
+import os
 from typing import final
 
 import torch
@@ -18,6 +21,7 @@ import torch.distributed as dist
 
 from agang import _exit
 from agang._backends.c10d import C10dBackend
+from agang._backends.c10d_fork import disown_groups
 from agang._collective_gang import CollectiveGang
 from agang._errors import GangClosedError
 from agang._policy import GangPolicy
@@ -30,7 +34,22 @@ def _close_open_gangs() -> None:
         gang.close_sync()
 
 
+def _group_of(gang: CollectiveGang) -> dist.ProcessGroup | None:
+    """The gang's c10d group, or None once released (sub-gangs are made by ``_over``)."""
+    assert isinstance(gang._backend, C10dBackend)
+    return gang._backend.process_group
+
+
+def _forget_in_child() -> None:
+    # Up at the fork: the world group is the parent's, and c10d must forget it here.
+    up = any(_group_of(gang) is not None for gang in _open_world_gangs)
+    _open_world_gangs.clear()
+    if up:
+        disown_groups(forget_world=True)
+
+
 _exit.add_closer(_close_open_gangs)
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 @final
@@ -86,8 +105,7 @@ class ProcessGroupGang(CollectiveGang):
         Raises:
             GangClosedError: The gang was closed and its group destroyed.
         """
-        assert isinstance(self._backend, C10dBackend)
-        group = self._backend.process_group
+        group = _group_of(self)
         if group is None:
             raise GangClosedError(f"Gang '{self.name}' is closed; its group is gone.")
         return group
