@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
+import textwrap
 import time
 from typing import Any
 
@@ -108,3 +110,61 @@ def test_fork_after_init_leaves_the_parent_unaffected(capfd: pytest.CaptureFixtu
     assert all(report["ops_took"] < OPS_BOUND for report in reports), reports
     for sign in ("still busy", "Traceback", "terminate called", "failed"):
         assert sign not in err, err
+
+
+INIT_TWICE = """
+    import anyio, torch, agang
+
+    world = dict(in_process=False, env={}, timeout=30)
+    first = agang.init_sync(**world)
+    refusals = []
+    seconds = [lambda: agang.init_sync(**world), lambda: anyio.run(lambda: agang.init(**world))]
+    for second in seconds:
+        try:
+            second()
+        except agang.GangInitError as error:
+            refusals.append(str(error))
+    # An in-process gang has no communicator: it is still made.
+    local = agang.init_sync(env={})
+    lane = anyio.run(first.lane, "side")
+    sub = anyio.run(first.create_gang, [0])
+    total = first.all_reduce(torch.ones(1)).wait(timeout=30).item()
+    first.close_sync()
+    first.close_sync()  # twice is harmless
+    closed_refuse = []
+    for gang in (first, lane, sub):
+        try:
+            gang.all_reduce(torch.ones(1))
+        except agang.GangClosedError:
+            closed_refuse.append(gang.name)
+    again = anyio.run(lambda: agang.init(**world))  # after close, init works again
+    again_total = again.all_reduce(torch.ones(1)).wait(timeout=30).item()
+    again.close_sync()
+    print("REPORT " + __import__("json").dumps({
+        "refusals": refusals, "local": local.size, "total": total,
+        "closed_refuse": closed_refuse, "again": again_total,
+    }))
+"""
+
+
+def test_init_twice_is_refused_while_the_world_gang_is_open() -> None:
+    """Before, a second init wrapped the same world again: two gangs numbering their ops
+    apart over one communicator, one of them left open on a destroyed group."""
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(INIT_TWICE)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+    assert result.returncode == 0, result.stderr
+    [report] = _reports(result.stdout)
+    assert len(report["refusals"]) == 2, report  # init_sync, then init
+    for message in report["refusals"]:
+        assert "world gang 'root' (rank 0 of 1, gloo) is still open" in message
+        assert "Close it first" in message
+    assert report["local"] == 1
+    assert report["total"] == 1.0
+    assert report["closed_refuse"] == ["root", "root/lane:side", "root[0]"], report
+    assert report["again"] == 1.0
+    assert "Traceback" not in result.stderr

@@ -17,6 +17,10 @@ Rules:
    is logged.
 5. On CUDA, the gang's device becomes the calling thread's current device before
    ``init`` returns (CUDA keeps one per host thread, and set-up ran on its own).
+6. One world gang per process: while one is open, an init that would set up a world
+   raises ``GangInitError`` naming it (a second gang over the same communicator would
+   number its ops apart from the first, and outlive the group the first destroys). An
+   in-process gang has no communicator and is always made.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ from agang._future import Future
 from agang._gang import Gang
 from agang._offload import start_thread
 from agang._policy import GangPolicy, InFlightLimits, OnTimeout, make_policy
-from agang._process_group_gang import ProcessGroupGang
+from agang._process_group_gang import ProcessGroupGang, check_no_open_world
 from agang._setup.device import resolve_backend, resolve_device
 from agang._setup.env import WorldInfo, world_from_env
 from agang._setup.nccl_env import apply_nccl_settings
@@ -340,6 +344,7 @@ def _start(
     )
     if plan.in_process:
         return plan, None
+    check_no_open_world()  # rule 6: before anything touches the network
     plan.started = time.monotonic()
     return plan, start_thread(plan.connect, name="init", join_at_exit=False)
 
@@ -398,8 +403,9 @@ async def init(
         The root gang.
 
     Raises:
-        GangInitError: The environment is invalid, a permanent error occurred, or the
-            deadline passed (``missing_ranks`` names who never checked in).
+        GangInitError: The environment is invalid, a permanent error occurred, the
+            deadline passed (``missing_ranks`` names who never checked in), or this
+            process's world gang is still open (close it first, or keep using it).
         ValueError: An argument is invalid; the message names it.
 
     Example:
