@@ -1,12 +1,10 @@
 """The one implementation of :class:`agang.Gang`: validation in front of an engine.
 
 A ``CollectiveGang`` is made of three parts, each holding the next, with one-way calls:
-- the gang itself checks every call's input, naming the parameter, and resolves its
-  timeout once; then it hands the op to
+- the gang itself checks every call's input and resolves its timeout once, then hands it to
 - the coalescer (``agang._engine.coalescer``) when the op is an all-reduce in an open
   ``coalesce()`` scope or a bucketed all-reduce, and otherwise straight to
-- the engine (``agang._engine.engine``), which numbers, admits, starts, completes and
-  times out ops, and breaks and closes the gang, over
+- the engine (``agang._engine.engine``), which numbers, starts, times out and ends ops, over
 - the backend (``agang._backends.contract``), which moves the bytes.
 
 ``ProcessGroupGang``, ``FakeGang`` and ``testing.FakeWorldGang`` are this class over
@@ -175,8 +173,7 @@ class CollectiveGang(Gang):
     def coalesce(self) -> contextlib.AbstractContextManager[Coalesced]:
         return self._coalescer.coalesce()
 
-    # The overloads repeat the ABC's: mypy refuses a plain override of an overloaded
-    # method whose return is the union.
+    # The ABC's overloads again: mypy refuses a plain override of an overloaded method.
     @overload
     def all_reduce_bucketed(
         self,
@@ -459,7 +456,11 @@ class CollectiveGang(Gang):
             return None
         child = self._over(backend, self._engine.policy)
         with self._engine.lock:
-            self._children.append(child)
+            if not (orphan := self._engine.closed):
+                self._children.append(child)
+        if orphan:  # this gang was closed meanwhile: its child must not outlive it
+            await child.close()
+            self._engine.check_usable()  # raises GangClosedError
         return child
 
     # Closing: this gang and its children, marked closed at once, released off the loop.
