@@ -13,6 +13,7 @@ from agang._errors import GangBrokenError as GangBrokenError
 from agang._errors import GangClosedError as GangClosedError
 from agang._errors import GangError as GangError
 from agang._errors import GangFullError as GangFullError
+from agang._errors import GangInheritedError as GangInheritedError
 from agang._errors import GangInitError as GangInitError
 from agang._errors import GangTimeoutError as GangTimeoutError
 from agang._errors import OpContext as OpContext
@@ -71,6 +72,7 @@ __all__ = [
     "GangInitError",
     "GangClosedError",
     "GangBrokenError",
+    "GangInheritedError",
     "CollectiveError",
     "GangTimeoutError",
     "TensorBusyError",

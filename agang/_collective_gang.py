@@ -28,9 +28,9 @@ from agang._backends.device_runtime import StreamOrder
 from agang._engine.coalescer import DEFAULT_BUCKET_BYTES, Coalesced, Coalescer, all_of, describe
 from agang._engine.engine import Engine
 from agang._engine.ops import Start
-from agang._future import Future
 from agang._gang import Gang
 from agang._handle import Handle
+from agang._lanes import Lanes
 from agang._offload import run_all, run_blocking
 from agang._policy import GangPolicy
 from agang._reduce_op import ReduceOp
@@ -67,7 +67,7 @@ class CollectiveGang(Gang):
         self._device = backend.device
         self._engine = Engine(backend, policy)
         self._coalescer = Coalescer(self._engine, backend)
-        self._lanes: dict[str, tuple[bool, Future[Gang]]] = {}
+        self._lanes = Lanes(self._engine.lock)
         self._children: list[CollectiveGang] = []
 
     @classmethod
@@ -417,31 +417,12 @@ class CollectiveGang(Gang):
             raise ValueError(f"`name` must be a non-empty str, but is {name!r} instead.")
         check_bool(high_priority, name="high_priority")
         self._engine.check_usable()
-        with self._engine.lock:
-            known = self._lanes.get(name)
-            if known is None:
-                making: Future[Gang] = Future(f"lane '{name}'")
-                self._lanes[name] = (high_priority, making)
-        if known is not None:
-            priority, made = known
-            if priority != high_priority:
-                raise ValueError(
-                    f"`high_priority` must match the lane '{name}' made earlier "
-                    f"({priority}), but is {high_priority} instead."
-                )
-            return await made
-        try:
-            lane = await self._create_child(
-                list(range(self.size)), name=f"{self.name}/lane:{name}", high_priority=high_priority
-            )
-        except BaseException as exc:
-            with self._engine.lock:
-                self._lanes.pop(name, None)
-            making._finish(None, exc if isinstance(exc, Exception) else RuntimeError(str(exc)))
-            raise
-        assert lane is not None  # every rank is a member
-        making._finish(lane, None)
-        return lane
+        members, lane_name = list(range(self.size)), f"{self.name}/lane:{name}"
+        return await self._lanes.get_or_make(
+            name,
+            high_priority,
+            lambda: self._create_child(members, name=lane_name, high_priority=high_priority),
+        )
 
     async def _create_child(
         self, members: list[int], *, name: str, high_priority: bool = False
@@ -459,7 +440,11 @@ class CollectiveGang(Gang):
             return None
         child = self._over(backend, self._engine.policy)
         with self._engine.lock:
-            self._children.append(child)
+            if not (orphan := self._engine.closed):
+                self._children.append(child)
+        if orphan:  # this gang was closed meanwhile: its child must not outlive it
+            await child.close()
+            self._engine.check_usable()  # raises GangClosedError
         return child
 
     # Closing: this gang and its children, marked closed at once, released off the loop.

@@ -64,6 +64,17 @@ class GangClosedError(GangError):
     """The gang was closed: by :meth:`Gang.close`, or while this op was pending."""
 
 
+class GangInheritedError(GangError):
+    """The gang was made by the parent of this forked process, which alone may use it.
+
+    A child made by ``os.fork()`` inherits the parent's gangs, but their communicator's
+    connections belong to the parent: every use in the child (an op, a lane, a sub-gang)
+    raises this at once, without touching the communicator. ``close()`` in the child
+    only marks the gang closed there. Call :func:`agang.init` in the child for a gang of
+    its own.
+    """
+
+
 class GangBrokenError(GangError):
     """An earlier failure left the gang's communicator unusable.
 

@@ -19,12 +19,16 @@ Rules:
    deadline timer and the gangs' CUDA watchers, end their loops); then every tracked thread is
    joined. All of it within ``EXIT_SECONDS``: a thread still busy then (c10d blocked on
    a hung peer) is left, with a warning, and exit goes on.
+4. The closers and stoppers act on registries of their modules, which a forked child
+   empties (``agang._fork``): the child's exit never touches what it inherited. The
+   threads tracked here are the parent's: the child forgets them, and makes its lock anew.
 """
 
 from __future__ import annotations
 
 import atexit
 import logging
+import os
 import threading
 import time
 import weakref
@@ -62,6 +66,15 @@ def add_stopper(stop: Callable[[], None]) -> None:
     """Runs ``stop`` at exit, after the closers; it must ask a thread to end, not wait."""
     with _lock:
         _stoppers.append(stop)
+
+
+def _forget_in_child() -> None:
+    global _lock, _threads
+    _lock = threading.Lock()  # a parent thread may have held it at the fork
+    _threads = weakref.WeakSet()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 @atexit.register

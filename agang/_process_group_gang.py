@@ -7,10 +7,17 @@ still open are closed at exit (``_exit``, within its bound): their running work 
 aborted, their threads end. They are held strongly until closed: c10d keeps the world
 group registered whether or not the program still holds its gang, so a gang the program
 dropped without closing must still be closed at exit.
+
+One world gang is open at a time: ``init`` refuses a second one while it is
+(``check_no_open_world``), as does the registration here, which two inits racing each
+other would otherwise pass both. A forked child forgets the parent's open world gangs
+(``agang._fork``).
 """
 
 from __future__ import annotations
 
+import os
+import threading
 from typing import final
 
 import torch
@@ -18,11 +25,13 @@ import torch.distributed as dist
 
 from agang import _exit
 from agang._backends.c10d import C10dBackend
+from agang._backends.c10d_fork import disown_groups
 from agang._collective_gang import CollectiveGang
-from agang._errors import GangClosedError
+from agang._errors import GangClosedError, GangInitError
 from agang._policy import GangPolicy
 
 _open_world_gangs: list[ProcessGroupGang] = []
+_registry_lock = threading.Lock()
 
 
 def _close_open_gangs() -> None:
@@ -30,7 +39,35 @@ def _close_open_gangs() -> None:
         gang.close_sync()
 
 
+def _group_of(gang: CollectiveGang) -> dist.ProcessGroup | None:
+    """The gang's c10d group, or None once released (sub-gangs are made by ``_over``)."""
+    assert isinstance(gang._backend, C10dBackend)
+    return gang._backend.process_group
+
+
+def check_no_open_world() -> None:
+    """Raises ``GangInitError`` naming the open world gang, if there is one."""
+    for gang in _open_world_gangs:
+        if not gang.closed:
+            raise GangInitError(
+                f"agang.init() was called while the world gang '{gang.name}' (rank "
+                f"{gang.rank} of {gang.size}, {gang.backend}) is still open: one process "
+                "has one world gang. Close it first, or keep using it."
+            )
+
+
+def _forget_in_child() -> None:
+    global _registry_lock
+    _registry_lock = threading.Lock()  # a parent thread may have held it at the fork
+    # Up at the fork: the world group is the parent's, and c10d must forget it here.
+    up = any(_group_of(gang) is not None for gang in _open_world_gangs)
+    _open_world_gangs.clear()
+    if up:
+        disown_groups(forget_world=True)
+
+
 _exit.add_closer(_close_open_gangs)
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 @final
@@ -75,9 +112,11 @@ class ProcessGroupGang(CollectiveGang):
         )
         super().__init__(c10d, policy)
         if is_world:
-            # Closed ones are dropped here: one strong reference per open world gang.
-            _open_world_gangs[:] = [g for g in _open_world_gangs if not g.closed]
-            _open_world_gangs.append(self)
+            with _registry_lock:
+                check_no_open_world()
+                # Closed ones are dropped here: one strong reference per open world gang.
+                _open_world_gangs[:] = [g for g in _open_world_gangs if not g.closed]
+                _open_world_gangs.append(self)
 
     @property
     def process_group(self) -> dist.ProcessGroup:
@@ -86,8 +125,7 @@ class ProcessGroupGang(CollectiveGang):
         Raises:
             GangClosedError: The gang was closed and its group destroyed.
         """
-        assert isinstance(self._backend, C10dBackend)
-        group = self._backend.process_group
+        group = _group_of(self)
         if group is None:
             raise GangClosedError(f"Gang '{self.name}' is closed; its group is gone.")
         return group

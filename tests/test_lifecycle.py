@@ -540,6 +540,34 @@ async def test_closing_a_parent_closes_its_sub_gangs() -> None:
     assert not subs[1].closed
 
 
+@pytest.mark.parametrize("kind", ["lane", "sub-gang"])
+async def test_a_child_made_while_its_parent_closes_is_closed_too(kind: str) -> None:
+    """Rank 0's parent closes while rank 0 waits for rank 1 to make a child with it;
+    the child made then must not stay open over its closed parent (it did before)."""
+
+    def make(gang: agang.Gang) -> Any:
+        return gang.lane("side") if kind == "lane" else gang.create_gang([0, 1])
+
+    world = FakeWorld(2)
+    outcome: dict[str, Any] = {}
+
+    async def rank_0() -> None:
+        try:
+            outcome["child"] = await make(world[0])
+        except agang.GangClosedError as error:
+            outcome["error"] = error
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(rank_0)
+        await anyio.sleep(0.1)  # rank 0 waits for rank 1 inside the making
+        await world[0].close()
+        with anyio.fail_after(PATIENCE):
+            await make(world[1])
+
+    assert "error" in outcome, outcome
+    assert world[0].closed
+
+
 async def test_fake_gang_create_gang() -> None:
     gang = agang.FakeGang(rank=1, size=4)
 

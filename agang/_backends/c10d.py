@@ -446,7 +446,8 @@ class C10dBackend:
                 pass  # a group double: nothing to destroy
             elif self._is_world:
                 dist.destroy_process_group()
-            elif self._pg is not None:
+            elif self._pg is not None and self._pg in dist.distributed_c10d._world.pg_map:
+                # Not there: the world went first (a child made while its parent closed).
                 dist.destroy_process_group(self._pg)
         except Exception:
             log.warning(

@@ -25,6 +25,7 @@ device" for ``await``, so, per gang (one ``Completion`` per ``C10dBackend``):
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import weakref
@@ -50,7 +51,15 @@ def _stop_all() -> None:
         completion.stop()
 
 
+def _forget_in_child() -> None:
+    # The watchers' threads are the parent's (``agang._fork``): the child stops none.
+    global _lock, _running
+    _lock = threading.Lock()
+    _running = weakref.WeakSet()
+
+
 _exit.add_stopper(_stop_all)  # after the gangs closed and aborted their work
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 class _Key:

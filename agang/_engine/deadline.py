@@ -25,6 +25,7 @@ import contextlib
 import heapq
 import itertools
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -140,7 +141,6 @@ class _TimerThread:
         self._counter = itertools.count()
         self._stopped = False
         _exit.start_daemon(self._run, name="agang-deadlines")
-        _exit.add_stopper(self.stop)
 
     def call_at(self, when: float, callback: Callable[[], None]) -> Cancel:
         slot: list[Callable[[], None] | None] = [callback]
@@ -179,6 +179,24 @@ class _TimerThread:
 
 _timer_lock = threading.Lock()
 _timer: _TimerThread | None = None
+
+
+def _stop_timer() -> None:
+    with _timer_lock:
+        timer = _timer
+    if timer is not None:
+        timer.stop()
+
+
+def _forget_in_child() -> None:
+    # The timer's thread is the parent's (``agang._fork``): a child's gang needs its own.
+    global _timer_lock, _timer
+    _timer_lock = threading.Lock()
+    _timer = None
+
+
+_exit.add_stopper(_stop_timer)
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def _timer_thread() -> _TimerThread:

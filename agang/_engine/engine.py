@@ -27,14 +27,12 @@ Rules:
    with ``on_timeout="abort"`` the gang then breaks, with ``"raise"`` only that handle
    fails and its op stays in flight (tensors busy) until the backend ends it. An op
    still in its order check when its deadline passes fails once the backend's census
-   has said which ranks never reached that check: the error names them (a rank that
-   skipped the last op otherwise leaves nobody to blame). Asking takes at most a
-   fraction of a second.
+   has said which ranks never reached that check: the error names them (else a rank
+   that skipped the last op leaves nobody to blame). Asking takes under a second.
 6. *A failure breaks the gang.* Any failure of a started op breaks the gang: every
    pending handle fails with ``GangBrokenError`` (the first cause attached), queued ops
-   are dropped unstarted, the backend is aborted, and every later call raises at once
-   without touching the backend. Broken happens before any waiter wakes, so a waiter's
-   next call is refused.
+   are dropped unstarted, the backend is aborted, and every later call (a woken
+   waiter's too) raises at once without touching the backend.
 7. *Closing.* Closing fails pending handles with ``GangClosedError`` at once; the
    backend is released afterwards, off the loop.
 8. *Order checks.* With order checking on, each collective's fingerprint goes to the
@@ -46,8 +44,7 @@ Rules:
    ops start after its second phase on every rank.
 10. *Ordered, then done.* An op the backend reports ordered before it ran (NCCL's
    stream-ordered mode) finishes its handle then, successfully, but stays in flight
-   until the backend reports its end: a deadline that passes meanwhile, or a failure
-   then, breaks the gang as for any op.
+   until its end is reported: a deadline or a failure meanwhile breaks the gang.
 """
 
 from __future__ import annotations
@@ -62,6 +59,7 @@ from typing import Any
 
 import torch
 
+from agang import _fork
 from agang._backends.contract import Backend, Done
 from agang._engine import busy, deadline, reports
 from agang._engine.call_site import call_site
@@ -72,6 +70,7 @@ from agang._errors import (
     CollectiveError,
     GangBrokenError,
     GangClosedError,
+    GangInheritedError,
     GangTimeoutError,
     OpContext,
 )
@@ -112,6 +111,7 @@ class Engine:
         self._released = False
         self._ordered_early: set[int] = set()  # seqs reported ordered, not ended (rule 10)
         backend.allow_timeout(policy.op_timeout)
+        _fork.track(self)
 
     # Numbering and admission (rules 1, 2, 3 and 8).
 
@@ -128,6 +128,8 @@ class Engine:
         return OpContext(self.name, self.rank, self.size, op, seq, timeout)
 
     def check_usable(self) -> None:
+        if isinstance(self.broken, GangInheritedError):  # checked first: the clearest
+            raise GangInheritedError(str(self.broken))
         if self.closed:
             raise GangClosedError(f"Gang '{self.name}' is closed; make a new one.")
         if self.broken is not None:
@@ -340,8 +342,7 @@ class Engine:
             # Broken before the waiters wake: their next call must be refused (rule 6).
             finished = handle._finish(None, wrapped, then=count_failed_and_break)
             if not finished and not isinstance(error, GangBrokenError | GangClosedError):
-                # The handle had timed out (on_timeout="raise"); the backend then failed
-                # the op itself, so the communicator is unusable all the same.
+                # Timed out (on_timeout="raise"), then failed in c10d: unusable all the same.
                 self.break_gang(wrapped)
         self._drain()
 
@@ -461,8 +462,7 @@ class Engine:
         for handle, abandon in dropped:
             abandon(abandoned(handle))  # releases their tensors; nothing was started
         try:
-            # A woken waiter may have closed the gang meanwhile; backends cope with an
-            # abort after their release.
+            # A woken waiter may have closed it meanwhile: backends cope with abort after release.
             self.backend.abort()
         except Exception:
             log.exception("Aborting the communicator of gang '%s' failed.", self.name)

@@ -17,6 +17,9 @@ Rules:
    is logged.
 5. On CUDA, the gang's device becomes the calling thread's current device before
    ``init`` returns (CUDA keeps one per host thread, and set-up ran on its own).
+6. One world gang per process: while one is open, an init that would set up a world
+   raises ``GangInitError`` naming it (a second gang over one communicator would number
+   its ops apart, and outlive the group the first destroys); in-process gangs are made.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from agang._future import Future
 from agang._gang import Gang
 from agang._offload import start_thread
 from agang._policy import CheckOrder, GangPolicy, InFlightLimits, OnTimeout, make_policy
-from agang._process_group_gang import ProcessGroupGang
+from agang._process_group_gang import ProcessGroupGang, check_no_open_world
 from agang._setup.device import resolve_backend, resolve_device
 from agang._setup.env import WorldInfo, world_from_env
 from agang._setup.nccl_env import apply_nccl_settings
@@ -340,6 +343,7 @@ def _start(
     )
     if plan.in_process:
         return plan, None
+    check_no_open_world()  # rule 6: before anything touches the network
     plan.started = time.monotonic()
     return plan, start_thread(plan.connect, name="init", join_at_exit=False)
 
@@ -391,18 +395,17 @@ async def init(
             (:class:`agang.InFlightLimits`); None for 1,024 ops and 1 GiB, queued.
         check_order: Compare every collective's fingerprint (op, shapes, dtypes, reduce
             op, root) across ranks before starting it, and raise
-            :class:`agang.CollectiveMismatchError` on every rank on a mismatch.
-            ``"call_site"`` also puts the file and line that issued each op into its
-            fingerprint, which tells swapped ops of equal shape apart (for debugging:
-            ranks must then issue each op from the same line). None reads
-            ``AGANG_CHECK_ORDER`` (``1`` or ``call_site``); equal on every rank.
+            :class:`agang.CollectiveMismatchError` on every rank on a mismatch;
+            ``"call_site"`` adds the issuing line (tells swapped equal ops apart). None
+            reads ``AGANG_CHECK_ORDER`` (``1`` or ``call_site``); equal on every rank.
 
     Returns:
         The root gang.
 
     Raises:
-        GangInitError: The environment is invalid, a permanent error occurred, or the
-            deadline passed (``missing_ranks`` names who never checked in).
+        GangInitError: The environment is invalid, a permanent error occurred, the
+            deadline passed (``missing_ranks`` names who never checked in), or this
+            process's world gang is still open (close it first, or keep using it).
         ValueError: An argument is invalid; the message names it.
 
     Example:

@@ -17,6 +17,7 @@ The rules it keeps, NCCL's and CUDA's:
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import weakref
@@ -114,7 +115,14 @@ def _close_all() -> None:
         device.close()
 
 
+def _forget_in_child() -> None:
+    # The devices' threads are the parent's (``agang._fork``): the child closes none.
+    global _devices
+    _devices = weakref.WeakSet()
+
+
 _exit.add_stopper(_close_all)
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 class SimDevice:
