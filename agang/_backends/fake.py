@@ -68,7 +68,6 @@ class FakeBackend:
     def name(self) -> str:
         return self._name
 
-    @torch.no_grad()  # results go into tensors that may require grad
     def start_all_reduce(
         self,
         tensor: torch.Tensor,
@@ -76,7 +75,11 @@ class FakeBackend:
         done: Done,
         post: Callable[[], None] | None = None,
     ) -> None:
-        _repeat_reduce(tensor, op, self._size)
+        if tensor.requires_grad:  # the result goes in as c10d writes it: outside autograd
+            with torch.no_grad():
+                _repeat_reduce(tensor, op, self._size)
+        else:  # the common case, without a grad-mode switch per op
+            _repeat_reduce(tensor, op, self._size)
         if post is not None:
             post()
         done(None)
