@@ -90,3 +90,25 @@ def test_a_taken_port_is_address_in_use_and_a_foreign_address_is_no_listener() -
         assert caught.value.errno == errno.EADDRINUSE
         assert is_address_in_use(caught.value)
     assert listen_on("192.0.2.123", 0) is None  # TEST-NET-1: not this host's
+
+
+def test_a_loopback_master_addr_in_a_job_across_hosts_fails_at_once() -> None:
+    import time
+
+    import agang
+    from agang._setup.interface import check_master_reachable
+
+    check_master_reachable("127.0.0.1", 2, 2)  # one host: fine
+    check_master_reachable("127.0.0.1", 4, None)  # unknown: left to the store
+    env = {
+        "RANK": "1",
+        "WORLD_SIZE": "4",
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "2",
+        "MASTER_ADDR": "localhost",
+        "MASTER_PORT": "29999",
+    }
+    started = time.monotonic()
+    with pytest.raises(agang.GangInitError, match="--local-addr"):
+        agang.init_sync(env=env, timeout=30)
+    assert time.monotonic() - started < 5.0  # before: the whole 30 s deadline

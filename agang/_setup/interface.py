@@ -17,6 +17,9 @@ Rules:
    process group exists, and logs it; ``agang doctor`` reports the choice.
 4. When it cannot tell (the name does not resolve, no route, no interface holds the
    source address), nothing is set and a warning says so.
+5. A job that spans hosts cannot meet at a loopback ``MASTER_ADDR``: init fails at once,
+   naming what it resolved to, instead of waiting for its deadline. (torchrun passes on
+   rank 0's host name; where that name resolves to loopback, ``--local-addr`` fixes it.)
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ import socket
 import struct
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
+
+from agang._errors import GangInitError
 
 log = logging.getLogger("agang")
 
@@ -136,6 +141,26 @@ def apply_interface(
         made[name] = choice.ifname
         log.info("agang: set %s=%s (%s).", name, choice.ifname, choice.why)
     return made
+
+
+def check_master_reachable(master_addr: str, world_size: int, local_size: int | None) -> None:
+    """Rule 5: raises ``GangInitError`` for a loopback ``MASTER_ADDR`` in a multi-host job."""
+    if local_size is None or world_size <= local_size:
+        return
+    try:
+        infos = socket.getaddrinfo(master_addr, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return  # the store connection will say so, with its retries
+    addresses = sorted({str(info[4][0]).split("%")[0] for info in infos})
+    if addresses and all(ipaddress.ip_address(a).is_loopback for a in addresses):
+        raise GangInitError(
+            f"`MASTER_ADDR` must reach rank 0's host from every host of a job of "
+            f"{world_size} ranks with {local_size} on this one, but {master_addr!r} resolves "
+            f"to the loopback address {', '.join(addresses)} here. Set MASTER_ADDR to rank "
+            f"0's address on the network that joins the hosts; under torchrun, pass "
+            f"--local-addr with each host's address (torchrun hands on rank 0's host name, "
+            f"which this host's /etc/hosts maps to loopback)."
+        )
 
 
 def _is_ip(text: str) -> bool:
