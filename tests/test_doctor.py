@@ -23,6 +23,7 @@ from agang._doctor.diagnose import diagnose
 from agang._doctor.findings import Finding, Status, has_problems, render, render_json
 from agang._doctor.host import HostFacts, probe_host_facts
 from agang._doctor.network import SocketProbe
+from agang._setup.interface import Choice
 
 CPU_HOST = HostFacts(
     torch_version="2.13.0+cpu",
@@ -55,6 +56,7 @@ class FakeNetwork:
     names: dict[str, list[str]] = field(default_factory=lambda: {"127.0.0.1": ["127.0.0.1"]})
     bind_error: OSError | None = None
     connect_error: OSError | None = None
+    choice: Choice = field(default_factory=lambda: Choice("lo", "it holds 127.0.0.1"))
     calls: list[tuple[str, str, int]] = field(default_factory=list)
 
     def resolve(self, host: str) -> Sequence[str]:
@@ -72,6 +74,9 @@ class FakeNetwork:
         self.calls.append(("connect", address, port))
         if self.connect_error is not None:
             raise self.connect_error
+
+    def interface(self, host: str, env: Mapping[str, str]) -> Choice:
+        return self.choice
 
 
 def torchrun_env(rank: int = 0, world_size: int = 2, **extra: str) -> dict[str, str]:
@@ -568,3 +573,28 @@ def test_usage_errors_exit_2(arguments: list[str], capsys: pytest.CaptureFixture
 
     assert exit_info.value.code == 2
     assert "usage: agang" in capsys.readouterr().err
+
+
+# The interface of the ranks' connections (agang._setup.interface).
+
+
+def test_the_interface_agang_will_use_is_reported() -> None:
+    chosen = Choice("eth0", "it holds 10.0.0.5, the address that reaches 10.0.0.1", ("eth0",))
+    finding = only(run(torchrun_env(), FakeNetwork(choice=chosen)), "interface", Status.OK)
+    assert "agang will use eth0" in finding.seen
+
+
+def test_several_networks_are_a_warning_naming_them() -> None:
+    chosen = Choice("eth0", "it holds 10.0.0.5", ("eth0", "ib0"))
+    finding = only(run(torchrun_env(), FakeNetwork(choice=chosen)), "interface", Status.WARN)
+    assert "ib0" in finding.seen
+    assert "AGANG_SOCKET_IFNAME" in finding.fix
+
+
+def test_no_interface_found_is_a_warning_and_a_users_choice_is_kept() -> None:
+    unknown = Choice(None, "no route from this host to MASTER_ADDR 'x'")
+    finding = only(run(torchrun_env(), FakeNetwork(choice=unknown)), "interface", Status.WARN)
+    assert "cannot tell" in finding.seen
+    env = torchrun_env(GLOO_SOCKET_IFNAME="ib0")
+    finding = only(run(env, FakeNetwork(choice=unknown)), "interface", Status.OK)
+    assert finding.seen == "Set by you: GLOO_SOCKET_IFNAME=ib0."

@@ -128,27 +128,15 @@ def test_local_ranks_get_their_share_of_the_cpus_when_omp_is_unset(
 
     import torch
 
-    from agang._policy import make_policy
-    from agang._setup.init import _Plan
+    from agang._setup.process import prepare_process
 
     world = agang.WorldInfo(0, 2, 0, "127.0.0.1", 1, local_world_size=2)
-    plan = _Plan(
-        backend="gloo",
-        device=None,
-        timeout=1,
-        policy=make_policy(op_timeout=1, env={}),
-        env={},
-        world=world,
-        in_process=False,
-        stream_ordered=False,
-        retry=None,
-    )
     chosen: list[int] = []
     monkeypatch.setattr(torch, "set_num_threads", chosen.append)
-    plan._prepare_process(world)
+    monkeypatch.setattr(os, "environ", {**os.environ})  # the interface setting stays here
+    prepare_process(world, "gloo", torch.device("cpu"), {})
     assert chosen == [max(1, (os.cpu_count() or 1) // 2)]
 
     chosen.clear()
-    plan.env = {"OMP_NUM_THREADS": "4"}
-    plan._prepare_process(world)
+    prepare_process(world, "gloo", torch.device("cpu"), {"OMP_NUM_THREADS": "4"})
     assert chosen == []  # the user's choice stands

@@ -78,7 +78,8 @@ def diagnose(env: Mapping[str, str], facts: HostFacts, network: NetworkProbe) ->
         findings += _local_findings(env, world, facts)
     findings += backend_findings(env, facts)
     if world is not None and world.world_size > 1:
-        findings += network_findings(world, network, address_origin=_address_origin(env, world))
+        origin = _address_origin(env, world)
+        findings += network_findings(world, network, address_origin=origin, env=env)
     return findings
 
 

@@ -12,11 +12,12 @@ import errno
 import ipaddress
 import socket
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Protocol, final
 
 from agang._doctor.findings import Finding, Status
 from agang._setup.env import WorldInfo
+from agang._setup.interface import IFNAME_ENV, Choice, choose_interface
 
 
 class NetworkProbe(Protocol):
@@ -34,6 +35,10 @@ class NetworkProbe(Protocol):
         """Opens and closes a TCP connection to ``address:port``; raises OSError if it can't."""
         ...
 
+    def interface(self, host: str, env: Mapping[str, str]) -> Choice:
+        """The interface agang's init would give the ranks' connections to reach ``host``."""
+        ...
+
 
 @final
 class SocketProbe:
@@ -45,6 +50,9 @@ class SocketProbe:
 
     def __init__(self, timeout: float = 1.0) -> None:
         self.timeout = timeout
+
+    def interface(self, host: str, env: Mapping[str, str]) -> Choice:
+        return choose_interface(host, env)
 
     def resolve(self, host: str) -> Sequence[str]:
         # getaddrinfo has no timeout of its own: it runs on a daemon thread that is left
@@ -84,7 +92,11 @@ def _family(address: str) -> socket.AddressFamily:
 
 
 def network_findings(
-    world: WorldInfo, network: NetworkProbe, *, address_origin: str = ""
+    world: WorldInfo,
+    network: NetworkProbe,
+    *,
+    address_origin: str = "",
+    env: Mapping[str, str] | None = None,
 ) -> list[Finding]:
     """Whether MASTER_ADDR resolves, and the store port can be bound or reached.
 
@@ -136,7 +148,44 @@ def network_findings(
             )
         )
     findings.append(_port_finding(world, addresses, network))
+    findings.append(_interface_finding(host, network, {} if env is None else env))
     return findings
+
+
+def _interface_finding(host: str, network: NetworkProbe, env: Mapping[str, str]) -> Finding:
+    """Which interface the ranks' connections use (``agang._setup.interface``)."""
+    given = [
+        f"{name}={env[name]}"
+        for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+        if env.get(name)
+    ]
+    if given:
+        return Finding("interface", Status.OK, f"Set by you: {', '.join(given)}.")
+    choice = network.interface(host, env)
+    if choice.ifname is None:
+        return Finding(
+            "interface",
+            Status.WARN,
+            f"agang cannot tell which interface reaches {host!r} ({choice.why}); Gloo will "
+            f"bind to the address this host's name resolves to.",
+            causes=("that address may be a loopback one, which other nodes cannot reach",),
+            fix=f"Set {IFNAME_ENV} (or GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME) to the "
+            f"interface of the network that joins the nodes.",
+        )
+    # Several networks matter only off loopback: a job on one host needs no other.
+    on_loopback = choice.ifname not in choice.candidates
+    others = [] if on_loopback else [n for n in choice.candidates if n != choice.ifname]
+    seen = f"agang will use {choice.ifname} for the ranks' connections: {choice.why}."
+    if others:
+        return Finding(
+            "interface",
+            Status.WARN,
+            f"{seen} This host has other networks too: {', '.join(others)}.",
+            causes=("the job may be meant to run on one of the others (InfiniBand, say)",),
+            fix=f"If {choice.ifname} is not the network that joins the nodes, set "
+            f"{IFNAME_ENV} to the right interface, the same choice on every node.",
+        )
+    return Finding("interface", Status.OK, seen)
 
 
 def _all_loopback(addresses: Sequence[str]) -> bool:

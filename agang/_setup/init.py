@@ -10,11 +10,8 @@ Rules:
 3. Transient failures are retried (:mod:`agang._setup.retry`); a deadline names the
    missing ranks (:mod:`agang._setup.rendezvous`). Every error is a ``GangInitError``
    with the store address, the attempts, the elapsed time and the likely causes.
-4. Before the group is made: on NCCL, the settings of :mod:`agang._setup.nccl_env`
-   (abort the communicator and keep the process; no heartbeat monitor that kills it), so
-   an agang deadline is survivable; with several local ranks and no
-   ``OMP_NUM_THREADS``, each rank gets its share of the CPUs. Every setting agang makes
-   is logged.
+4. Before the group is made, the process is prepared (:mod:`agang._setup.process`: the
+   network interface, NCCL's settings, the CPU share); every setting made is logged.
 5. On CUDA, the gang's device becomes the calling thread's current device before
    ``init`` returns (CUDA keeps one per host thread, and set-up ran on its own).
 6. One world gang per process: while one is open, an init that would set up a world
@@ -47,7 +44,7 @@ from agang._policy import CheckOrder, GangPolicy, InFlightLimits, OnTimeout, mak
 from agang._process_group_gang import ProcessGroupGang, check_no_open_world
 from agang._setup.device import resolve_backend, resolve_device
 from agang._setup.env import WorldInfo, world_from_env
-from agang._setup.nccl_env import apply_nccl_settings
+from agang._setup.process import prepare_process
 from agang._setup.rendezvous import InitCancelled, check_in, end_round, open_store
 from agang._setup.retry import PortInUseError, RetryPolicy, TransientSetupError, call_c10d
 from agang._validate import check_timeout
@@ -151,26 +148,11 @@ class _Plan:
         self._bind_caller()
         return FakeGang(rank=0, size=1, device=self.device, policy=self.policy)
 
-    def _prepare_process(self, world: WorldInfo) -> None:
-        if self.backend == "nccl":
-            torch.cuda.set_device(self.device)
-            apply_nccl_settings(os.environ)
-        local = world.local_world_size or 1
-        if local > 1 and "OMP_NUM_THREADS" not in self.env:
-            threads = max(1, (os.cpu_count() or 1) // local)
-            torch.set_num_threads(threads)
-            log.info(
-                "agang: OMP_NUM_THREADS is unset and %d ranks share this machine: each "
-                "uses %d CPU threads.",
-                local,
-                threads,
-            )
-
     def connect(self) -> ProcessGroupGang:
         """The blocking part (rule 2). Runs on a daemon thread."""
         world = self.world
         assert world is not None
-        self._prepare_process(world)
+        prepare_process(world, self.backend, self.device, self.env)
         started = time.monotonic()
         deadline = started + min(self.deadline_seconds, 10 * 365 * 86400.0)
         created = not dist.is_initialized()

@@ -22,13 +22,18 @@ Rules (all of this runs on init's daemon thread, never on the loop):
    ``<prefix>/missing``). A rank that reaches that store later, starting its next init
    while this one is still being closed, gets a transient error and finds the new store
    instead of the old round's keys.
-7. Every c10d call here goes through :func:`~agang._setup.retry.call_c10d`, so its
+7. The store rank 0 hosts listens on ``MASTER_ADDR``'s address only (a socket agang
+   binds and hands to c10d), not on every interface of the host; where ``MASTER_ADDR``
+   is not an address of this host (a NAT or DNS alias), on every interface, as c10d does.
+8. Every c10d call here goes through :func:`~agang._setup.retry.call_c10d`, so its
    transient failures are a :class:`~agang._setup.retry.TransientSetupError`; agang's own
    transient conditions raise that type directly.
 """
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
 import socket
 import threading
@@ -50,6 +55,8 @@ from agang._setup.retry import (
     is_address_in_use,
     retrying,
 )
+
+log = logging.getLogger("agang")
 
 ATTEMPT_SECONDS = 2.0
 PORT_CANDIDATES = 8
@@ -150,16 +157,57 @@ def _open_once(world: WorldInfo, deadline: float) -> tuple[Any, int]:
 
 
 def _host(world: WorldInfo, port: int, remaining: float) -> Any:
-    """Hosts the store on ``port``; c10d's "address already in use" stays as it is."""
-    return call_c10d(
-        dist.TCPStore,  # type: ignore[attr-defined]
-        world.master_addr,
-        port,
-        world.world_size,
-        is_master=True,
-        timeout=_seconds(remaining),
-        wait_for_workers=False,
-    )
+    """Hosts the store on ``port``, listening on ``MASTER_ADDR`` only (rule 7)."""
+    listener = listen_on(world.master_addr, port)
+    if listener is None:
+        log.warning(
+            "agang: MASTER_ADDR %s is not an address of this host: the store listens on "
+            "every interface.",
+            world.master_addr,
+        )
+    fd = None if listener is None else listener.detach()  # the store owns it from here
+    try:
+        return call_c10d(
+            dist.TCPStore,  # type: ignore[attr-defined]
+            world.master_addr,
+            port if fd is None else _bound_port(fd),
+            world.world_size,
+            is_master=True,
+            timeout=_seconds(remaining),
+            wait_for_workers=False,
+            master_listen_fd=fd,
+        )
+    except BaseException:
+        if fd is not None:
+            os.close(fd)
+        raise
+
+
+def listen_on(host: str, port: int) -> socket.socket | None:
+    """A listening socket on ``host``'s address (IPv4 first); None where ``host`` is not
+    an address of this host. Raises ``OSError`` (``EADDRINUSE``) for a taken port."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError:
+        return None
+    infos.sort(key=lambda info: info[0] != socket.AF_INET)
+    for family, kind, proto, _, where in infos:
+        listener = socket.socket(family, kind, proto)
+        try:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind(where)
+            listener.listen(socket.SOMAXCONN)
+            return listener
+        except OSError as error:
+            listener.close()
+            if error.errno == errno.EADDRINUSE:
+                raise
+    return None
+
+
+def _bound_port(fd: int) -> int:
+    with socket.socket(fileno=os.dup(fd)) as view:
+        return int(view.getsockname()[1])
 
 
 def _connect(world: WorldInfo, port: int, budget: float) -> Any:

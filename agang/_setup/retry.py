@@ -15,6 +15,7 @@ Rules:
 
 from __future__ import annotations
 
+import errno
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -50,6 +51,8 @@ def is_address_in_use(error: BaseException) -> bool:
     network failure too, with no errno attribute: only its text says which it is
     ("... name: EADDRINUSE, message: address already in use").
     """
+    if isinstance(error, OSError) and error.errno == errno.EADDRINUSE:
+        return True  # agang's own listener (rendezvous rule 7)
     return isinstance(error, dist.DistNetworkError) and "address already in use" in (
         str(error).lower()
     )
