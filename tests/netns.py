@@ -28,6 +28,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -72,10 +73,8 @@ def _pid_alive(pid: int) -> bool:
 def _delete_netns(name: str) -> None:
     _ip("netns", "delete", name, check=False)
     shutil.rmtree(os.path.join(NETNS_HOSTS_DIR, name), ignore_errors=True)
-    try:
-        os.rmdir(NETNS_HOSTS_DIR)  # only if no other namespace has files there
-    except OSError:
-        pass
+    with contextlib.suppress(OSError):  # only if no other namespace has files there
+        os.rmdir(NETNS_HOSTS_DIR)
 
 
 def clean_leftovers() -> list[str]:
@@ -246,15 +245,11 @@ class Cluster:
             _end_group(process)
         for name in self._made:
             for pid in self._pids_in(name):
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
         for process in self._processes:
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 process.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                pass
         self._processes.clear()
         for name in reversed(self._made):
             _delete_netns(name)
@@ -271,17 +266,26 @@ class Cluster:
         return ["ip", "netns", "exec", self.nodes[index].namespace, *argv]
 
     @staticmethod
-    def _env(env: Mapping[str, str] | None) -> dict[str, str]:
+    def _env(env: Mapping[str, str | None] | None) -> dict[str, str]:
         merged = dict(os.environ)
-        merged.update(env or {})
+        for name, value in (env or {}).items():
+            if value is None:
+                merged.pop(name, None)
+            else:
+                merged[name] = value
         return merged
 
     def popen(
-        self, index: int, argv: Sequence[str], *, env: Mapping[str, str] | None = None, **kwargs: Any
+        self,
+        index: int,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str | None] | None = None,
+        **kwargs: Any,
     ) -> subprocess.Popen[Any]:
         """Starts ``argv`` on node ``index`` in a session of its own; ended at teardown.
 
-        ``env`` is added to this process's environment.
+        ``env`` is added to this process's environment (a None value removes the name).
         """
         kwargs.setdefault("stdout", subprocess.PIPE)
         kwargs.setdefault("stderr", subprocess.STDOUT)
@@ -297,7 +301,7 @@ class Cluster:
         index: int,
         argv: Sequence[str],
         *,
-        env: Mapping[str, str] | None = None,
+        env: Mapping[str, str | None] | None = None,
         timeout: float = 60,
     ) -> subprocess.CompletedProcess[str]:
         """Runs ``argv`` on node ``index`` to its end (at most ``timeout`` seconds)."""
