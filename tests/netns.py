@@ -80,6 +80,9 @@ def _delete_netns(name: str) -> None:
 def clean_leftovers() -> list[str]:
     """Deletes ``agang-*`` namespaces (and their hosts files) whose creating pid is dead.
 
+    Processes still inside one were started by that dead run (nothing else enters these
+    namespaces): they are killed by pid first.
+
     Returns:
         The names deleted.
     """
@@ -87,9 +90,21 @@ def clean_leftovers() -> list[str]:
     for name in _netns_list():
         match = _NAME.match(name)
         if match and not _pid_alive(int(match.group(1))):
+            _kill_pids_in(name)
             _delete_netns(name)
             deleted.append(name)
     return deleted
+
+
+def _pids_in(namespace: str) -> list[int]:
+    listed = _ip("netns", "pids", namespace, check=False).stdout.split()
+    return [int(pid) for pid in listed if pid.isdigit()]
+
+
+def _kill_pids_in(namespace: str) -> None:
+    for pid in _pids_in(namespace):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 _available: tuple[bool, str] | None = None
@@ -244,9 +259,7 @@ class Cluster:
         for process in self._processes:
             _end_group(process)
         for name in self._made:
-            for pid in self._pids_in(name):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+            _kill_pids_in(name)
         for process in self._processes:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 process.wait(timeout=5)
@@ -254,11 +267,6 @@ class Cluster:
         for name in reversed(self._made):
             _delete_netns(name)
         self._made.clear()
-
-    @staticmethod
-    def _pids_in(namespace: str) -> list[int]:
-        listed = _ip("netns", "pids", namespace, check=False).stdout.split()
-        return [int(pid) for pid in listed if pid.isdigit()]
 
     # -- processes ------------------------------------------------------------------------
 
