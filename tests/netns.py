@@ -171,6 +171,9 @@ class Cluster:
         networks: Names of the networks, each from ``SUBNETS``; every node is on all.
         hostname_prefix: Node i's data address is named ``<prefix><i>`` in every node's
             hosts file (``<prefix><i>-<network>`` for the other networks).
+        own_name_on_loopback: Each node's hosts file maps the node's own name to
+            127.0.1.1 instead of its data address, as Debian's and Ubuntu's installers
+            write it: the node's name then means loopback on that node only.
     """
 
     def __init__(
@@ -179,6 +182,7 @@ class Cluster:
         networks: Sequence[str] = ("data",),
         *,
         hostname_prefix: str = "agnode",
+        own_name_on_loopback: bool = False,
     ) -> None:
         if not 2 <= num_nodes <= 200:
             raise ValueError(f"`num_nodes` must be in [2, 200], but is {num_nodes} instead.")
@@ -189,6 +193,7 @@ class Cluster:
                 f"{list(networks)} instead."
             )
         self.networks = tuple(networks)
+        self.own_name_on_loopback = own_name_on_loopback
         self.tag = f"{PREFIX}{os.getpid()}-{secrets.token_hex(3)}"
         self.switch = f"{self.tag}-sw"
         self.nodes = [
@@ -248,9 +253,15 @@ class Cluster:
         for other in self.nodes:
             for network in self.networks:
                 name = other.hostname if network == "data" else f"{other.hostname}-{network}"
-                lines.append(f"{other.address(network)} {name}")
+                address = other.address(network)
+                if other is node and network == "data" and self.own_name_on_loopback:
+                    address = "127.0.1.1"
+                lines.append(f"{address} {name}")
         folder = os.path.join(NETNS_HOSTS_DIR, node.namespace)
-        os.makedirs(folder, exist_ok=True)
+        for _ in range(5):  # another cluster's teardown may remove the empty parent meanwhile
+            with contextlib.suppress(FileNotFoundError):
+                os.makedirs(folder, exist_ok=True)
+                break
         with open(os.path.join(folder, "hosts"), "w") as hosts:
             hosts.write("\n".join(lines) + "\n")
 

@@ -180,6 +180,27 @@ def test_slurm_style_ranks_find_the_store_host_by_node_name(netns: None) -> None
     assert "all_reduce of 1..4: 10 (expected 10)" in outputs[0], outputs[0]
 
 
+def test_a_store_host_whose_own_name_means_loopback_fails_at_once(netns: None) -> None:
+    """Debian's hosts file maps a node's own name to 127.0.1.1: under SLURM, the first
+    node's ranks then meet at loopback while the others look for its real address.
+    Rank 0 must say so at once rather than wait out its 60 s deadline."""
+    with Cluster(num_nodes=2, own_name_on_loopback=True) as cluster:
+        env = _env(
+            SLURM_PROCID="0", SLURM_NTASKS="2", SLURM_LOCALID="0", SLURM_NODEID="0",
+            SLURM_NTASKS_PER_NODE="1", SLURM_JOB_ID=str(random.randrange(1, 10**6)),
+            SLURM_JOB_NODELIST="agnode[0-1]",
+        )  # fmt: skip
+        started = time.monotonic()
+        done = cluster.run(0, [sys.executable, str(ROOT / "examples" / "hello.py")], env=env)
+        elapsed = time.monotonic() - started
+
+    print(f"rank 0 failed after {elapsed:.1f} s")
+    assert done.returncode != 0, done.stdout
+    assert elapsed < 30, elapsed  # the deadline is 60 s; failing at once takes ~3 s
+    assert "GangInitError" in done.stdout, done.stdout
+    assert "'agnode0' resolves to the loopback address 127.0.1.1" in done.stdout, done.stdout
+
+
 def test_a_cut_link_fails_every_rank_within_the_op_timeout(netns: None) -> None:
     with Cluster(num_nodes=2) as cluster:
         port = cluster.free_port(0)
