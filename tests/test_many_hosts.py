@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import queue
 import random
+import re
 import subprocess
 import sys
 import threading
@@ -107,7 +108,13 @@ def _start(cluster: Cluster, node: int, program: str, env: dict[str, str | None]
 
 
 def _torchrun(
-    cluster: Cluster, node: int, port: int, nproc: int, script: list[str]
+    cluster: Cluster,
+    node: int,
+    port: int,
+    nproc: int,
+    script: list[str],
+    *,
+    local_addr: bool = True,
 ) -> subprocess.Popen[str]:
     """torchrun's c10d rendezvous across the cluster, hosted by node 0.
 
@@ -121,9 +128,11 @@ def _torchrun(
         sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(cluster.nodes)),
         "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d", "--rdzv-id", "agang-test",
         "--rdzv-endpoint", f"{cluster.nodes[0].address('data')}:{port}", *host,
-        "--local-addr", cluster.nodes[node].address("data"), "--max-restarts", "0", *script,
+        "--max-restarts", "0",
     ]  # fmt: skip
-    return cluster.popen(node, argv, env=_env())
+    if local_addr:
+        argv += ["--local-addr", cluster.nodes[node].address("data")]
+    return cluster.popen(node, [*argv, *script], env=_env())
 
 
 def _finish(processes: list[subprocess.Popen[str]], timeout: float) -> list[str]:
@@ -144,6 +153,33 @@ def test_torchrun_runs_hello_on_two_nodes_of_two_ranks(netns: None) -> None:
 
     assert "agang hello: 4 rank(s) on gloo" in outputs[0], outputs[0]
     assert "all_reduce of 1..4: 10 (expected 10)" in outputs[0], outputs[0]
+
+
+def test_torchrun_without_local_addr_fails_at_once_saying_so(netns: None) -> None:
+    """Without --local-addr, torchrun hands every worker MASTER_ADDR=localhost (the
+    hostname's loopback name): agang must refuse it at once, not wait out its deadline."""
+    with Cluster(num_nodes=2) as cluster:
+        port = cluster.free_port(0)
+        script = [str(ROOT / "examples" / "hello.py")]
+        started = time.monotonic()
+        processes = [_torchrun(cluster, n, port, 1, script, local_addr=False) for n in (0, 1)]
+        outputs = [process.communicate(timeout=90)[0] for process in processes]
+        elapsed = time.monotonic() - started
+
+    print(f"both nodes failed within {elapsed:.1f} s, init after {_init_seconds(outputs)} s")
+    assert all(process.returncode != 0 for process in processes), outputs
+    assert elapsed < 45, elapsed  # torchrun's own start and end included
+    for output in outputs:
+        assert "resolves to the loopback address" in output, output
+        assert "--local-addr" in output, output
+    assert max(_init_seconds(outputs)) < 6, outputs  # hello.py's init deadline is 60 s
+
+
+def _init_seconds(outputs: list[str]) -> list[float]:
+    """How long each failed init took, by its own account ("(after 0.1 s, ...")."""
+    found = [re.findall(r"\(after ([0-9.]+) s, \d+ attempt", output) for output in outputs]
+    assert all(found), outputs
+    return [float(seconds) for per_output in found for seconds in per_output]
 
 
 def test_the_trainer_matches_ddp_across_two_nodes(netns: None) -> None:
@@ -194,9 +230,10 @@ def test_a_store_host_whose_own_name_means_loopback_fails_at_once(netns: None) -
         done = cluster.run(0, [sys.executable, str(ROOT / "examples" / "hello.py")], env=env)
         elapsed = time.monotonic() - started
 
-    print(f"rank 0 failed after {elapsed:.1f} s")
+    print(f"rank 0 failed after {elapsed:.1f} s, init after {_init_seconds([done.stdout])} s")
     assert done.returncode != 0, done.stdout
-    assert elapsed < 30, elapsed  # the deadline is 60 s; failing at once takes ~3 s
+    assert max(_init_seconds([done.stdout])) < 6, done.stdout  # the deadline is 60 s
+    assert elapsed < 45, elapsed
     assert "GangInitError" in done.stdout, done.stdout
     assert "'agnode0' resolves to the loopback address 127.0.1.1" in done.stdout, done.stdout
 
