@@ -192,6 +192,7 @@ def test_the_trainer_matches_ddp_across_two_nodes(netns: None) -> None:
         processes = [_torchrun(cluster, node, port, 1, script) for node in (0, 1)]
         outputs = _finish(processes, timeout=90)
 
+    print(outputs[0])
     assert "agang: 2 rank(s), 10 steps" in outputs[0], outputs[0]
     assert "DDP check passed: 10 losses and all parameters match" in outputs[0], outputs[0]
 
