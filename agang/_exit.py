@@ -11,8 +11,9 @@ Rules:
    deadlines are tracked (weakly) and joined at exit: ``join`` returns only once the
    thread has ended, after it dropped its target and the target's references (a thread
    marked done when its target returns could still be freeing them). Set-up threads
-   (init, store probes, making groups) are not: blocked in c10d until their own
-   deadline, with nothing of the user's to free, joining them would only delay exit.
+   (init, store probes, making groups) and store questions are joined too: one that
+   returns from c10d's C++ during finalization aborts the process as above (an init
+   that failed at its deadline, its store probes still retrying, did, at every exit).
 3. At exit (an ``atexit`` handler: CPython runs those before finalizing), in order: the
    closers run (open world gangs close: their running work is aborted and their waiter
    threads told to end); then the stoppers (threads that otherwise live for ever, the

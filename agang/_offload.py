@@ -28,7 +28,9 @@ log = logging.getLogger("agang")
 def start_thread(fn: Callable[[], T], *, name: str, join_at_exit: bool = True) -> Future[T]:
     """Runs ``fn`` on a new daemon thread; the future finishes with its result.
 
-    ``join_at_exit=False`` for set-up calls that may stay blocked in c10d (``_exit``).
+    ``join_at_exit=False`` only for a thread that never runs c10d code: one still inside
+    c10d when the interpreter ends aborts the process ("terminate called without an
+    active exception"), so those are joined at exit, within its bound (``_exit``).
     """
     future: Future[Any] = Future(name)
 

@@ -36,7 +36,7 @@ DEADLINE_THEN_EXIT = """
 """
 
 
-def _run_copies(program: str) -> list[subprocess.CompletedProcess[str]]:
+def _run_copies(program: str, copies: int = COPIES) -> list[subprocess.CompletedProcess[str]]:
     source = textwrap.dedent(program)
     processes = [
         subprocess.Popen(
@@ -45,7 +45,7 @@ def _run_copies(program: str) -> list[subprocess.CompletedProcess[str]]:
             stderr=subprocess.PIPE,
             text=True,
         )
-        for _ in range(COPIES)
+        for _ in range(copies)
     ]
     results = []
     for process in processes:
@@ -66,3 +66,29 @@ def test_a_deadline_fired_just_before_exit_leaves_a_clean_exit() -> None:
         assert "timed out as expected" in result.stdout
         assert "terminate called" not in result.stderr
         assert "still busy" not in result.stderr  # every agang thread was idle in time
+
+
+# A rank whose store host never comes: init fails at its deadline while its store probes
+# (a port derived from SLURM_JOB_ID, so several candidates) are still retrying in c10d.
+INIT_FAILED_THEN_EXIT = """
+    import asyncio, os, random, agang
+    os.environ.update(
+        SLURM_PROCID="1", SLURM_NTASKS="2", SLURM_NTASKS_PER_NODE="2", SLURM_LOCALID="1",
+        SLURM_JOB_NODELIST="localhost", SLURM_JOB_ID=str(random.randrange(10_000, 60_000)),
+    )
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(name, None)
+    try:
+        asyncio.run(agang.init(timeout=2))
+    except agang.GangInitError:
+        print("init failed as expected")
+"""
+
+
+def test_an_init_that_failed_at_its_deadline_leaves_a_clean_exit() -> None:
+    """Before, every such exit aborted (exit code 134): the set-up threads were not joined
+    and came back from c10d's C++ while the interpreter finalized."""
+    for result in _run_copies(INIT_FAILED_THEN_EXIT, copies=2):
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert "init failed as expected" in result.stdout
+        assert "terminate called" not in result.stderr

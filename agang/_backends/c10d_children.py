@@ -107,9 +107,7 @@ async def create_groups(
         return groups
 
     try:
-        made = await run_blocking(
-            create_with_retry, name=f"create gang {members}", seconds=seconds, join_at_exit=False
-        )
+        made = await run_blocking(create_with_retry, name=f"create gang {members}", seconds=seconds)
     except Exception as exc:
         raise GangInitError(
             f"Creating a gang of ranks {members} of gang '{parent_name}' failed: {exc}"

@@ -14,8 +14,8 @@ Rules:
 4. The census answers within ``CENSUS_BOUND`` whatever the store does: a deadline waits
    for it, and a store whose host is stopped would otherwise hold the answer (and the
    timeout) until the store client's own timeout, many times the deadline. Past the
-   bound it answers None (unknown); the thread that asked may stay blocked, and is
-   not joined at exit.
+   bound it answers None (unknown); the thread that asked may stay blocked (exit waits
+   for it within its bound: a thread inside c10d when the interpreter ends aborts it).
 """
 
 from __future__ import annotations
@@ -75,7 +75,6 @@ def start_order_check(
         _ = start_thread(
             lambda: _exchange(prefix, rank, fingerprint, digests, checked, give_up),
             name=f"order mismatch on '{name}'",
-            join_at_exit=False,  # it may wait on a stopped store; a deadline covers it
         )
 
     work.get_future().add_done_callback(on_gathered)
@@ -140,7 +139,6 @@ def start_census(
     _ = start_thread(
         lambda: once(_absent_from_check(prefix, rank, size, name)),
         name=f"census '{name}'",
-        join_at_exit=False,
     )
 
 

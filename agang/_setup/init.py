@@ -327,7 +327,7 @@ def _start(
         return plan, None
     check_no_open_world()  # rule 6: before anything touches the network
     plan.started = time.monotonic()
-    return plan, start_thread(plan.connect, name="init", join_at_exit=False)
+    return plan, start_thread(plan.connect, name="init")  # joined at exit: see _exit
 
 
 async def init(

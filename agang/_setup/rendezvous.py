@@ -232,7 +232,7 @@ def _connect(world: WorldInfo, port: int, budget: float) -> Any:
     # it well past its own timeout (PyTorch PR 129261), in the handshake or in the first
     # read, so the whole probe runs on a daemon thread that is given up on after the
     # budget; one stuck there ends with that listener.
-    probe = start_thread(connect_to_ours, name=f"probe store port {port}", join_at_exit=False)
+    probe = start_thread(connect_to_ours, name=f"probe store port {port}")
     try:
         return probe.wait(budget + 0.5)
     except TimeoutError:
