@@ -33,6 +33,7 @@ Rules (all of this runs on init's daemon thread, never on the loop):
 from __future__ import annotations
 
 import errno
+import ipaddress
 import logging
 import os
 import socket
@@ -161,8 +162,9 @@ def _host(world: WorldInfo, port: int, remaining: float) -> Any:
     listener = listen_on(world.master_addr, port)
     if listener is None:
         log.warning(
-            "agang: MASTER_ADDR %s is not an address of this host: the store listens on "
-            "every interface.",
+            "agang: MASTER_ADDR %s is not one address of this host (a NAT or DNS alias, or "
+            "a name for loopback and the network both): the store listens on every "
+            "interface.",
             world.master_addr,
         )
     fd = None if listener is None else listener.detach()  # the store owns it from here
@@ -185,11 +187,15 @@ def _host(world: WorldInfo, port: int, remaining: float) -> Any:
 
 def listen_on(host: str, port: int) -> socket.socket | None:
     """A listening socket on ``host``'s address (IPv4 first); None where ``host`` is not
-    an address of this host. Raises ``OSError`` (``EADDRINUSE``) for a taken port."""
+    an address of this host, or names loopback and other addresses at once. Raises
+    ``OSError`` (``EADDRINUSE``) for a taken port."""
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except OSError:
         return None
+    loopback = {ipaddress.ip_address(str(info[4][0]).split("%")[0]).is_loopback for info in infos}
+    if len(loopback) > 1:
+        return None  # a name for loopback and the network both: clients may try either
     infos.sort(key=lambda info: info[0] != socket.AF_INET)
     for family, kind, proto, _, where in infos:
         listener = socket.socket(family, kind, proto)
