@@ -25,6 +25,7 @@ import torch.distributed as dist
 import agang
 from agang._backends import c10d_children
 from agang._setup.device import resolve_device
+from agang._setup.process import prepare_process
 
 
 def _world(local_rank: int) -> agang.WorldInfo:
@@ -128,23 +129,6 @@ async def test_c7_create_gang_with_a_bound_device_splits(monkeypatch: pytest.Mon
 _NCCL_KILL_SWITCHES = ("TORCH_NCCL_ENABLE_MONITORING", "TORCH_NCCL_DUMP_ON_TIMEOUT")
 
 
-def _nccl_plan() -> Any:
-    from agang._policy import make_policy
-    from agang._setup.init import _Plan
-
-    return _Plan(
-        backend="nccl",
-        device="cuda:0",
-        timeout=1,
-        policy=make_policy(op_timeout=1, env={}),
-        env={},
-        world=_world(0),
-        in_process=False,
-        stream_ordered=False,
-        retry=None,
-    )
-
-
 def test_l2_init_turns_off_the_heartbeat_monitor_and_the_dump_signal(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -153,7 +137,9 @@ def test_l2_init_turns_off_the_heartbeat_monitor_and_the_dump_signal(
     monkeypatch.setenv("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")  # the user's choice is kept
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
 
-    _nccl_plan()._prepare_process(_world(0))
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")  # chosen already: nothing to set
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "lo")
+    prepare_process(_world(0), "nccl", torch.device("cuda", 0), {})
 
     import os
 
