@@ -691,8 +691,8 @@ def test_g_loop_lag_with_ops_in_flight(load_reports: list[dict[str, Any]]) -> No
     or third worst tick; on the rank whose ops complete as it issues them, that reached
     20-29 ms in 2 of ~12 runs on this shared 2-core machine (OS scheduling among the
     ranks' Gloo threads), and the run's p99 24 ms once with another test file running
-    beside it (the suite runs on two workers). Issuing costs ~0.1-0.3 ms of loop time per op, so ops are
-    issued ten per loop turn, as a service would pace a burst.
+    beside it (the suite runs on two workers). Issuing costs ~0.1-0.3 ms of loop time
+    per op, so ops are issued ten per loop turn, as a service would pace a burst.
     1,000 awaiters on uvloop and trio:
     tests/test_gloo_faults.py::test_a_thousand_ops_in_flight_complete_correctly.
     """
