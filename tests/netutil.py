@@ -21,3 +21,16 @@ def free_port(low: int = 1024, high: int = 65535) -> int:
                 continue
             return int(probe.getsockname()[1])
     raise RuntimeError(f"no free port found in [{low}, {high})")
+
+
+def agent_store_env(rank: int, port: int, world_size: int = 2) -> dict[str, str]:
+    """The environment of one local rank joining a store hosted elsewhere on 127.0.0.1
+    (the test's, or a process of its own), as torchrun's agent store is joined."""
+    return {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_RANK": str(rank),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+    }

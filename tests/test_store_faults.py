@@ -20,6 +20,7 @@ import time
 from typing import Any
 
 import pytest
+from netutil import agent_store_env
 
 pytestmark = pytest.mark.gloo
 
@@ -41,14 +42,7 @@ def _rank(rank: int, port: int, stopped: Any, results: Any) -> None:
 
     import agang
 
-    env = {
-        "RANK": str(rank),
-        "WORLD_SIZE": "2",
-        "LOCAL_RANK": str(rank),
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-        "TORCHELASTIC_USE_AGENT_STORE": "True",
-    }
+    env = agent_store_env(rank, port)
     gang = agang.init_sync(env=env, in_process=False, timeout=60, op_timeout=30, check_order=True)
     gang.all_reduce(torch.ones(1)).wait(timeout=30)
     results.put(("ready", rank))
