@@ -52,6 +52,7 @@ class CudaHarness:
         self._world = world
         self._device = world.device
         self.size = world.size
+        self.prints = world.rank == 0
         name = torch.cuda.get_device_name(self._device)
         self.description = f"NCCL on {name} ({self._device}), rank {world.rank} of {world.size}"
         self._cycles = _cycles_per_second(self._device)

@@ -24,6 +24,7 @@ class Harness(Protocol):
 
     description: str
     size: int
+    prints: bool  # whether this process prints the table (rank 0's)
 
     async def gangs(self, name: str, *, stream_ordered: bool = False) -> list[Gang]:
         """The local ranks' gangs over a new communicator (a collective call)."""
@@ -63,6 +64,7 @@ class SimulatedHarness:
 
     def __init__(self, size: int = 2) -> None:
         self.size = size
+        self.prints = True  # every rank is in this process
         self.description = f"simulated NCCL, {size} ranks on this CPU"
         self._sim = SimulatedNccl(size, watchdog_timeout=60.0)
         self._made: list[Gang] = []

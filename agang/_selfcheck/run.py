@@ -32,7 +32,7 @@ async def _main(simulate: bool, out: TextIO) -> int:
         await harness.close()
     per_rank = [[Row(c, r, f) for c, r, f in rows] for rows in gathered]  # type: ignore[arg-type]
     merged = merge(per_rank)
-    if rows and per_rank[0] == rows:  # the rank whose rows come first prints the table
+    if harness.prints:  # one rank prints the table for all
         out.write(render(f"agang selfcheck: {harness.description} {why}".rstrip(), merged))
         out.flush()
     return 0 if passed(merged) else 1
