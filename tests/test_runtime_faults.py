@@ -81,6 +81,18 @@ def _process_is_gone(pid: int) -> bool:
     return fields[0] in ("Z", "X")
 
 
+def _all_threads_stopped(pid: int) -> bool:
+    """True once every thread of ``pid`` is stopped (SIGSTOP took effect everywhere)."""
+    try:
+        states = []
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/stat") as stat:
+                states.append(stat.read().rsplit(")", 1)[1].split()[0])
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return bool(states) and all(state == "T" for state in states)
+
+
 def _process_is_reaped(pid: int) -> bool:
     """True when nothing is left of ``pid``, not even a zombie."""
     return not os.path.exists(f"/proc/{pid}")
@@ -241,6 +253,10 @@ async def _stopped_peer(gang: agang.Gang) -> dict[str, Any]:
     await anyio.sleep(0.2)  # rank 1 has issued its side and waits for ours
     os.kill(pids[1], signal.SIGSTOP)
     stopped_at = time.monotonic()
+    # Under load a stop can take effect late: a rank 1 still running would finish the op
+    # with ours (seen once with the suite on two workers). Issue ours once it is stopped.
+    while not _all_threads_stopped(pids[1]) and time.monotonic() - stopped_at < 5.0:  # noqa: ASYNC110
+        await anyio.sleep(0.01)  # a process state: nothing to await
     report: dict[str, Any] = {"pids": pids}
     try:
         started = time.monotonic()
