@@ -23,14 +23,17 @@ def free_port(low: int = 1024, high: int = 65535) -> int:
     raise RuntimeError(f"no free port found in [{low}, {high})")
 
 
-def agent_store_env(rank: int, port: int, world_size: int = 2) -> dict[str, str]:
-    """The environment of one local rank joining a store hosted elsewhere on 127.0.0.1
-    (the test's, or a process of its own), as torchrun's agent store is joined."""
-    return {
+def rank_env(rank: int, port: int, world_size: int = 2, *, agent_store: bool) -> dict[str, str]:
+    """The torchrun-style environment of one local rank on 127.0.0.1:``port``; with
+    ``agent_store`` it joins a store hosted elsewhere (the test's, or a process of its
+    own), as torchrun's agent store is joined; without, rank 0 hosts agang's own."""
+    env = {
         "RANK": str(rank),
         "WORLD_SIZE": str(world_size),
         "LOCAL_RANK": str(rank),
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(port),
-        "TORCHELASTIC_USE_AGENT_STORE": "True",
     }
+    if agent_store:
+        env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
+    return env

@@ -15,7 +15,7 @@ from typing import Any
 import anyio
 import pytest
 import torch
-from netutil import agent_store_env
+from netutil import rank_env
 
 import agang
 from agang.testing import run_world
@@ -271,7 +271,7 @@ def test_close_with_an_op_in_flight_wakes_waiters_and_exits_cleanly() -> None:
 
 def _world_gang_of_two(rank: int, port: int) -> agang.Gang:
     """This spawned process's root gang, rank ``rank`` of 2, on the test's store."""
-    env = agent_store_env(rank, port)
+    env = rank_env(rank, port, agent_store=True)
     return agang.init_sync(env=env, in_process=False, timeout=60, op_timeout=60)
 
 

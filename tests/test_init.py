@@ -21,7 +21,7 @@ from typing import Any
 import anyio
 import pytest
 import torch
-from netutil import free_port
+from netutil import free_port, rank_env
 
 import agang
 
@@ -32,13 +32,7 @@ EPSILON = 3.0  # the promised 0.5 s + 10 %, widened for this machine
 
 
 def _torchrun_env(rank: int, world_size: int, port: int) -> dict[str, str]:
-    return {
-        "RANK": str(rank),
-        "WORLD_SIZE": str(world_size),
-        "LOCAL_RANK": str(rank),
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-    }
+    return rank_env(rank, port, world_size, agent_store=False)  # rank 0 hosts the store
 
 
 async def _attempts(

@@ -20,7 +20,7 @@ import time
 from typing import Any
 
 import pytest
-from netutil import agent_store_env
+from netutil import rank_env
 
 pytestmark = pytest.mark.gloo
 
@@ -42,7 +42,7 @@ def _rank(rank: int, port: int, stopped: Any, results: Any) -> None:
 
     import agang
 
-    env = agent_store_env(rank, port)
+    env = rank_env(rank, port, agent_store=True)
     gang = agang.init_sync(env=env, in_process=False, timeout=60, op_timeout=30, check_order=True)
     gang.all_reduce(torch.ones(1)).wait(timeout=30)
     results.put(("ready", rank))

@@ -65,20 +65,20 @@ def plan_buckets(items: Sequence[tuple[Hashable, int]], cap: int | None) -> list
 
 
 def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """A new 1-D buffer holding the (contiguous) ``tensors``' elements in order."""
+    """A new 1-D buffer holding the (contiguous) ``tensors``' elements in order (tensors
+    outside autograd: detached, or under ``FlatBuffers.pack``'s no-grad mode)."""
     # A view costs microseconds from Python: 1-D tensors (biases, norms, flat buffers)
     # are concatenated as they are, and views of the others are made in C++.
-    with torch.no_grad():  # the buffer carries values, never an autograd graph
-        if all(t.dim() == 1 for t in tensors):
-            return torch.cat(tensors)
-        return torch._C._nn.flatten_dense_tensors(tensors)
+    if all(t.dim() == 1 for t in tensors):
+        return torch.cat(tensors)
+    return torch._C._nn.flatten_dense_tensors(tensors)
 
 
 def unflatten_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
-    """Copies ``flat``'s consecutive parts back into ``tensors`` (contiguous)."""
-    with torch.no_grad():  # a leaf that requires grad takes results, as c10d writes them
-        targets = [t if t.dim() == 1 else t.view(-1) for t in tensors]
-        torch._foreach_copy_(targets, flat.split_with_sizes([t.numel() for t in targets]))
+    """Copies ``flat``'s consecutive parts back into ``tensors`` (contiguous; outside
+    autograd, as for :func:`flatten`)."""
+    targets = [t if t.dim() == 1 else t.view(-1) for t in tensors]
+    torch._foreach_copy_(targets, flat.split_with_sizes([t.numel() for t in targets]))
 
 
 Shapes = tuple[torch.Size, ...]
