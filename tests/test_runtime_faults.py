@@ -382,11 +382,14 @@ B7_PEER_WAITS_AT_MOST = 20.0
 
 
 async def _close_with_ops_in_flight(gang: agang.Gang) -> dict[str, Any]:
-    """Both ranks close with ops pending that the other never joins.
+    """Rank 0 closes with ops pending that its peer never joins.
 
     Rank 0 has four all_reduces in flight, rank 1 two recvs; each op has a task waiting
-    on it. Rank 1 then stays alive until rank 0 has exited, so rank 0 closes, and
-    exits, with a live but silent peer (the case a hung peer makes).
+    on it. Rank 1 stays alive, its gang open, until rank 0 has exited, so rank 0 closes,
+    and exits, with a live but silent peer (the case a hung peer makes); rank 1 closes
+    only then. Rank 1 is no close subject: rank 0's close drops their connections, which
+    breaks rank 1's gang first (when both ranks closed at once, one's close broke the
+    other's gang now and then, under load).
     """
     pids: list[int] = await gang.all_gather_objects(os.getpid())
     if gang.rank == 0:
@@ -394,6 +397,7 @@ async def _close_with_ops_in_flight(gang: agang.Gang) -> dict[str, Any]:
     else:
         handles = [gang.recv(torch.empty(SMALL_NUMEL), 0) for _ in range(2)]
     woken: dict[int, float] = {}
+    ended_by: dict[int, str] = {}
     other_errors: list[str] = []
     closing_at = math.inf
 
@@ -402,13 +406,24 @@ async def _close_with_ops_in_flight(gang: agang.Gang) -> dict[str, Any]:
             await handle
         except agang.GangClosedError:
             woken[index] = time.monotonic() - closing_at
+            ended_by[index] = "GangClosedError"
+        except agang.GangBrokenError:
+            ended_by[index] = "GangBrokenError"
+        except agang.CollectiveError:
+            ended_by[index] = "CollectiveError"
         except BaseException as error:  # reported, not swallowed: the test fails on it
             other_errors.append(repr(error))
 
     async with anyio.create_task_group() as group:
         for index, handle in enumerate(handles):
             group.start_soon(wait_for, index, handle)
-        await anyio.sleep(0.3)
+        if gang.rank == 0:
+            await anyio.sleep(0.3)
+        else:
+            with anyio.move_on_after(B7_PEER_WAITS_AT_MOST):
+                # Polling /proc: rank 0 is not this process's child: nothing to await.
+                while not _process_is_gone(pids[0]):  # noqa: ASYNC110
+                    await anyio.sleep(0.05)
         closing_at = time.monotonic()
         await gang.close()
         close_took = time.monotonic() - closing_at
@@ -417,12 +432,8 @@ async def _close_with_ops_in_flight(gang: agang.Gang) -> dict[str, Any]:
         refused_after_close = False
     except agang.GangClosedError:
         refused_after_close = True
-    if gang.rank == 1:
-        with anyio.move_on_after(B7_PEER_WAITS_AT_MOST):
-            # Polling /proc: rank 0 is not this process's child, so there is nothing to await.
-            while not _process_is_gone(pids[0]):  # noqa: ASYNC110
-                await anyio.sleep(0.05)
     return {
+        "ended_by": ended_by,
         "num_pending": len(handles),
         "woken": woken,
         "other_errors": other_errors,
@@ -441,16 +452,26 @@ def close_world() -> list[dict[str, Any]]:
 def test_b7_close_wakes_pending_waiters_at_once_and_exits_cleanly(
     close_world: list[dict[str, Any]],
 ) -> None:
-    """Every pending waiter gets ``GangClosedError`` within 100 ms of ``close`` (about
-    1 ms is typical), later calls are refused, and both ranks exit with code 0 (the
+    """Every waiter pending on rank 0 gets ``GangClosedError`` within 100 ms of ``close``
+    (about 1 ms is typical), later calls are refused, and both ranks exit with code 0 (the
     fixture's ``run_world`` checks the codes): rank 1 exits after its peer is gone, which
-    aborted it at exit ("terminate called") while Gloo still ran the abandoned work."""
-    for report in close_world:
-        assert report["other_errors"] == []
-        assert sorted(report["woken"]) == list(range(report["num_pending"]))
-        assert max(report["woken"].values()) < 0.1
-        assert report["refused_after_close"]
-    assert all(_process_is_reaped(pid) for pid in close_world[0]["pids"])
+    aborted it at exit ("terminate called") while Gloo still ran the abandoned work.
+    Rank 1's waiters end too: its gang broke when rank 0's close dropped the connections
+    (its first recv fails with that cause, the other with ``GangBrokenError``), or, had
+    that not been noticed yet, its own close ended them."""
+    closer, peer = close_world
+    assert closer["other_errors"] == []
+    assert sorted(closer["woken"]) == list(range(closer["num_pending"]))
+    assert max(closer["woken"].values()) < 0.1
+    assert peer["other_errors"] == []
+    assert sorted(peer["ended_by"]) == list(range(peer["num_pending"]))
+    assert set(peer["ended_by"].values()) <= {
+        "CollectiveError",  # the recv that saw the connection drop
+        "GangBrokenError",  # the others, failed as the gang broke
+        "GangClosedError",
+    }
+    assert closer["refused_after_close"] and peer["refused_after_close"]
+    assert all(_process_is_reaped(pid) for pid in closer["pids"])
 
 
 def test_b7_close_returns_within_a_second(close_world: list[dict[str, Any]]) -> None:
