@@ -7,7 +7,7 @@ c10d's own exception is always kept as ``__cause__``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 
@@ -109,9 +109,13 @@ class GangTimeoutError(CollectiveError, TimeoutError):
         elapsed: Seconds from issue to expiry.
         in_flight: One line per op still in flight on this gang when the deadline passed.
         recent: One line per op completed most recently on this gang, oldest first.
-        absent_ranks: With order checking on, the ranks that had not issued this op by
-            the deadline (they skipped it, or are stalled or late before it); empty when
-            every rank had, or when unknown.
+        absent_ranks: The ranks that had not issued this op by the deadline (they
+            skipped it, or are stalled or late before it) or gave no answer when asked
+            (dead, stopped, or cut off); empty when every rank had, or when unknown.
+        peers: Each other rank's answer when asked, just after the deadline, where it
+            stands on this op: ``"issued it and is waiting for it"``, ``"has not issued
+            it (last op issued: ...)"``, ``"has finished it (...)"``, ``"no answer (...)"``
+            and the like; empty where the peers could not be asked (the message says why).
     """
 
     def __init__(
@@ -123,12 +127,14 @@ class GangTimeoutError(CollectiveError, TimeoutError):
         in_flight: Sequence[str] = (),
         recent: Sequence[str] = (),
         absent_ranks: Sequence[int] = (),
+        peers: Mapping[int, str] | None = None,
     ) -> None:
         super().__init__(message, context)
         self.elapsed = elapsed
         self.in_flight = tuple(in_flight)
         self.recent = tuple(recent)
         self.absent_ranks = tuple(absent_ranks)
+        self.peers: Mapping[int, str] = dict(peers or {})
 
 
 class TensorBusyError(GangError, ValueError):

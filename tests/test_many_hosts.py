@@ -239,6 +239,9 @@ def test_a_store_host_whose_own_name_means_loopback_fails_at_once(netns: None) -
     assert "'agnode0' resolves to the loopback address 127.0.1.1" in done.stdout, done.stdout
 
 
+NO_ANSWER = "no answer (dead, stopped, or cut off from the store)"
+
+
 def test_a_cut_link_fails_every_rank_within_the_op_timeout(netns: None) -> None:
     with Cluster(num_nodes=2) as cluster:
         port = cluster.free_port(0)
@@ -258,6 +261,16 @@ def test_a_cut_link_fails_every_rank_within_the_op_timeout(netns: None) -> None:
         assert 0 < detected < OP_TIMEOUT + 5, (rank, detected, result)
         assert result["max_lag"] < 0.5, result  # the loop never stalled meanwhile
         assert result["close_seconds"] < 10, result
+    # The error names who is unreachable, and where: node 0 (the store's) asked rank 1,
+    # which gave no answer, and names it with its node's address; node 1, cut off from
+    # the store, could ask nobody, and names the store's node.
+    node0, node1 = (cluster.nodes[n].address("data") for n in (0, 1))
+    if results[0]["error"] == "GangTimeoutError":
+        assert results[0]["peers"] == {"1": NO_ANSWER}, results[0]
+        assert "rank 1 (" in results[0]["message"], results[0]
+        assert f" {node1}, pid " in results[0]["message"], results[0]
+    if results[1]["error"] == "GangTimeoutError":
+        assert f"the store at {node0}:{port} did not answer" in results[1]["message"], results[1]
 
 
 def test_collectives_take_the_network_of_master_addr_and_the_store_listens_only_there(
@@ -350,6 +363,7 @@ async def _link_cut() -> dict[str, Any]:
             except agang.GangError as error:
                 report.update(failed_at=time.time(), error=type(error).__name__)
                 report["message"] = str(error)
+                report["peers"] = getattr(error, "peers", {})
                 break
             report["ops_before"] += 1
             await anyio.sleep(0.01)

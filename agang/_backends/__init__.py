@@ -2,7 +2,7 @@
 
 - :mod:`agang._backends.contract`: the ``Backend`` protocol, the whole contract.
 - :mod:`agang._backends.c10d`: c10d process groups (Gloo, NCCL), with
-  :mod:`~agang._backends.c10d_order` (order checks, census),
+  :mod:`~agang._backends.c10d_order` (order checks), :mod:`~agang._backends.c10d_blame` (blame),
   :mod:`~agang._backends.c10d_children` (sub-gangs, lanes),
   :mod:`~agang._backends.c10d_abort` (ending Gloo work) and
   :mod:`~agang._backends.cuda_completion` (learning that an NCCL op finished).

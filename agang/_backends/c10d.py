@@ -37,10 +37,10 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions
 
 from agang import _exit
-from agang._backends import c10d_order, cuda_completion
+from agang._backends import c10d_blame, c10d_order, cuda_completion
 from agang._backends.c10d_abort import Aborter
 from agang._backends.c10d_children import create_groups
-from agang._backends.contract import Census, Checked, Done, after_post
+from agang._backends.contract import Blamed, Checked, Done, ProgressOf, after_post
 from agang._backends.device_runtime import DeviceRuntime, StreamOrder, torch_runtime
 from agang._reduce_op import ReduceOp, to_c10d
 
@@ -194,6 +194,7 @@ class C10dBackend:
         self._aborter = Aborter()
         self._runtime: DeviceRuntime = torch_runtime() if runtime is None else runtime
         self._registered = registered
+        self._world_ranks = c10d_blame.world_ranks(process_group, registered and not is_world)
         self._completion = cuda_completion.Completion(self._runtime, device, process_group, name)
         # c10d copies the options on each call, so one object per op serves every call.
         self._all_reduce_options = {op: _all_reduce_options(op, kind) for op in ReduceOp}
@@ -387,18 +388,21 @@ class C10dBackend:
             give_up=lambda: self._stopped,
         )
 
-    def start_census(self, index: int, report: Census) -> None:
-        if self._stopped:
-            report(None)
+    # Blame (``c10d_blame``).
+
+    def serve_progress(self, progress: ProgressOf) -> None:
+        if self._registered:
+            c10d_blame.serve(self._group_name, self._rank, progress)
+
+    def start_blame(self, seq: int, report: Blamed) -> None:
+        if self._stopped or not self._registered:
+            report(None, "the gang's communicator is released")
             return
-        c10d_order.start_census(
-            self._group_name,
-            rank=self._rank,
-            size=self._size,
-            name=self._name,
-            index=index,
-            report=report,
-        )
+        peers = {r: world for r, world in enumerate(self._world_ranks) if r != self._rank}
+        c10d_blame.start_blame(self._group_name, seq, peers, report)
+
+    def where(self, rank: int) -> str:
+        return c10d_blame.where(self._world_ranks, rank)
 
     # Failure and lifecycle.
 
@@ -434,6 +438,12 @@ class C10dBackend:
         for waiter in self._waiters.values():
             waiter.stop()
         self._completion.release()
+        if self._registered:
+            c10d_blame.unserve(
+                self._group_name,
+                world=self._is_world,
+                hosts_store=self._is_world and c10d_blame.hosts_store,
+            )
         try:
             if unfinished:
                 # Work still running would make destroy (NCCL) or the group's destructor

@@ -1,4 +1,4 @@
-"""Order checks and the census on c10d: fingerprints compared on a side Gloo group.
+"""Order checks on c10d: fingerprints compared on a side Gloo group.
 
 Rules:
 1. Each rank's 8-byte digest of its fingerprint is gathered on a side Gloo group (so a
@@ -7,22 +7,14 @@ Rules:
 2. The exchange polls the store (``check``), never a blocking ``get``: a blocking get
    holds the store client's lock while it waits, so two exchanges at once (two
    mismatched positions, or two gangs) could deadlock across ranks.
-3. The census asks, through the store, which ranks have not reached a check: each rank
-   stuck there says so under a key of its own, and whoever has not said so within
-   ``CENSUS_SECONDS`` is named absent (the stuck ranks time out at about the same
-   moment, so that is enough for them to speak).
-4. The census answers within ``CENSUS_BOUND`` whatever the store does: a deadline waits
-   for it, and a store whose host is stopped would otherwise hold the answer (and the
-   timeout) until the store client's own timeout, many times the deadline. Past the
-   bound it answers None (unknown); the thread that asked may stay blocked (exit waits
-   for it within its bound: a thread inside c10d when the interpreter ends aborts it).
+3. Which ranks never reached a check, when a deadline passes in it, is the blame's to
+   say (``c10d_blame``): a rank that has not issued the op has not reached its check.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -30,13 +22,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from agang._backends.contract import Census, Checked
+from agang._backends.contract import Checked
 from agang._offload import start_thread
 
 log = logging.getLogger("agang")
-
-CENSUS_SECONDS = 0.25
-CENSUS_BOUND = CENSUS_SECONDS + 0.25
 
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -114,45 +103,3 @@ def _await_key(store: Any, key: str, give_up: Callable[[], bool]) -> bool:
             return False
         time.sleep(0.002)
     return True
-
-
-def start_census(
-    group_name: str, *, rank: int, size: int, name: str, index: int, report: Census
-) -> None:
-    """Reports the ranks that had not reached the ``index``-th check (rule 3)."""
-    # Keyed by c10d's group name: equal on every rank, and unique for the store's life.
-    prefix = f"agang/census/{group_name}/{index}"
-    lock = threading.Lock()
-    reported = False
-
-    def once(absent: list[int] | None) -> None:  # rule 4: the first answer counts
-        nonlocal reported
-        with lock:
-            if reported:
-                return
-            reported = True
-        report(absent)
-
-    timer = threading.Timer(CENSUS_BOUND, once, args=(None,))
-    timer.daemon = True
-    timer.start()
-    _ = start_thread(
-        lambda: once(_absent_from_check(prefix, rank, size, name)),
-        name=f"census '{name}'",
-    )
-
-
-def _absent_from_check(prefix: str, rank: int, size: int, name: str) -> list[int] | None:
-    keys = [f"{prefix}/{r}" for r in range(size)]
-    try:
-        store = dist.distributed_c10d._get_default_store()
-        store.set(keys[rank], "1")
-        give_up_at = time.monotonic() + CENSUS_SECONDS
-        while True:
-            absent = [r for r, key in enumerate(keys) if not store.check([key])]
-            if not absent or time.monotonic() >= give_up_at:
-                return absent
-            time.sleep(0.01)
-    except Exception:
-        log.debug("The order-check census of gang '%s' failed.", name, exc_info=True)
-        return None

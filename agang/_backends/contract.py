@@ -44,9 +44,16 @@ Order checks.
     ``index``-th fingerprint with every rank's, on a channel the gang's ops never queue
     behind, and calls ``checked(None, None)`` when all agree, ``checked(fingerprints,
     None)`` (every rank's) when they differ, ``checked(None, error)`` when the check
-    itself failed. ``start_census(index, report)`` reports which ranks had not reached
-    the ``index``-th check, or None when that cannot be known; it is asked only once a
-    deadline has passed there, and must answer within a fraction of a second.
+    itself failed.
+Blame.
+    The engine tells the backend once, with ``serve_progress(progress)``, how to say
+    where this rank stands on the gang (``agang._blame.Progress`` of the op a peer asks
+    about); until a peer asks, this costs nothing. ``start_blame(seq, report)`` asks
+    every other rank about op ``seq`` (once its deadline passed here) and calls
+    ``report(peers, note)`` once, within ``BLAME_BOUND`` seconds whatever the peers or
+    the channel do: ``peers`` maps each other rank to its answer, None for one that gave
+    none; ``peers`` is None where nobody could be asked, and ``note`` says why.
+    ``where(rank)`` names a rank for messages: where it runs, as far as the backend knows.
 Deadlines.
     agang's deadlines are the engine's. A backend with a deadline of its own (c10d's
     process-group timeout) keeps it behind agang's: ``allow_timeout(seconds)`` says
@@ -59,7 +66,8 @@ Failure and lifecycle.
     communicator when the gang closes; it runs off the loop and may block briefly;
     ``unfinished`` says work may still be running (the gang broke, or closed with ops
     in flight), which must then be ended first. After either, the backend gives up
-    any wait of its own (order checks, a census) and starts nothing new.
+    any wait of its own (order checks, a blame) and starts nothing new; it stops
+    answering peers' blames once released.
 Children.
     ``create_child(members, ...)`` is a collective call on this backend's ranks that
     makes a backend over ``members`` (ranks of this one, sorted): sub-gangs, and lanes
@@ -70,12 +78,13 @@ Children.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Protocol
 
 import torch
 
 from agang._backends.device_runtime import StreamOrder
+from agang._blame import Progress
 from agang._reduce_op import ReduceOp
 
 #: How a backend reports the end of an op: None on success, else the error.
@@ -83,8 +92,14 @@ Done = Callable[[BaseException | None], None]
 #: How an order check reports: None when every rank agreed, else every rank's
 #: fingerprint; or the error of the check itself.
 Checked = Callable[[dict[int, str] | None, BaseException | None], None]
-#: How a census reports the ranks that had not reached a check (None: unknown).
-Census = Callable[[list[int] | None], None]
+#: How a blame reports: every other rank's answer (None: it gave none in time), or None
+#: where nobody could be asked; then a note saying why (empty otherwise).
+Blamed = Callable[[Mapping[int, Progress | None] | None, str], None]
+#: How a rank says where it stands on the gang, asked about one op's sequence number.
+ProgressOf = Callable[[int], Progress]
+
+#: The most a blame may take, from the call to its report (seconds).
+BLAME_BOUND = 0.5
 
 
 class Backend(Protocol):
@@ -158,8 +173,16 @@ class Backend(Protocol):
     def start_order_check(self, index: int, fingerprint: str, checked: Checked) -> None:
         """Compares the ``index``-th fingerprint across ranks (see the module's rules)."""
 
-    def start_census(self, index: int, report: Census) -> None:
-        """Reports the ranks that had not reached the ``index``-th order check."""
+    # Blame.
+
+    def serve_progress(self, progress: ProgressOf) -> None:
+        """Lets the peers' blames ask this rank where it stands (called once)."""
+
+    def start_blame(self, seq: int, report: Blamed) -> None:
+        """Asks every other rank where it stands on op ``seq`` (see the module's rules)."""
+
+    def where(self, rank: int) -> str:
+        """``rank`` named for a message, with where it runs when known."""
 
     # Deferred starts and deadlines.
 

@@ -13,7 +13,7 @@ from typing import final
 
 import torch
 
-from agang._backends.contract import Census, Checked, Done
+from agang._backends.contract import Blamed, Checked, Done, ProgressOf
 from agang._backends.device_runtime import StreamOrder
 from agang._errors import GangError
 from agang._reduce_op import ReduceOp
@@ -131,8 +131,15 @@ class FakeBackend:
     def start_order_check(self, index: int, fingerprint: str, checked: Checked) -> None:
         checked(None, None)  # one simulated rank always agrees with itself
 
-    def start_census(self, index: int, report: Census) -> None:
-        report(None)
+    def serve_progress(self, progress: ProgressOf) -> None:
+        pass  # no peer ever asks
+
+    def start_blame(self, seq: int, report: Blamed) -> None:
+        # Its other ranks are simulated by the same process: there is nobody to ask.
+        report(None, "a fake gang's other ranks are simulated, not asked")
+
+    def where(self, rank: int) -> str:
+        return f"rank {rank}"
 
     def defer(self, start: Callable[[], None]) -> Callable[[], None]:
         return start

@@ -25,10 +25,9 @@ Rules:
    loop (or the timer thread; ``deadline``), armed for the core's next deadline. When
    one passes, the handle fails with ``GangTimeoutError`` carrying the flight recorder;
    with ``on_timeout="abort"`` the gang then breaks, with ``"raise"`` only that handle
-   fails and its op stays in flight (tensors busy) until the backend ends it. An op
-   still in its order check when its deadline passes fails once the backend's census
-   has said which ranks never reached that check: the error names them (else a rank
-   that skipped the last op leaves nobody to blame). Asking takes under a second.
+   fails and its op stays in flight (tensors busy) until the backend ends it. The error
+   says where each peer stood, asked through the backend's blame within its bound
+   (``expiry``): issued the op and waiting, not issued it yet, or no answer.
 6. *A failure breaks the gang.* Any failure of a started op breaks the gang: every
    pending handle fails with ``GangBrokenError`` (the first cause attached), queued ops
    are dropped unstarted, the backend is aborted, and every later call (a woken
@@ -61,8 +60,10 @@ import torch
 
 from agang import _fork
 from agang._backends.contract import Backend, Done
+from agang._blame import Progress, State
 from agang._engine import busy, deadline, reports
 from agang._engine.call_site import call_site
+from agang._engine.expiry import Expiry
 from agang._engine.ops import OpEnd, SecondPhase, Start, start_guarded
 from agang._engine.room import Room
 from agang._engine.scheduler import Entry, Scheduler
@@ -105,12 +106,15 @@ class Engine:
         self._room = Room(
             self.lock, self._scheduler.is_full, self.check_usable, policy.limits, self.name
         )
-        self._alarm = deadline.Alarm(self.lock, self._check_deadlines)
+        self._expiry = Expiry(self)
+        self._alarm = deadline.Alarm(self.lock, self._expiry.check)
+        self._last_op: str | None = None
         self._counters = Counters()
         self._ops_left_in_backend = False
         self._released = False
         self._ordered_early: set[int] = set()  # seqs reported ordered, not ended (rule 10)
         backend.allow_timeout(policy.op_timeout)
+        backend.serve_progress(self.progress)
         _fork.track(self)
 
     # Numbering and admission (rules 1, 2, 3 and 8).
@@ -159,6 +163,7 @@ class Engine:
             )
             claim = busy.acquire(tensors, handle)  # raises before anything is committed
             self._next_seq = seq + 1
+            self._last_op = op
             self._counters.num_issued += 1
             self._counters.bytes_issued += num_bytes
         return handle, claim
@@ -372,59 +377,19 @@ class Engine:
         if following is not None:
             self._alarm.arm(following)
 
-    # Deadlines (rule 5).
+    # Blame (rule 5): where this rank stands, when a peer's deadline asks.
 
-    def _check_deadlines(self, armed_for: float, driver: object) -> None:
-        now = time.monotonic()
+    def progress(self, seq: int) -> Progress:
         with self.lock:
-            if self._alarm.fired(armed_for) and driver is not None:
-                # The loop ran this timer late by however long it was busy or blocked.
-                self._counters.lags.append(max(0.0, now - armed_for))
-            due = self._scheduler.due(now)
-            following = self._scheduler.next_deadline()
-        if following is not None:
-            self._alarm.arm(following)
-        for entry in due:
-            handle, _ = entry.item
-            index = entry.check_index
-            if index is not None and not entry.ready:
-                # Still in its order check: ask who never reached it (rule 5), then fail.
-                self.backend.start_census(index, functools.partial(self._expire, handle, index))
-            else:
-                self._expire(handle)
-
-    def _expire(
-        self, handle: Handle[Any], index: int | None = None, absent: list[int] | None = None
-    ) -> None:
-        now = time.monotonic()
-        with self.lock:
-            in_flight = self._scheduler.describe_in_flight(now, skip=handle.seq)
-            recent = [record.describe() for record in self._scheduler.recent()]
-        abort = self.policy.on_timeout == "abort"
-        error = reports.timed_out(
-            self.context(handle.op, handle.seq, handle.timeout),
-            elapsed=now - handle.issued_at,
-            in_flight=in_flight,
-            recent=recent,
-            abort=abort,
-            index=index,
-            absent=absent,
-        )
-
-        def count_timed_out() -> None:
-            with self.lock:
-                self._counters.num_timed_out += 1
-            if abort:
-                self.break_gang(error)
-
-        with self.lock:
-            ordered_only = handle.seq in self._ordered_early
-        if ordered_only:  # its handle succeeded once ordered; the op itself is late
-            log.error("%s", error)
-            count_timed_out()
-            return
-        # Broken before the waiters wake: their next call must be refused (rule 6).
-        handle._finish(None, error, then=count_timed_out)
+            state: State = "closed" if self.closed else "open" if self.broken is None else "broken"
+            return Progress(
+                asked=seq,
+                issued=self._next_seq - 1,
+                op=self._last_op,
+                waiting=seq in self._scheduler.entries,
+                num_in_flight=len(self._scheduler.entries),
+                state=state,
+            )
 
     # Failure and lifecycle (rules 6 and 7).
 

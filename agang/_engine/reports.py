@@ -6,6 +6,7 @@ Pure: plain data in, an error out. Each message names the gang, rank, op and seq
 
 from __future__ import annotations
 
+from agang._blame import Progress, verdict
 from agang._errors import CollectiveMismatchError, GangTimeoutError, OpContext
 
 
@@ -34,15 +35,18 @@ def timed_out(
     abort: bool,
     index: int | None,
     absent: list[int] | None,
+    blamed: str,
+    peers: dict[int, Progress | None] | None,
 ) -> GangTimeoutError:
-    """An op's deadline passed; ``absent`` are the ranks a census found had not reached
-    its order check (``index``), if any; None where a census could not tell."""
+    """An op's deadline passed. ``blamed`` is what the peers said (``agang._blame``);
+    ``absent`` the ranks that had not issued the op or did not answer, None where the
+    peers could not be asked; ``index`` the op's order check, when it was still in it."""
     consequence = (
         "The gang is now broken."
         if abort
         else "Its tensors stay busy until the op really ends; the gang stays usable."
     )
-    if absent:
+    if index is not None and absent:
         why = (
             f"ranks {absent} had not issued collective #{index} of this gang (order "
             f"checking got no fingerprint of theirs): they skipped it, or are stalled "
@@ -50,17 +54,19 @@ def timed_out(
         )
     elif index is not None and absent is None:
         why = (
-            f"order checking got no fingerprint from some rank for collective #{index}, "
-            f"and the store could not be asked which (its host may be stopped or "
-            f"unreachable): a peer may be late, stopped, or issuing its ops in another order."
+            f"order checking got no fingerprint from some rank for collective #{index}: "
+            f"a peer may be late, stopped, or issuing its ops in another order."
         )
     else:
         why = "a peer may be late, stopped, or issuing its ops in another order."
     return GangTimeoutError(
-        f"{context.describe()} timed out after {elapsed:.3f} s; {why} {consequence}",
+        f"{context.describe()} timed out after {elapsed:.3f} s; {why} {consequence} {blamed}",
         context,
         elapsed=elapsed,
         in_flight=in_flight,
         recent=recent,
         absent_ranks=absent or [],
+        peers={}
+        if peers is None
+        else {rank: verdict(progress) for rank, progress in peers.items()},
     )

@@ -30,11 +30,13 @@ import time
 import traceback
 from collections.abc import Mapping
 from datetime import timedelta
+from typing import Any
 
 import anyio
 import torch
 import torch.distributed as dist
 
+from agang._backends import c10d_blame
 from agang._errors import GangInitError
 from agang._fake_gang import FakeGang
 from agang._future import Future
@@ -44,6 +46,7 @@ from agang._policy import CheckOrder, GangPolicy, InFlightLimits, OnTimeout, mak
 from agang._process_group_gang import ProcessGroupGang, check_no_open_world
 from agang._setup.device import resolve_backend, resolve_device
 from agang._setup.env import WorldInfo, world_from_env
+from agang._setup.interface import own_link
 from agang._setup.process import prepare_process
 from agang._setup.rendezvous import InitCancelled, check_in, end_round, open_store
 from agang._setup.retry import PortInUseError, RetryPolicy, TransientSetupError, call_c10d
@@ -161,6 +164,7 @@ class _Plan:
             _prove(deadline)
         else:
             log.info("agang: torch.distributed is already initialized; wrapping its world.")
+            c10d_blame.forget_world()
         order_group = None
         if self.policy.check_order:
             # The side channel of order checks: a Gloo group over the world, so a check
@@ -188,6 +192,20 @@ class _Plan:
     def _note_missing(self, missing: list[int]) -> None:
         self.last_missing = tuple(missing)
 
+    def _check_in(self, store: Any, world: WorldInfo, deadline: float) -> None:
+        link = own_link(world.master_addr, os.environ)
+        members = check_in(
+            store,
+            world,
+            self.prefix,
+            deadline=deadline,
+            cancelled=self.cancelled,
+            on_missing=self._note_missing,
+            link=link,
+        )
+        # What a timeout's blame names a rank with (``agang._backends.c10d_blame``).
+        c10d_blame.roster[:] = [member.describe() for member in members]
+
     def _make_group(self, world: WorldInfo, deadline: float) -> None:
         try:
             store, port = open_store(
@@ -196,15 +214,10 @@ class _Plan:
                 policy=self.retry,
                 cancelled=self.cancelled,
                 on_attempt=self._count_attempt,
-                then=lambda store: check_in(
-                    store,
-                    world,
-                    self.prefix,
-                    deadline=deadline,
-                    cancelled=self.cancelled,
-                    on_missing=self._note_missing,
-                ),
+                then=lambda store: self._check_in(store, world, deadline),
             )
+            c10d_blame.store_address = f"{world.master_addr}:{port}"
+            c10d_blame.hosts_store = world.rank == 0 and not world.launcher_hosts_store
             if port != world.master_port:
                 log.info(
                     "agang: port %d was taken; the store is on port %d.", world.master_port, port

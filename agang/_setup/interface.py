@@ -41,6 +41,7 @@ log = logging.getLogger("agang")
 IFNAME_ENV = "AGANG_SOCKET_IFNAME"
 
 _SIOCGIFADDR = 0x8915
+_SIOCGIFNETMASK = 0x891B
 
 
 def interface_addresses() -> dict[str, list[str]]:
@@ -78,6 +79,62 @@ def source_address(host: str) -> str | None:
         except OSError:
             continue
     return None
+
+
+@dataclass(frozen=True)
+class Link:
+    """The interface this rank's connections leave from, as its peers learn at check-in."""
+
+    ifname: str | None
+    address: str | None
+    network: str | None  # its IPv4 network, e.g. "10.201.0.0/24"; None where unknown
+
+    def to_text(self) -> str:
+        return " ".join(part or "-" for part in (self.ifname, self.address, self.network))
+
+    @classmethod
+    def from_text(cls, text: str) -> Link:
+        parts = [None if part == "-" else part for part in text.split()] + [None] * 3
+        return cls(parts[0], parts[1], parts[2])
+
+
+def own_link(master_addr: str, environ: Mapping[str, str]) -> Link:
+    """The interface the transports were told to use (rule 3), or the one reaching
+    ``master_addr``, with its address and network."""
+    table = interface_addresses()
+    named = (environ.get("GLOO_SOCKET_IFNAME") or environ.get("NCCL_SOCKET_IFNAME") or "").strip()
+    ifname = named.split(",")[0] or None
+    address = None
+    if ifname is not None:
+        address = next((a for a in table.get(ifname, []) if "." in a), None)
+    else:
+        address = source_address(master_addr)
+        ifname = next((name for name, found in table.items() if address in found), None)
+    network = None
+    if ifname is not None and address is not None and "." in address:
+        with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            answer = fcntl.ioctl(s.fileno(), _SIOCGIFNETMASK, struct.pack("256s", ifname.encode()))
+            mask = socket.inet_ntoa(answer[20:24])
+            network = str(ipaddress.IPv4Network(f"{address}/{mask}", strict=False))
+    return Link(ifname, address, network)
+
+
+def disagreement(links: Mapping[int, Link]) -> str | None:
+    """A warning when the ranks' connections leave from different networks, else None
+    (names differ between hosts harmlessly; networks should not)."""
+    networks: dict[str, list[int]] = {}
+    for rank, link in sorted(links.items()):
+        if link.network is not None:
+            networks.setdefault(link.network, []).append(rank)
+    if len(networks) < 2:
+        return None
+    sides = "; ".join(f"ranks {ranks} on {network}" for network, ranks in networks.items())
+    return (
+        f"agang: the ranks of this job use interfaces on different networks ({sides}): "
+        f"their connections may fail or take a slower network. Set {IFNAME_ENV} (or "
+        f"GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME) to the same network's interface on "
+        f"every host."
+    )
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,9 @@ Rules (all of this runs on init's daemon thread, never on the loop):
 8. Every c10d call here goes through :func:`~agang._setup.retry.call_c10d`, so its
    transient failures are a :class:`~agang._setup.retry.TransientSetupError`; agang's own
    transient conditions raise that type directly.
+9. Each rank checks in with the interface its connections leave from (address and
+   network); the ranks learn each other's, for messages that name where a rank runs,
+   and warn when they are on different networks.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -48,6 +52,7 @@ import torch.distributed as dist
 from agang._errors import GangInitError
 from agang._offload import start_thread
 from agang._setup.env import WorldInfo
+from agang._setup.interface import Link, disagreement
 from agang._setup.retry import (
     PortInUseError,
     RetryPolicy,
@@ -268,8 +273,10 @@ def check_in(
     deadline: float,
     cancelled: threading.Event,
     on_missing: Callable[[list[int]], None] = lambda missing: None,
-) -> None:
-    """Checks this rank in and waits for every other rank (rules 3, 5).
+    link: Link | None = None,
+) -> list[Member]:
+    """Checks this rank in and waits for every other rank (rules 3, 5); returns every
+    rank's host, pid and interface, as they checked in (rule 9).
 
     Raises:
         GangInitError: The deadline passed (``missing_ranks`` says who never came), the
@@ -277,7 +284,7 @@ def check_in(
         TransientSetupError: The store is closing or its round is over (the next attempt
             finds the new one), or c10d's connection to it failed transiently.
     """
-    call_c10d(
+    members: list[Member] = call_c10d(
         _check_in,
         store,
         world,
@@ -285,7 +292,13 @@ def check_in(
         deadline=deadline,
         cancelled=cancelled,
         on_missing=on_missing,
+        link=link or Link(None, None, None),
     )
+    warning = disagreement({r: m.link for r, m in enumerate(members)})
+    # Rank 0 says so, and each rank that differs from it: not a thousand times over.
+    if warning and (world.rank == 0 or members[world.rank].link != members[0].link):
+        log.warning("%s", warning)
+    return members
 
 
 def _check_in(
@@ -296,7 +309,8 @@ def _check_in(
     deadline: float,
     cancelled: threading.Event,
     on_missing: Callable[[list[int]], None],
-) -> None:
+    link: Link,
+) -> list[Member]:
     # Every store operation below is a c10d call: check_in classifies their failures.
     verdict = f"{prefix}/missing"
     if store.check([verdict]):
@@ -306,7 +320,7 @@ def _check_in(
             f"The store at {world.store_address} is closing: its host gave up on an "
             f"earlier attempt."
         )
-    me = f"{world.world_size} {socket.gethostname()} {os.getpid()}"
+    me = f"{world.world_size} {socket.gethostname()} {os.getpid()} {link.to_text()}"
     key = f"{prefix}/rank/{world.rank}"
     # A second claim is a duplicate rank, unless it is this process retrying an attempt.
     if store.add(f"{prefix}/claim/{world.rank}", 1) > 1 and not (
@@ -363,10 +377,26 @@ def _check_in(
             f"{world.store_address} before the deadline.",
             missing_ranks=missing,
         )
+    members = []
     for rank, key in enumerate(keys):
-        size = int(store.get(key).decode().split()[0])
-        if size != world.world_size:
+        size, host, pid, rest = [*store.get(key).decode().split(" ", 3), "", "", ""][:4]
+        if int(size) != world.world_size:
             raise GangInitError(
                 f"`WORLD_SIZE` must be the same on every rank, but is {world.world_size} here "
                 f"and {size} on rank {rank}."
             )
+        members.append(Member(host, int(pid or 0), Link.from_text(rest)))
+    return members
+
+
+@dataclass(frozen=True)
+class Member:
+    """One rank as it checked in: its host's name, its pid, its interface."""
+
+    host: str
+    pid: int
+    link: Link
+
+    def describe(self) -> str:
+        address = f" {self.link.address}" if self.link.address else ""
+        return f"{self.host}{address}, pid {self.pid}"

@@ -33,8 +33,9 @@ import anyio
 import torch
 
 from agang import _asynclib
-from agang._backends.contract import Census, Checked, Done, after_post
+from agang._backends.contract import Blamed, Checked, Done, ProgressOf, after_post
 from agang._backends.device_runtime import StreamOrder
+from agang._blame import Progress
 from agang._engine import deadline
 from agang._errors import GangError, GangInitError
 from agang._future import Future
@@ -93,8 +94,8 @@ class Communicator:
     size: int
     meetings: dict[int, dict[int, _Arrival]] = field(default_factory=dict)
     checks: dict[int, dict[int, tuple[str, Checked]]] = field(default_factory=dict)
-    # The ranks that posted each unsettled check's fingerprint, withdrawn ones included.
-    reached: dict[int, set[int]] = field(default_factory=dict)
+    # How each rank's engine says where it stands (blame), once it served it.
+    progress: dict[int, ProgressOf] = field(default_factory=dict)
     channels: dict[tuple[int, int], deque[tuple[str, torch.Tensor, Done]]] = field(
         default_factory=dict
     )
@@ -129,22 +130,20 @@ class Communicator:
         with self.world.lock:
             meeting = self.checks.setdefault(index, {})
             meeting[rank] = (fingerprint, checked)
-            self.reached.setdefault(index, set()).add(rank)
             if len(meeting) < self.size:
                 return
             del self.checks[index]
-            del self.reached[index]
         fingerprints = {r: fp for r, (fp, _) in meeting.items()}
         agree = len(set(fingerprints.values())) == 1
         for _, report in meeting.values():
             self.world.schedule(functools.partial(report, None if agree else fingerprints, None))
 
-    def absent_from_check(self, index: int) -> list[int]:
-        """The ranks that never posted the ``index``-th fingerprint (one that posted it
-        and then withdrew, its gang broken, did reach the check)."""
+    def blame(self, rank: int, seq: int) -> dict[int, Progress | None]:
+        """Every other rank's answer about op ``seq``, asked directly (rank's own lock
+        only: no rank's lock is held while another's is taken)."""
         with self.world.lock:
-            reached = self.reached.get(index, set())
-            return [rank for rank in range(self.size) if rank not in reached]
+            asked = {r: self.progress.get(r) for r in range(self.size) if r != rank}
+        return {r: None if progress is None else progress(seq) for r, progress in asked.items()}
 
     def withdraw(self, rank: int) -> list[Done]:
         """Takes back ``rank``'s ops that no peer has met yet; returns their ``done``."""
@@ -359,8 +358,15 @@ class FakeWorldBackend:
     def start_order_check(self, index: int, fingerprint: str, checked: Checked) -> None:
         self.communicator.check(index, self._rank, fingerprint, checked)
 
-    def start_census(self, index: int, report: Census) -> None:
-        report(self.communicator.absent_from_check(index))
+    def serve_progress(self, progress: ProgressOf) -> None:
+        with self.communicator.world.lock:
+            self.communicator.progress[self._rank] = progress
+
+    def start_blame(self, seq: int, report: Blamed) -> None:
+        report(self.communicator.blame(self._rank, seq), "")
+
+    def where(self, rank: int) -> str:
+        return f"rank {rank}"
 
     def defer(self, start: Callable[[], None]) -> Callable[[], None]:
         return start

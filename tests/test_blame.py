@@ -1,0 +1,133 @@
+"""Blame on every deadline: a timeout says where each peer stands on the late op.
+
+When an op's deadline passes, agang asks every peer, through the backend (the store on
+c10d), whether it issued the op and is waiting on it, has not issued it yet (and what it
+issued last), or gives no answer; ``GangTimeoutError.peers`` and its message say so,
+``absent_ranks`` names the ones to look at, in every mode (not only with order
+checking). The answer costs nothing before a deadline passes: no store key is written
+per op. A stopped peer's "no answer" is in ``test_runtime_faults.py`` (B3); a frozen
+store's in ``test_store_faults.py``; a cut link's in ``test_many_hosts.py``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import anyio
+import pytest
+import torch
+
+import agang
+from agang._blame import Progress, absent, describe, verdict
+from agang.testing import FakeWorld, run_world
+
+LATE = "has not issued it (last op issued: #0 `all_reduce`)"
+WAITING = "issued it and is waiting for it"
+
+
+def _waiting_or_already_failed(answer: str) -> bool:
+    """A peer that shares the deadline is waiting, or has already timed out itself and
+    broken its gang, when it is asked: the two ranks' deadlines pass at about once."""
+    return answer == WAITING or answer.startswith("its gang is broken by an earlier failure")
+
+
+def _progress(issued: int, *, waiting: bool = False, state: str = "open") -> Progress:
+    return Progress(
+        asked=1,
+        issued=issued,
+        op="all_reduce" if issued >= 0 else None,
+        waiting=waiting,
+        num_in_flight=int(waiting),
+        state=state,  # type: ignore[arg-type]
+    )
+
+
+def test_each_answer_gets_its_verdict_and_the_absent_are_the_late_and_the_silent() -> None:
+    peers = {
+        1: _progress(1, waiting=True),
+        2: _progress(0),
+        3: None,
+        4: _progress(5),
+        5: _progress(-1),
+        6: _progress(0, state="broken"),
+    }
+    assert verdict(peers[1]) == WAITING
+    assert verdict(peers[2]) == LATE
+    assert verdict(peers[3]) == "no answer (dead, stopped, or cut off from the store)"
+    assert verdict(peers[4]) == "has finished it (last op issued: #5 `all_reduce`)"
+    assert verdict(peers[5]) == "has not issued it (last op issued: nothing yet)"
+    assert verdict(peers[6]).startswith("its gang is broken")
+    assert absent(peers) == [2, 3, 5]
+    text = describe(peers, lambda rank: f"rank {rank} (node{rank})")
+    assert text.startswith("Peers: rank 1 (node1): issued it and is waiting for it; ")
+    assert "rank 3 (node3): no answer" in text
+
+
+def test_progress_survives_the_trip_through_the_store() -> None:
+    progress = _progress(7, waiting=True)
+    assert Progress.from_text(progress.to_text()) == progress
+
+
+async def _one_rank_stays_behind(gang: agang.Gang) -> dict[str, Any]:
+    """Every rank does op #0; ranks 0 and 1 then issue #1 with a 1 s deadline, which
+    rank 2 never issues (it waits, then leaves)."""
+    await gang.all_reduce(torch.ones(2))
+    if gang.rank == 2:
+        await anyio.sleep(2.5)
+        return {}
+    try:
+        await gang.all_reduce(torch.ones(2), timeout=1.0)
+    except agang.GangTimeoutError as error:
+        return {"peers": dict(error.peers), "absent": error.absent_ranks, "message": str(error)}
+    return {"error": "no timeout"}
+
+
+@pytest.mark.anyio
+async def test_a_timeout_in_a_fake_world_names_the_rank_that_stayed_behind() -> None:
+    reports = await FakeWorld(3).run(_one_rank_stays_behind)
+    for rank in (0, 1):
+        peers = reports[rank]["peers"]
+        assert sorted(peers) == [1 - rank, 2]
+        assert _waiting_or_already_failed(peers[1 - rank]), peers
+        assert peers[2] == LATE
+        assert reports[rank]["absent"] == (2,)
+
+
+async def _blamed_on_gloo(gang: agang.Gang) -> dict[str, Any]:
+    store = torch.distributed.distributed_c10d._get_default_store()
+    await gang.all_reduce(torch.ones(2))
+    keys_before = store.num_keys()
+    for _ in range(200):
+        await gang.all_reduce(torch.ones(2))
+    keys_after = store.num_keys()
+    report = await _one_rank_stays_behind(gang)
+    return {**report, "keys": (keys_before, keys_after), "pid": os.getpid()}
+
+
+@pytest.fixture(scope="module")
+def gloo_reports() -> list[dict[str, Any]]:
+    return run_world(_blamed_on_gloo, 3, async_backend="asyncio", timeout=60.0)
+
+
+@pytest.mark.gloo
+def test_a_timeout_on_gloo_says_where_each_peer_stands(
+    gloo_reports: list[dict[str, Any]],
+) -> None:
+    late = LATE.replace("#0", "#201")  # op #0, then 200 more, before the late one
+    for rank in (0, 1):
+        report = gloo_reports[rank]
+        peers = report["peers"]
+        assert sorted(peers) == [1 - rank, 2]
+        assert _waiting_or_already_failed(peers[1 - rank]), peers
+        assert peers[2] == late
+        assert report["absent"] == (2,)
+        # Named with where it runs: host, the address it connects from, and pid.
+        assert f"127.0.0.1, pid {gloo_reports[2]['pid']}): {late}" in report["message"]
+
+
+@pytest.mark.gloo
+def test_blame_costs_no_store_key_per_op(gloo_reports: list[dict[str, Any]]) -> None:
+    for report in gloo_reports:
+        before, after = report["keys"]
+        assert after == before, report["keys"]
