@@ -9,13 +9,19 @@ The namespace tests of ``tests/test_many_hosts.py`` run the same code across "ho
 from __future__ import annotations
 
 import errno
+import logging
+import os
 import socket
+import threading
+import time
+from typing import Any
 
 import pytest
+import torch.distributed as dist
 
 from agang._setup.env import WorldInfo
-from agang._setup.interface import apply_interface, choose_interface
-from agang._setup.rendezvous import _host, listen_on
+from agang._setup.interface import Link, apply_interface, choose_interface, disagreement, own_link
+from agang._setup.rendezvous import _host, check_in, listen_on
 from agang._setup.retry import is_address_in_use
 
 TABLE = {"lo": ["127.0.0.1", "::1"], "eth0": ["10.0.0.5"], "ib0": ["192.168.7.5"]}
@@ -112,3 +118,50 @@ def test_a_loopback_master_addr_in_a_job_across_hosts_fails_at_once() -> None:
     with pytest.raises(agang.GangInitError, match="--local-addr"):
         agang.init_sync(env=env, timeout=30)
     assert time.monotonic() - started < 5.0  # before: the whole 30 s deadline
+
+
+def test_ranks_on_different_networks_are_warned_about_once_by_rank_0_and_the_odd_one(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Each rank checks in with its interface's network; names may differ between hosts
+    (``data0``, ``data1``), networks should not: rank 0 warns, and so does the rank that
+    differs from it, naming both sides; the ranks on rank 0's network stay quiet."""
+    store = dist.HashStore()  # type: ignore[attr-defined]
+    links = {
+        0: Link("data0", "10.201.0.1", "10.201.0.0/24"),
+        1: Link("data1", "10.201.0.2", "10.201.0.0/24"),
+        2: Link("mgmt2", "10.202.0.3", "10.202.0.0/24"),
+    }
+    members: dict[int, Any] = {}
+
+    def rank(r: int) -> None:
+        world = WorldInfo(r, 3, 0, "10.201.0.1", 29500, launcher_hosts_store=True)
+        members[r] = check_in(
+            store,
+            world,
+            "p",
+            deadline=time.monotonic() + 30,
+            cancelled=threading.Event(),
+            link=links[r],
+        )
+
+    caplog.set_level(logging.WARNING, logger="agang")
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert [m.link for m in members[1]] == [links[0], links[1], links[2]]
+    assert members[0][2].describe().endswith(f" 10.202.0.3, pid {os.getpid()}")
+    warnings = [r.getMessage() for r in caplog.records if "different networks" in r.getMessage()]
+    assert len(warnings) == 2, warnings  # rank 0's and rank 2's
+    assert "ranks [0, 1] on 10.201.0.0/24; ranks [2] on 10.202.0.0/24" in warnings[0]
+    assert disagreement({0: links[0], 1: links[1]}) is None
+
+
+def test_this_ranks_link_is_the_named_interface_or_the_one_reaching_master_addr() -> None:
+    assert own_link("127.0.0.1", {}) == Link("lo", "127.0.0.1", "127.0.0.0/8")
+    assert own_link("10.9.9.9", {"GLOO_SOCKET_IFNAME": "lo"}) == Link(
+        "lo", "127.0.0.1", "127.0.0.0/8"
+    )
+    assert Link.from_text(Link("eth0", None, None).to_text()) == Link("eth0", None, None)

@@ -296,7 +296,7 @@ def check_in(
     )
     warning = disagreement({r: m.link for r, m in enumerate(members)})
     # Rank 0 says so, and each rank that differs from it: not a thousand times over.
-    if warning and (world.rank == 0 or members[world.rank].link != members[0].link):
+    if warning and (world.rank == 0 or members[world.rank].link.network != members[0].link.network):
         log.warning("%s", warning)
     return members
 
