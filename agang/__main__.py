@@ -1,7 +1,7 @@
-"""The ``agang`` command (or ``python -m agang``): ``doctor`` and ``selfcheck``.
+"""The ``agang`` command (or ``python -m agang``): ``doctor``, ``selfcheck`` and ``store``.
 
-Exit status: 0 when the doctor found no problem (warnings allowed) or every self-check
-passed, 1 otherwise, 2 on a usage error.
+Exit status: 0 when the doctor found no problem (warnings allowed), every self-check
+passed, or the store was stopped by SIGTERM or SIGINT; 1 otherwise; 2 on a usage error.
 """
 
 from __future__ import annotations
@@ -25,6 +25,16 @@ def _seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(f"must be a number, but is {text!r} instead") from None
     if not (value > 0 and math.isfinite(value)):
         raise argparse.ArgumentTypeError(f"must be positive and finite, but is {text} instead")
+    return value
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, but is {text!r} instead") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in [0, 65535], but is {value} instead")
     return value
 
 
@@ -62,6 +72,24 @@ def _parser() -> argparse.ArgumentParser:
     selfcheck.add_argument(
         "--verbose", action="store_true", help="show agang's log (the checks break gangs)"
     )
+    store = commands.add_parser(
+        "store",
+        help="serve a rendezvous store that outlives every rank",
+        description="Serves c10d's TCPStore on one address of this machine until SIGTERM "
+        "or Ctrl-C. Its first line is `agang store listening on ADDR:PORT`; joins and "
+        "leaves are logged to stderr. Ranks join it with MASTER_ADDR and MASTER_PORT naming "
+        "it and TORCHELASTIC_USE_AGENT_STORE=1. It has no authentication: whoever reaches "
+        "the port can read and write every key, so bind it to a private network address.",
+    )
+    store.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="the one address to listen on, an address of this machine (default: 127.0.0.1)",
+    )
+    store.add_argument(
+        "--port", type=_port, default=0, help="the port; 0 takes a free one (default: 0)"
+    )
+    store.add_argument("--quiet", action="store_true", help="do not log joins and leaves")
     return parser
 
 
@@ -72,13 +100,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv: The arguments after the program name; None for ``sys.argv[1:]``.
 
     Returns:
-        The exit status: 0 no problem, 1 problems found (2, usage errors, exits at parsing).
+        The exit status: 0 no problem (or the store stopped), 1 problems found (2, usage
+        errors, exits: at parsing, or when the store cannot listen where it is told).
 
     Example:
         >>> main(["doctor", "--json"])
         0
     """
-    arguments = _parser().parse_args(argv)
+    parser = _parser()
+    arguments = parser.parse_args(argv)
+    if arguments.command == "store":
+        from agang._store_server import StoreUsageError, serve_store
+
+        try:
+            return serve_store(arguments.host, arguments.port, quiet=arguments.quiet)
+        except StoreUsageError as error:
+            parser.exit(2, f"agang store: error: {error}\n")
     if arguments.command == "selfcheck":
         from agang._selfcheck.run import selfcheck  # imports torch.cuda paths only here
 

@@ -1,0 +1,355 @@
+"""``agang store``: a rendezvous store in a process of its own, outliving every rank.
+
+One scenario runs once (``scenario``) and the tests assert on its parts: a store on
+``--port 0``, a client that joins and leaves it, two agang ranks that meet on it as on
+torchrun's agent store (``TORCHELASTIC_USE_AGENT_STORE``), the store serving on after
+they exited, a second run of the job on it, and SIGTERM and SIGINT each stopping a store.
+A namespace test checks that it listens on the one address it was given.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import re
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import IO, Any
+
+import pytest
+import torch.distributed as dist
+from netns import Cluster, clean_leftovers, require_netns
+from netutil import rank_env
+
+from agang.__main__ import main
+
+pytestmark = pytest.mark.gloo
+
+ROOT = Path(__file__).resolve().parent.parent
+LISTENING = re.compile(r"agang store listening on (\S+):(\d+)")
+STOP_BOUND = 5.0  # seconds; typically about 0.5 (most of it the interpreter's exit)
+
+# Ranks start (and import torch) while the store starts; the store's port comes on stdin.
+_RANK = """
+import json, os, sys
+import torch
+import agang
+os.environ["MASTER_PORT"] = sys.stdin.readline().strip()
+gang = agang.init_sync(in_process=False, timeout=30, op_timeout=30)
+rank = gang.rank
+tensor = torch.full((4,), float(rank + 1))
+gang.all_reduce(tensor).wait(timeout=30)
+gang.close_sync()
+print("RESULT", json.dumps({"rank": rank, "sum": tensor.tolist()}), flush=True)
+"""
+
+_CLIENT = """
+import socket, sys
+from datetime import timedelta
+import torch.distributed as dist
+data, mgmt, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
+store = dist.TCPStore(data, port, None, is_master=False, timeout=timedelta(seconds=10))
+store.set("key", "through data")
+print("DATA", store.get("key").decode(), flush=True)
+try:
+    socket.create_connection((mgmt, port), timeout=5).close()
+    print("MGMT connected", flush=True)
+except ConnectionRefusedError:
+    print("MGMT refused", flush=True)
+"""
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {
+        name: value
+        for name, value in os.environ.items()
+        if name not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+        and not name.startswith("TORCHELASTIC_")
+    }
+    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **extra)
+    return env
+
+
+class Lines:
+    """A stream of a process, line by line, read on a thread (bounded waits)."""
+
+    def __init__(self, stream: IO[str] | None) -> None:
+        assert stream is not None
+        self.seen: list[str] = []
+        self._queue: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, args=(stream,), daemon=True).start()
+
+    def _read(self, stream: IO[str]) -> None:
+        for line in stream:
+            self._queue.put(line.rstrip("\n"))
+        self._queue.put(None)
+
+    def next(self, timeout: float) -> str:
+        return self.wait_for("", timeout)
+
+    def wait_for(self, text: str, timeout: float) -> str:
+        """The next line holding ``text``, within ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                line = self._queue.get(timeout=left)
+            except queue.Empty:
+                break
+            if line is None:
+                self._queue.put(None)  # the end stays the end
+                break
+            self.seen.append(line)
+            if text in line:
+                return line
+        raise AssertionError(f"no line with {text!r} within {timeout} s: {self.seen}")
+
+    def rest(self, timeout: float) -> list[str]:
+        """Every line up to the end of the stream (the process exited), within ``timeout``."""
+        with contextlib.suppress(AssertionError):
+            self.wait_for("\0never", timeout)
+        return self.seen
+
+
+class Store:
+    """An ``agang store`` process, its stdout and stderr read on threads."""
+
+    def __init__(self, started: list[subprocess.Popen[str]], *arguments: str) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "agang", "store", *arguments],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=_env(),
+        )
+        started.append(self.process)
+        self.out = Lines(self.process.stdout)
+        self.err = Lines(self.process.stderr)
+
+    def signal(self, signum: int) -> None:
+        self.signalled_at = time.monotonic()
+        self.process.send_signal(signum)
+
+    def stopped(self) -> dict[str, Any]:
+        """The exit status, how long it took since the signal, the last line, the log."""
+        status = self.process.wait(timeout=30)
+        took = time.monotonic() - self.signalled_at
+        return {
+            "status": status,
+            "took": took,
+            "last": self.out.rest(5)[-1],
+            "log": self.err.rest(5),
+        }
+
+
+@contextlib.contextmanager
+def _sigint_not_ignored() -> Iterator[None]:
+    """Children started here get SIGINT's default action even where the test's own
+    process ignores it (a background job of a script): as from a terminal."""
+    if signal.getsignal(signal.SIGINT) != signal.SIG_IGN:
+        yield
+        return
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _client(port: int) -> Any:
+    return dist.TCPStore(  # type: ignore[attr-defined]
+        "127.0.0.1", port, None, is_master=False, timeout=timedelta(seconds=10)
+    )
+
+
+def _listening_addresses(port: int) -> list[tuple[str, str]]:
+    """(table, hex local address) of every socket listening on ``port`` here."""
+    found = []
+    for table in ("tcp", "tcp6"):
+        with contextlib.suppress(FileNotFoundError), open(f"/proc/net/{table}") as rows:
+            for row in list(rows)[1:]:
+                local, state = row.split()[1], row.split()[3]
+                if state == "0A" and int(local.split(":")[1], 16) == port:
+                    found.append((table, local.split(":")[0]))
+    return found
+
+
+def _start_job(started: list[subprocess.Popen[str]], **extra: str) -> list[subprocess.Popen[str]]:
+    """Two agang ranks that will meet on a store hosted elsewhere, once told its port."""
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", _RANK],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=_env(**rank_env(rank, 0, agent_store=True), **extra),  # the port: on stdin
+        )
+        for rank in range(2)
+    ]
+    started.extend(ranks)
+    return ranks
+
+
+def _run_job(ranks: list[subprocess.Popen[str]], port: int) -> list[Any]:
+    """Each rank's result (or its output, where it has none) once it met the others."""
+    results = []
+    for rank in ranks:
+        assert rank.stdin is not None
+        rank.stdin.write(f"{port}\n")
+        rank.stdin.flush()
+    for rank in ranks:
+        output, _ = rank.communicate(timeout=90)
+        lines = [line for line in output.splitlines() if line.startswith("RESULT ")]
+        results.append(json.loads(lines[0][len("RESULT ") :]) if lines else output)
+    return results
+
+
+@pytest.fixture(scope="module")
+def scenario() -> Iterator[dict[str, Any]]:
+    started: list[subprocess.Popen[str]] = []
+    facts: dict[str, Any] = {}
+    try:
+        with _sigint_not_ignored():
+            store = Store(started)
+            second = Store(started)  # for SIGINT
+        job, second_run = _start_job(started), _start_job(started, TORCHELASTIC_RESTART_COUNT="1")
+        facts["first_line"] = first = store.out.next(60)
+        match = LISTENING.fullmatch(first)
+        assert match is not None, first
+        port = int(match.group(2))
+        facts["listening"] = _listening_addresses(port)
+        client = _client(port)
+        client.set("greeting", "hello")
+        facts["got"] = client.get("greeting")
+        facts["joined"] = store.err.wait_for("joined: ", 5)
+        del client
+        facts["left"] = store.err.wait_for("left: ", 5)
+        facts["job"] = _run_job(job, port)
+        facts["alive_after_job"] = store.process.poll() is None
+        client = _client(port)
+        facts["got_after_job"] = client.get("greeting")
+        del client
+        # The store keeps a run's keys: a second run meets under a new restart count.
+        facts["second_run"] = _run_job(second_run, port)
+        second.out.next(60)  # its handlers are set once it says where it listens
+        store.signal(signal.SIGTERM)
+        second.signal(signal.SIGINT)
+        facts["SIGTERM"], facts["SIGINT"] = store.stopped(), second.stopped()
+        yield facts
+    finally:
+        for process in started:
+            if process.poll() is None:
+                process.kill()
+            process.wait(timeout=30)
+
+
+def test_port_0_prints_the_real_port_first_and_serves_tcpstore_clients(
+    scenario: dict[str, Any],
+) -> None:
+    match = LISTENING.fullmatch(scenario["first_line"])
+    assert match is not None
+    assert match.group(1) == "127.0.0.1"
+    assert 0 < int(match.group(2)) < 65536
+    assert scenario["got"] == b"hello"
+
+
+def test_the_store_listens_on_the_given_address_only(scenario: dict[str, Any]) -> None:
+    loopback = format(struct.unpack("=I", socket.inet_aton("127.0.0.1"))[0], "08X")
+    assert scenario["listening"] == [("tcp", loopback)]  # not 0.0.0.0, nor [::]
+
+
+def test_joins_and_leaves_are_logged(scenario: dict[str, Any]) -> None:
+    joined = re.search(r"joined: (127\.0\.0\.1:\d+) \(1 connected\)", scenario["joined"])
+    left = re.search(r"left: (127\.0\.0\.1:\d+) \(0 connected\)", scenario["left"])
+    assert joined is not None, scenario["joined"]
+    assert left is not None, scenario["left"]
+    assert joined.group(1) == left.group(1)
+
+
+def test_two_ranks_meet_on_the_store_and_it_outlives_them(scenario: dict[str, Any]) -> None:
+    assert scenario["job"] == [{"rank": 0, "sum": [3.0] * 4}, {"rank": 1, "sum": [3.0] * 4}]
+    assert scenario["alive_after_job"]
+    assert scenario["got_after_job"] == b"hello"
+
+
+def test_a_second_run_with_a_new_restart_count_meets_on_the_same_store(
+    scenario: dict[str, Any],
+) -> None:
+    assert scenario["second_run"] == [
+        {"rank": 0, "sum": [3.0] * 4},
+        {"rank": 1, "sum": [3.0] * 4},
+    ]
+
+
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT"])
+def test_a_signal_stops_the_store_with_status_0_promptly(
+    scenario: dict[str, Any], signame: str
+) -> None:
+    stopped = scenario[signame]
+    assert stopped["status"] == 0
+    assert stopped["took"] < STOP_BOUND
+    assert stopped["last"] == "agang store stopped"
+    assert any(f"{signame} received; stopping." in line for line in stopped["log"])
+
+
+@pytest.mark.parametrize(
+    ("arguments", "named"),
+    [
+        (["--host", "203.0.113.7"], "--host"),  # TEST-NET-3: no address of this machine
+        (["--port", "70000"], "--port"),
+        (["--port", "-1"], "--port"),
+        (["--port", "taken"], "--port"),
+    ],
+)
+def test_bad_input_is_a_usage_error_naming_the_option(
+    arguments: list[str], named: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        arguments = [str(taken.getsockname()[1]) if a == "taken" else a for a in arguments]
+        with pytest.raises(SystemExit) as exited:
+            main(["store", *arguments])
+    assert exited.value.code == 2
+    error = capsys.readouterr().err
+    assert named in error
+    assert "agang store listening" not in error
+
+
+@pytest.fixture
+def netns() -> None:
+    """Skips where namespaces cannot be made; clears what dead test runs left behind."""
+    require_netns()
+    clean_leftovers()
+
+
+@pytest.mark.usefixtures("netns")
+def test_the_store_is_reachable_on_its_address_and_refused_on_another_of_the_node() -> None:
+    with Cluster(num_nodes=2, networks=("data", "mgmt")) as cluster:
+        data, mgmt = cluster.nodes[0].address("data"), cluster.nodes[0].address("mgmt")
+        argv = [sys.executable, "-m", "agang", "store", "--host", data]
+        store = cluster.popen(0, argv, env={"PYTHONPATH": str(ROOT)})
+        output = Lines(store.stdout)
+        try:
+            match = LISTENING.search(output.wait_for("agang store listening on", 60))
+            assert match is not None
+            assert match.group(1) == data
+            port = match.group(2)
+            client = cluster.run(1, [sys.executable, "-c", _CLIENT, data, mgmt, port], timeout=60)
+            assert client.returncode == 0, client.stdout
+            assert "DATA through data" in client.stdout
+            assert "MGMT refused" in client.stdout
+        finally:
+            if store.poll() is None:
+                store.kill()
+            store.wait(timeout=30)
