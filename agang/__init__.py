@@ -6,6 +6,7 @@ Example:
     >>> total = await gang.all_reduce(torch.ones(1))
 """
 
+from agang._elastic_gang import ElasticGang as ElasticGang
 from agang._engine.coalescer import Coalesced as Coalesced
 from agang._errors import CollectiveError as CollectiveError
 from agang._errors import CollectiveMismatchError as CollectiveMismatchError
@@ -32,6 +33,7 @@ from agang._parallel_gangs import create_parallel_gangs as create_parallel_gangs
 from agang._policy import InFlightLimits as InFlightLimits
 from agang._process_group_gang import ProcessGroupGang as ProcessGroupGang
 from agang._reduce_op import ReduceOp as ReduceOp
+from agang._setup.elastic import Elastic as Elastic
 from agang._setup.env import WorldInfo as WorldInfo
 from agang._setup.init import init as init
 from agang._setup.init import init_sync as init_sync
@@ -50,6 +52,8 @@ __all__ = [
     # Gangs and handles
     "Gang",
     "ProcessGroupGang",
+    "ElasticGang",
+    "Elastic",
     "FakeGang",
     "Handle",
     "Coalesced",

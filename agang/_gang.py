@@ -20,6 +20,7 @@ from typing import Any, Literal, overload
 import torch
 
 from agang._engine.coalescer import Coalesced
+from agang._errors import GangError
 from agang._handle import Handle
 from agang._reduce_op import ReduceOp
 from agang._serialize import Serializer
@@ -391,3 +392,27 @@ class Gang(ABC):
     @abstractmethod
     def statistics(self) -> GangStatistics:
         """Returns counters and latencies of the ops this gang has run."""
+
+    # Elastic gangs (``agang.init(elastic=...)``) override these.
+
+    @property
+    def epoch(self) -> int:
+        """An elastic gang's epoch: 0 for the first formation, one more per reform; 0
+        for every other gang."""
+        return 0
+
+    async def reform(self, timeout: float | None = None) -> Gang:  # noqa: ASYNC109
+        """An elastic gang's next epoch (:meth:`agang.ElasticGang.reform`).
+
+        Raises:
+            GangError: This gang is not elastic (made without ``elastic=``).
+        """
+        raise GangError(f"Gang '{self.name}' is not elastic: make it with agang.init(elastic=...).")
+
+    def waiting_to_join(self) -> int:
+        """An elastic gang's count of processes waiting to join at the next reform.
+
+        Raises:
+            GangError: This gang is not elastic (made without ``elastic=``).
+        """
+        raise GangError(f"Gang '{self.name}' is not elastic: make it with agang.init(elastic=...).")

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import final
 
 import torch
 import torch.distributed as dist
@@ -70,7 +69,6 @@ _exit.add_closer(_close_open_gangs)
 os.register_at_fork(after_in_child=_forget_in_child)
 
 
-@final
 class ProcessGroupGang(CollectiveGang):
     """A gang backed by a c10d process group. Made by :func:`agang.init`.
 

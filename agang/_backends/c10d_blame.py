@@ -75,6 +75,13 @@ class _Responder:
                     if rest in ("*", self.token):
                         return
                     continue
+                if kind == "ping":  # an elastic reform asks who is alive
+                    self._client.append(rest, f"{self.world_rank}\n")
+                    continue
+                if kind == "joining":  # a process waits to join the next elastic epoch
+                    with _lock:
+                        _noticed.add(rest)
+                    continue
                 self._answer(rest)
         except Exception:
             # The store went away (its host closed or died): nobody can ask any more.
@@ -95,6 +102,7 @@ class _Responder:
 
 _lock = threading.Lock()
 _responder: _Responder | None = None
+_noticed: set[str] = set()
 
 
 def serve(group_name: str, rank: int, progress: ProgressOf) -> None:
@@ -207,10 +215,40 @@ def _ask(group_name: str, seq: int, peers: Mapping[int, int]) -> dict[int, Progr
 
 
 def _store() -> Any:
+    if store_override is not None:
+        return store_override
     try:
         return dist.distributed_c10d._get_default_store()
     except Exception:
         return None
+
+
+def noticed() -> set[str]:
+    """The processes that said they wait to join the next elastic epoch."""
+    with _lock:
+        return set(_noticed)
+
+
+def notify_joining(store: Any, world_ranks: list[int], uid: str) -> None:
+    """Tells the responders of ``world_ranks`` (on an epoch's ``store``) that ``uid``
+    waits to join."""
+    for world_rank in world_ranks:
+        store.queue_push(_queue(world_rank), f"joining {uid}")
+
+
+def ping(store: Any, world_ranks: list[int], seconds: float) -> set[int]:
+    """The ``world_ranks`` whose responder (on ``store``, an elastic epoch's) answers
+    within ``seconds``: alive, and not stopped."""
+    reply = f"{_PREFIX}/pings/{os.getpid()}.{next(_tokens)}"
+    for world_rank in world_ranks:
+        store.queue_push(_queue(world_rank), f"ping {reply}")
+    alive: set[int] = set()
+    give_up_at = time.monotonic() + seconds
+    while time.monotonic() < give_up_at and len(alive) < len(world_ranks):
+        if store.check([reply]):
+            alive = {int(line) for line in store.get(reply).decode().split()}
+        time.sleep(_POLL)
+    return alive
 
 
 #: Set by init: where each world rank runs ("host, address, pid"), as it checked in;
@@ -218,6 +256,8 @@ def _store() -> Any:
 roster: list[str] = []
 store_address = "of the default group"
 hosts_store = False
+#: An elastic gang's epoch store: questions go there, not to the default group's store.
+store_override: Any = None
 
 
 def forget_world() -> None:

@@ -27,7 +27,6 @@ import math
 import os
 import threading
 import time
-import traceback
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
@@ -37,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from agang._backends import c10d_blame
+from agang._elastic_gang import form_first
 from agang._errors import GangInitError
 from agang._fake_gang import FakeGang
 from agang._future import Future
@@ -45,9 +45,11 @@ from agang._offload import start_thread
 from agang._policy import CheckOrder, GangPolicy, InFlightLimits, OnTimeout, make_policy
 from agang._process_group_gang import ProcessGroupGang, check_no_open_world
 from agang._setup.device import resolve_backend, resolve_device
+from agang._setup.elastic import Elastic
 from agang._setup.env import WorldInfo, world_from_env
 from agang._setup.interface import own_link
 from agang._setup.process import prepare_process
+from agang._setup.proof import clear_frames, prove
 from agang._setup.rendezvous import InitCancelled, check_in, end_round, open_store
 from agang._setup.retry import PortInUseError, RetryPolicy, TransientSetupError, call_c10d
 from agang._validate import check_timeout
@@ -57,7 +59,6 @@ log = logging.getLogger("agang")
 DEFAULT_INIT_TIMEOUT = 300.0
 DEFAULT_OP_TIMEOUT = 300.0
 # The proving barrier after construction: every rank already checked in, so it is quick.
-BARRIER_SECONDS = 30.0
 # How long past the deadline the caller waits for the thread's own, more precise, error.
 _REPORT_GRACE = 2.0
 # Calls to init in this process: part of the store prefix, so re-inits never collide.
@@ -67,27 +68,6 @@ _LIKELY_CAUSES = (
     "a rank was not started or crashed; MASTER_ADDR/MASTER_PORT differ between ranks; "
     "a firewall blocks the port (run `agang doctor` on each node)"
 )
-
-
-def _prove(deadline: float) -> None:
-    """A barrier on the new group, before any gang exists (so it takes no seq number)."""
-    options = dist.BarrierOptions()
-    seconds = max(0.1, min(BARRIER_SECONDS, deadline - time.monotonic()))
-    options.timeout = timedelta(seconds=seconds)
-    try:
-        dist.distributed_c10d._get_default_group().barrier(options).wait(timedelta(seconds=seconds))
-    except BaseException:
-        dist.destroy_process_group()
-        raise
-
-
-def _clear_frames(error: BaseException) -> None:
-    seen: set[int] = set()
-    current: BaseException | None = error
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        traceback.clear_frames(current.__traceback__)
-        current = current.__cause__ or current.__context__
 
 
 class _Plan:
@@ -128,6 +108,7 @@ class _Plan:
         if not self.in_process and self.world is None:
             self.world = WorldInfo(0, 1, 0, "127.0.0.1", 0, source="arguments")
         self.stream_ordered = stream_ordered
+        self.elastic: Elastic | None = None
         self.retry = retry or RetryPolicy()
         self.cancelled = threading.Event()
         self.started = time.monotonic()
@@ -158,10 +139,12 @@ class _Plan:
         prepare_process(world, self.backend, self.device, self.env)
         started = time.monotonic()
         deadline = started + min(self.deadline_seconds, 10 * 365 * 86400.0)
+        if self.elastic is not None:
+            return form_first(self, world, self.elastic, deadline)
         created = not dist.is_initialized()
         if created:
             self._make_group(world, deadline)
-            _prove(deadline)
+            prove(deadline)
         else:
             log.info("agang: torch.distributed is already initialized; wrapping its world.")
             c10d_blame.forget_world()
@@ -237,7 +220,7 @@ class _Plan:
             # port, alive for as long as the caller keeps the error: drop them, along the
             # chain of causes too (a transient error's cause was raised deeper). A re-init
             # on the same port would otherwise find it in use.
-            _clear_frames(error)
+            clear_frames(error)
             raise
         finally:
             store = None  # on success the group holds its own reference
@@ -313,6 +296,7 @@ def _start(
     on_timeout: OnTimeout,
     limits: InFlightLimits | None,
     check_order: CheckOrder | None,
+    elastic: Elastic | None = None,
 ) -> tuple[_Plan, Future[ProcessGroupGang] | None]:
     """The body :func:`init` and :func:`init_sync` share: checks the arguments, plans,
     and starts the set-up thread. No handle means an in-process gang
@@ -336,7 +320,15 @@ def _start(
         stream_ordered=stream_ordered,
         retry=retry,
     )
-    if plan.in_process:
+    if elastic is not None and not isinstance(elastic, Elastic):
+        raise TypeError(f"`elastic` must be an agang.Elastic or None, but is {elastic!r}.")
+    plan.elastic = elastic
+    if elastic is not None and plan.world is None:
+        raise GangInitError(
+            "An elastic gang needs MASTER_ADDR and MASTER_PORT (an `agang store`), RANK and "
+            "WORLD_SIZE in the environment, or `world`."
+        )
+    if plan.in_process and elastic is None:
         return plan, None
     check_no_open_world()  # rule 6: before anything touches the network
     plan.started = time.monotonic()
@@ -359,6 +351,7 @@ async def init(
     on_timeout: OnTimeout = "abort",
     limits: InFlightLimits | None = None,
     check_order: CheckOrder | None = None,
+    elastic: Elastic | None = None,
 ) -> Gang:
     """Makes the gang of this process's world.
 
@@ -393,9 +386,11 @@ async def init(
             :class:`agang.CollectiveMismatchError` on every rank on a mismatch;
             ``"call_site"`` adds the issuing line (tells swapped equal ops apart). None
             reads ``AGANG_CHECK_ORDER`` (``1`` or ``call_site``); equal on every rank.
+        elastic: Form an elastic gang (:class:`agang.Elastic`) on the store at
+            ``MASTER_ADDR:MASTER_PORT``, which no rank hosts (``agang store``).
 
     Returns:
-        The root gang.
+        The root gang (an elastic one, with ``epoch`` and ``reform()``, with ``elastic``).
 
     Raises:
         GangInitError: The environment is invalid, a permanent error occurred, the
@@ -420,6 +415,7 @@ async def init(
         on_timeout=on_timeout,
         limits=limits,
         check_order=check_order,
+        elastic=elastic,
     )
     if handle is None:
         return plan.local_gang()
@@ -460,6 +456,7 @@ def init_sync(
     on_timeout: OnTimeout = "abort",
     limits: InFlightLimits | None = None,
     check_order: CheckOrder | None = None,
+    elastic: Elastic | None = None,
 ) -> Gang:
     """:func:`init` for programs without an event loop; blocks at most ``timeout`` seconds.
 
@@ -480,6 +477,7 @@ def init_sync(
         on_timeout=on_timeout,
         limits=limits,
         check_order=check_order,
+        elastic=elastic,
     )
     if handle is None:
         return plan.local_gang()

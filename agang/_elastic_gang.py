@@ -1,0 +1,163 @@
+"""The elastic gang: a world gang that can be re-formed from its survivors and joiners.
+
+Rules:
+1. ``reform()`` decides the next epoch's members first, with this gang still open (its
+   responder answers the other members' pings: alive), then closes this gang (its
+   communicator aborted), then makes the new epoch's group. A group that cannot be made
+   (a member died meanwhile) makes it form the epoch after, within the same deadline.
+2. The new gang has its own communicator and sequence numbers and the same policies;
+   lanes and sub-gangs are not carried over (make them again on the new gang).
+3. ``waiting_to_join()`` reads a local count: a joiner tells each member's responder
+   that it waits, so asking costs no store traffic and no collective.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from agang._backends import c10d_blame
+from agang._errors import GangInitError
+from agang._offload import run_blocking
+from agang._policy import GangPolicy
+from agang._process_group_gang import ProcessGroupGang
+from agang._setup import elastic as setup
+from agang._setup import membership
+from agang._setup.env import WorldInfo
+from agang._setup.retry import TransientSetupError
+from agang._validate import check_timeout
+
+#: A reform's deadline when ``reform()`` is given none (seconds).
+DEFAULT_REFORM_TIMEOUT = 60.0
+
+
+class ElasticGang(ProcessGroupGang):
+    """The gang :func:`agang.init` returns with ``elastic=``: one epoch of an elastic gang.
+
+    Use it like any gang; after a failure (or to admit joiners) every surviving member
+    calls :meth:`reform`, which returns the next epoch's gang.
+    """
+
+    def __init__(
+        self,
+        formed: setup.Formed,
+        *,
+        elastic: setup.Elastic,
+        backend: str,
+        device: torch.device,
+        policy: GangPolicy,
+        stream_ordered: bool,
+        waiting: set[str],
+    ) -> None:
+        super().__init__(
+            dist.distributed_c10d._get_default_group(),
+            device=device,
+            backend=backend,
+            name="root",
+            policy=policy,
+            is_world=True,
+            stream_ordered=stream_ordered,
+            # Order checks' side channel, made by every member (a collective call).
+            order_group=dist.new_group(backend="gloo") if policy.check_order else None,
+        )
+        self._formed = formed
+        self._elastic = elastic
+        self._settings: dict[str, Any] = {
+            "backend": backend,
+            "device": device,
+            "policy": policy,
+            "stream_ordered": stream_ordered,
+        }
+        self._waiting = set(waiting)
+
+    @property
+    def epoch(self) -> int:
+        """0 for the first formation, one more at each reform."""
+        return self._formed.epoch
+
+    def waiting_to_join(self) -> int:
+        """How many processes wait to join at the next reform (rule 3: local, no I/O)."""
+        admitted = {c.uid for c in self._formed.members}
+        return len((self._waiting | c10d_blame.noticed()) - admitted)
+
+    # The reform's deadline is part of its contract, as init's is (not a cancel scope).
+    async def reform(self, timeout: float | None = None) -> ElasticGang:  # noqa: ASYNC109
+        """The next epoch's gang: this one's live members that call reform, plus the
+        joiners waiting then (see the module's rules). Call it on every member.
+
+        Args:
+            timeout: The reform's deadline in seconds (None: 60 s).
+
+        Raises:
+            GangInitError: Fewer than ``min_size`` members came within the deadline (the
+                message names who is missing), or no group could be made in time.
+        """
+        seconds = check_timeout(timeout, name="timeout")
+        seconds = DEFAULT_REFORM_TIMEOUT if seconds is None or math.isinf(seconds) else seconds
+        deadline = time.monotonic() + seconds
+        formed = await self._blocking(
+            lambda: setup.reform_membership(self._formed, self._elastic, deadline), deadline
+        )
+        await self.close()
+        backend, device = self._settings["backend"], self._settings["device"]
+        while True:
+            try:
+                await self._blocking(
+                    functools.partial(setup.make_group, formed, backend, deadline, device),
+                    deadline,
+                )
+                break
+            except TransientSetupError:
+                if time.monotonic() >= deadline:
+                    raise
+                formed = await self._blocking(
+                    functools.partial(setup.reform_membership, formed, self._elastic, deadline),
+                    deadline,
+                )
+        return ElasticGang(
+            formed,
+            elastic=self._elastic,
+            waiting=self._waiting | c10d_blame.noticed(),
+            **self._settings,
+        )
+
+    async def _blocking(self, fn: Any, deadline: float) -> Any:
+        boxed = await run_blocking(
+            lambda: (fn(),),
+            name="elastic reform",
+            seconds=max(0.1, deadline - time.monotonic()) + 2.0,
+        )
+        if boxed is None:
+            raise GangInitError("The reform did not finish before its deadline.")
+        return boxed[0]
+
+
+def form_first(plan: Any, world: WorldInfo, elastic: setup.Elastic, deadline: float) -> ElasticGang:
+    """``agang.init(elastic=...)``'s set-up (on its thread): formation 0, or the next
+    reform as a joiner; a group that cannot be made is formed again (rule 1)."""
+    store = setup.connect_store(world, deadline)
+    formed = setup.first_formation(store, world, elastic, deadline)
+    while True:
+        try:
+            setup.make_group(formed, plan.backend, deadline, plan.device)
+            break
+        except TransientSetupError as error:
+            if time.monotonic() >= deadline:
+                raise GangInitError(
+                    f"No elastic group was made before the deadline: {error}"
+                ) from error
+            formed = setup.reform_membership(formed, elastic, deadline)
+    return ElasticGang(
+        formed,
+        elastic=elastic,
+        backend=plan.backend,
+        device=plan.device,
+        policy=plan.policy,
+        stream_ordered=plan.stream_ordered,
+        waiting=membership.waiting_joiners(store),
+    )

@@ -1,0 +1,217 @@
+"""Elastic set-up: forming an epoch's gang from whoever ``membership`` admits.
+
+Rules (blocking, on set-up threads; never on the loop):
+1. The store is one that outlives every rank (``agang store`` at ``MASTER_ADDR:
+   MASTER_PORT``): no rank hosts it, so losing any rank loses no state.
+2. Each epoch has its own process group, made on the store under the epoch's prefix,
+   with ranks given by the member list's order; and its own blame channel (the
+   responders answer on the epoch's prefix), so a process of an old epoch never reaches
+   a new epoch's keys.
+3. A group whose creation fails (a member died after the decision) is destroyed, and
+   the next epoch is formed by whoever is left, within the same deadline.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from agang._backends import c10d_blame
+from agang._errors import GangInitError
+from agang._setup import membership
+from agang._setup.env import WorldInfo
+from agang._setup.membership import Candidate
+from agang._setup.proof import prove
+from agang._setup.retry import TransientSetupError, call_c10d
+
+log = logging.getLogger("agang")
+
+
+@dataclass(frozen=True)
+class Elastic:
+    """Makes :func:`agang.init` form an elastic gang, which survives the loss of ranks.
+
+    Args:
+        min_size: The fewest members a formation or reform accepts at its deadline.
+        max_size: The most members a gang takes (None: no bound); the rest wait.
+
+    Example:
+        >>> gang = await agang.init(elastic=agang.Elastic(min_size=2), timeout=60)
+    """
+
+    min_size: int = 1
+    max_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.min_size, bool) or not isinstance(self.min_size, int):
+            raise TypeError(f"`min_size` must be an int, but is {self.min_size!r} instead.")
+        if self.min_size < 1:
+            raise ValueError(f"`min_size` must be at least 1, but is {self.min_size} instead.")
+        if self.max_size is not None:
+            if isinstance(self.max_size, bool) or not isinstance(self.max_size, int):
+                raise TypeError(
+                    f"`max_size` must be an int or None, but is {self.max_size!r} instead."
+                )
+            if self.max_size < self.min_size:
+                raise ValueError(
+                    f"`max_size` must be at least `min_size` ({self.min_size}), but is "
+                    f"{self.max_size} instead."
+                )
+
+
+@dataclass
+class Formed:
+    """One epoch's membership, and this process's place in it."""
+
+    store: Any
+    me: Candidate
+    epoch: int
+    members: list[Candidate]
+
+    @property
+    def rank(self) -> int:
+        return next(i for i, c in enumerate(self.members) if c.uid == self.me.uid)
+
+
+def connect_store(world: WorldInfo, deadline: float) -> Any:
+    """A client of the store that outlives the ranks (rule 1), retried until ``deadline``."""
+    last: BaseException | None = None
+    while time.monotonic() < deadline:
+        try:
+            return call_c10d(
+                dist.TCPStore,  # type: ignore[attr-defined]
+                world.master_addr,
+                world.master_port,
+                is_master=False,
+                timeout=timedelta(seconds=max(1.0, min(10.0, deadline - time.monotonic()))),
+            )
+        except TransientSetupError as error:
+            last = error
+            time.sleep(0.1)
+    raise GangInitError(
+        f"No store answered at {world.master_addr}:{world.master_port} before the deadline "
+        f"(an elastic gang needs one that outlives the ranks: start `agang store`): {last}"
+    )
+
+
+def first_formation(store: Any, world: WorldInfo, elastic: Elastic, deadline: float) -> Formed:
+    """Formation 0, or, where it already happened, the next reform as a joiner."""
+    me = Candidate.me(world.rank)
+    if membership.current_epoch(store) is None:
+        members = membership.form(
+            store,
+            me,
+            0,
+            previous=None,
+            target=world.world_size,
+            min_size=elastic.min_size,
+            max_size=elastic.max_size,
+            deadline=deadline,
+            alive=lambda indices: set(),
+        )
+        if members is not None:
+            return Formed(store, me, 0, members)
+    return join(store, me, elastic, deadline)
+
+
+def join(store: Any, me: Candidate, elastic: Elastic, deadline: float) -> Formed:
+    """Waits, as a joiner, for the next reform that admits this process; tells the
+    current members' responders that it waits (``waiting_to_join``)."""
+    membership.register_joiner(store, me)
+    current = membership.current_epoch(store)
+    if current is not None:
+        size = len(membership.members_of(store, current))
+        epoch_store = dist.PrefixStore(  # type: ignore[attr-defined]
+            membership.epoch_key(current, "blame"), store
+        )
+        c10d_blame.notify_joining(epoch_store, list(range(size)), me.uid)
+    while time.monotonic() < deadline:
+        current = membership.current_epoch(store)
+        following = 0 if current is None else current + 1
+        if not store.check([membership.epoch_key(following, "arrived")]):
+            time.sleep(0.05)  # no reform under way yet
+            continue
+        members = membership.form(
+            store,
+            me,
+            following,
+            previous=None,
+            target=0,
+            min_size=elastic.min_size,
+            max_size=elastic.max_size,
+            deadline=deadline,
+            alive=lambda indices: set(),
+        )
+        if members is not None:
+            return Formed(store, me, following, members)
+    raise GangInitError(
+        f"No reform admitted this process ({me.where}) before its deadline: the elastic "
+        f"gang's members had not called reform() by then."
+    )
+
+
+def reform_membership(formed: Formed, elastic: Elastic, deadline: float) -> Formed:
+    """The members of the next epoch, decided with the survivors and joiners (the old
+    gang still open, so its responder answers the others' pings)."""
+    old_epoch_store = dist.PrefixStore(  # type: ignore[attr-defined]
+        membership.epoch_key(formed.epoch, "blame"), formed.store
+    )
+
+    def alive(indices: list[int]) -> set[int]:
+        return c10d_blame.ping(old_epoch_store, indices, membership.PING_SECONDS)
+
+    following = formed.epoch + 1
+    members = membership.form(
+        formed.store,
+        formed.me,
+        following,
+        previous=formed.members,
+        target=0,
+        min_size=elastic.min_size,
+        max_size=elastic.max_size,
+        deadline=deadline,
+        alive=alive,
+    )
+    if members is None:  # this process came after the decision: wait for the next one
+        return join(formed.store, formed.me, elastic, deadline)
+    return Formed(formed.store, formed.me, following, members)
+
+
+def make_group(formed: Formed, backend: str, deadline: float, device: Any) -> None:
+    """The epoch's process group (rule 2); raises ``TransientSetupError`` where a member
+    is gone (rule 3)."""
+    c10d_blame.store_override = dist.PrefixStore(  # type: ignore[attr-defined]
+        membership.epoch_key(formed.epoch, "blame"), formed.store
+    )
+    c10d_blame.roster[:] = [c.where for c in formed.members]
+    c10d_blame.hosts_store = False
+    seconds = max(1.0, deadline - time.monotonic())
+    try:
+        dist.init_process_group(
+            backend,
+            store=dist.PrefixStore(  # type: ignore[attr-defined]
+                membership.epoch_key(formed.epoch, "pg"), formed.store
+            ),
+            rank=formed.rank,
+            world_size=len(formed.members),
+            timeout=timedelta(seconds=seconds),
+            device_id=device if backend == "nccl" else None,
+        )
+        prove(deadline)
+    except Exception as error:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        raise TransientSetupError(
+            f"Epoch {formed.epoch}'s group could not be made (a member may be gone): {error}"
+        ) from error
+    log.info(
+        "agang: elastic epoch %d formed: rank %d of %d.",
+        formed.epoch,
+        formed.rank,
+        len(formed.members),
+    )

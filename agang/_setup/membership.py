@@ -1,0 +1,207 @@
+"""Who belongs to each epoch of an elastic gang: agreed through a store that outlives
+every rank (``agang store``), with the epoch in every key.
+
+Rules (all of it runs on a set-up thread, never on the loop):
+1. *Formation 0* waits for ``WORLD_SIZE`` processes, or for the deadline with at least
+   ``min_size``; ``RANK`` orders them. A process that comes after a formation closed is
+   a *joiner*: it registers, and waits for the next reform.
+2. *A reform* (epoch N) is joined by the members of epoch N-1 that call it and by the
+   joiners waiting then. The members that have not arrived are pinged through their
+   responders (``agang._backends.c10d_blame.ping``): one that answers is alive and is
+   waited for, until the deadline; one that does not (dead, stopped) is left out.
+   Joiners get a short grace to arrive, since they poll.
+3. *One decision.* Every old member that arrived decides on its own, from the store,
+   when the formation is complete; the first to write the member list
+   (``compare_set`` on an empty key) wins, and every process reads that list. The
+   survivors keep their relative order, then the joiners in arrival order, up to
+   ``max_size``. A process not on the list waits for the next epoch.
+4. Fewer than ``min_size`` at the deadline: ``GangInitError`` naming who is missing.
+5. A member that dies after the decision makes the group's creation fail within the
+   deadline; the caller then forms epoch N+1 with whoever is left (it never hangs).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from agang._errors import GangInitError
+
+#: How long a reform waits for registered joiners to arrive (they poll every _POLL).
+JOINER_GRACE = 0.5
+PING_SECONDS = 0.3
+_REPING = 1.0
+_POLL = 0.02
+_ROOT = "agang/elastic"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One process taking part: a unique id, its ``RANK`` (the order of formation 0)
+    and where it runs."""
+
+    uid: str
+    rank_hint: int
+    where: str
+
+    @classmethod
+    def me(cls, rank_hint: int) -> Candidate:
+        host = socket.gethostname()
+        uid = f"{host}:{os.getpid()}:{secrets.token_hex(4)}"
+        return cls(uid, rank_hint, f"{host}, pid {os.getpid()}")
+
+    def to_text(self) -> str:
+        return f"{self.uid} {self.rank_hint} {self.where}"
+
+    @classmethod
+    def from_text(cls, text: str) -> Candidate:
+        uid, hint, where = text.split(" ", 2)
+        return cls(uid, int(hint), where)
+
+
+def epoch_key(epoch: int, name: str) -> str:
+    return f"{_ROOT}/e/{epoch}/{name}"
+
+
+def _lines(store: Any, key: str) -> list[str]:
+    if not store.check([key]):
+        return []
+    return [line for line in store.get(key).decode().splitlines() if line]
+
+
+def current_epoch(store: Any) -> int | None:
+    """The last epoch whose membership was decided, or None before formation 0's."""
+    key = f"{_ROOT}/epoch"
+    return int(store.get(key).decode()) if store.check([key]) else None
+
+
+def members_of(store: Any, epoch: int) -> list[Candidate]:
+    """The decided members of ``epoch``."""
+    return [Candidate.from_text(line) for line in _lines(store, epoch_key(epoch, "members"))[1:]]
+
+
+def waiting_joiners(store: Any) -> set[str]:
+    """The joiners registered and not admitted to any epoch yet."""
+    admitted = set(_lines(store, f"{_ROOT}/joiners/admitted"))
+    return {
+        c.uid
+        for c in _unique(Candidate.from_text(t) for t in _lines(store, f"{_ROOT}/joiners/list"))
+        if c.uid not in admitted
+    }
+
+
+def register_joiner(store: Any, me: Candidate) -> None:
+    store.append(f"{_ROOT}/joiners/list", me.to_text() + "\n")
+
+
+def form(
+    store: Any,
+    me: Candidate,
+    epoch: int,
+    *,
+    previous: list[Candidate] | None,
+    target: int,
+    min_size: int,
+    max_size: int | None,
+    deadline: float,
+    alive: Callable[[list[int]], set[int]],
+    cancelled: Callable[[], bool] = lambda: False,
+) -> list[Candidate] | None:
+    """Takes part in forming ``epoch``; returns its members, or None where this process
+    is not among them (it arrived after the decision). ``previous`` is epoch-1's members
+    (None for formation 0 and for a joiner); ``alive(indices)`` pings previous members
+    by their rank in it (rule 2); ``target`` is formation 0's size."""
+    store.append(epoch_key(epoch, "arrived"), me.to_text() + "\n")
+    decider = (previous is not None and any(c.uid == me.uid for c in previous)) or epoch == 0
+    arrived_at = time.monotonic()
+    dead: set[str] = set()
+    pinged_at = -float("inf")
+    members_key = epoch_key(epoch, "members")
+    while True:
+        if cancelled():
+            raise TimeoutError("cancelled")
+        decided = _lines(store, members_key)
+        if decided:
+            members = [Candidate.from_text(line) for line in decided[1:]]
+            return members if any(c.uid == me.uid for c in members) else None
+        now = time.monotonic()
+        if decider:
+            arrived = _unique(
+                Candidate.from_text(t) for t in _lines(store, epoch_key(epoch, "arrived"))
+            )
+            proposal: list[Candidate] | None = None
+            if previous is None:  # formation 0 (rule 1)
+                if len(arrived) >= target or (now >= deadline and len(arrived) >= min_size):
+                    proposal = sorted(arrived, key=lambda c: c.rank_hint)[:target]
+            else:  # a reform (rule 2)
+                here = {c.uid for c in arrived}
+                missing = [
+                    i for i, c in enumerate(previous) if c.uid not in here and c.uid not in dead
+                ]
+                if missing and now - pinged_at >= _REPING:
+                    answered = alive(missing)
+                    dead |= {previous[i].uid for i in missing if i not in answered}
+                    pinged_at = time.monotonic()
+                    missing = [i for i in missing if previous[i].uid not in dead]
+                joiners = _registered_joiners(store, previous)
+                joiners_in = all(j.uid in here for j in joiners) or now - arrived_at >= JOINER_GRACE
+                if (not missing and joiners_in) or now >= deadline:
+                    survivors = [c for c in previous if c.uid in here]
+                    newcomers = [c for c in arrived if c.uid not in {p.uid for p in previous}]
+                    proposal = survivors + newcomers
+            if proposal is not None:
+                if max_size is not None:
+                    proposal = proposal[:max_size]
+                if len(proposal) < min_size:
+                    expected = previous if previous is not None else []
+                    raise GangInitError(
+                        f"Epoch {epoch} of the elastic gang has {len(proposal)} members at "
+                        f"its deadline, fewer than min_size={min_size}; missing: "
+                        f"{[c.where for c in expected if c not in proposal] or 'unknown'}."
+                    )
+                _decide(store, me, epoch, proposal, previous)
+                continue
+        if now >= deadline + (0.0 if decider else 1.0):
+            raise GangInitError(
+                f"Epoch {epoch} of the elastic gang was not formed before the deadline "
+                f"(this process: {me.where})."
+            )
+        time.sleep(_POLL)
+
+
+def _decide(
+    store: Any,
+    me: Candidate,
+    epoch: int,
+    proposal: list[Candidate],
+    previous: list[Candidate] | None,
+) -> None:
+    text = "\n".join([f"by {me.uid}", *(c.to_text() for c in proposal)]) + "\n"
+    stored = store.compare_set(epoch_key(epoch, "members"), "", text).decode()
+    if stored == text:  # this process's list won (rule 3)
+        old = {c.uid for c in previous or []}
+        admitted = [c.uid for c in proposal if c.uid not in old]
+        if admitted:
+            store.append(f"{_ROOT}/joiners/admitted", "".join(f"{uid}\n" for uid in admitted))
+        store.set(f"{_ROOT}/epoch", str(epoch))
+
+
+def _registered_joiners(store: Any, previous: list[Candidate]) -> list[Candidate]:
+    old = {c.uid for c in previous}
+    return [
+        c
+        for c in _unique(Candidate.from_text(t) for t in _lines(store, f"{_ROOT}/joiners/list"))
+        if c.uid not in old
+    ]
+
+
+def _unique(candidates: Any) -> list[Candidate]:
+    seen: dict[str, Candidate] = {}
+    for candidate in candidates:
+        seen.setdefault(candidate.uid, candidate)
+    return list(seen.values())
