@@ -9,6 +9,9 @@ Rules:
    lanes and sub-gangs are not carried over (make them again on the new gang).
 3. ``waiting_to_join()`` reads a local count: a joiner tells each member's responder
    that it waits, so asking costs no store traffic and no collective.
+4. A member that starts a reform tells every other member's responder, which breaks
+   their gang at once: an op that waits on a dead peer's neighbour fails then, not at
+   its deadline, so every member comes to the reform within moments of the first.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from agang._backends import c10d_blame
-from agang._errors import GangInitError
+from agang._errors import GangBrokenError, GangInitError
 from agang._offload import run_blocking
 from agang._policy import GangPolicy
 from agang._process_group_gang import ProcessGroupGang
@@ -74,6 +77,16 @@ class ElasticGang(ProcessGroupGang):
             "stream_ordered": stream_ordered,
         }
         self._waiting = set(waiting)
+        c10d_blame.on_reform = self._another_member_reforms
+
+    def _another_member_reforms(self, text: str) -> None:
+        """A member started the next epoch: ops pending here will never finish (rule 4)."""
+        cause = GangBrokenError(
+            f"Gang '{self.name}' (epoch {self.epoch}) was left by its peers: epoch {text} "
+            f"started. Call reform() to join it.",
+            None,
+        )
+        self._engine.break_gang(cause)
 
     @property
     def epoch(self) -> int:

@@ -11,25 +11,22 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import queue
 import re
 import signal
 import socket
 import struct
 import subprocess
 import sys
-import threading
-import time
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import pytest
 import torch.distributed as dist
 from netns import Cluster, clean_leftovers, require_netns
 from netutil import rank_env
+from storeutil import Lines, Store, clean_env
 
 from agang.__main__ import main
 
@@ -67,88 +64,6 @@ try:
 except ConnectionRefusedError:
     print("MGMT refused", flush=True)
 """
-
-
-def _env(**extra: str) -> dict[str, str]:
-    env = {
-        name: value
-        for name, value in os.environ.items()
-        if name not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
-        and not name.startswith("TORCHELASTIC_")
-    }
-    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **extra)
-    return env
-
-
-class Lines:
-    """A stream of a process, line by line, read on a thread (bounded waits)."""
-
-    def __init__(self, stream: IO[str] | None) -> None:
-        assert stream is not None
-        self.seen: list[str] = []
-        self._queue: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=self._read, args=(stream,), daemon=True).start()
-
-    def _read(self, stream: IO[str]) -> None:
-        for line in stream:
-            self._queue.put(line.rstrip("\n"))
-        self._queue.put(None)
-
-    def next(self, timeout: float) -> str:
-        return self.wait_for("", timeout)
-
-    def wait_for(self, text: str, timeout: float) -> str:
-        """The next line holding ``text``, within ``timeout`` seconds."""
-        deadline = time.monotonic() + timeout
-        while (left := deadline - time.monotonic()) > 0:
-            try:
-                line = self._queue.get(timeout=left)
-            except queue.Empty:
-                break
-            if line is None:
-                self._queue.put(None)  # the end stays the end
-                break
-            self.seen.append(line)
-            if text in line:
-                return line
-        raise AssertionError(f"no line with {text!r} within {timeout} s: {self.seen}")
-
-    def rest(self, timeout: float) -> list[str]:
-        """Every line up to the end of the stream (the process exited), within ``timeout``."""
-        with contextlib.suppress(AssertionError):
-            self.wait_for("\0never", timeout)
-        return self.seen
-
-
-class Store:
-    """An ``agang store`` process, its stdout and stderr read on threads."""
-
-    def __init__(self, started: list[subprocess.Popen[str]], *arguments: str) -> None:
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "agang", "store", *arguments],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=_env(),
-        )
-        started.append(self.process)
-        self.out = Lines(self.process.stdout)
-        self.err = Lines(self.process.stderr)
-
-    def signal(self, signum: int) -> None:
-        self.signalled_at = time.monotonic()
-        self.process.send_signal(signum)
-
-    def stopped(self) -> dict[str, Any]:
-        """The exit status, how long it took since the signal, the last line, the log."""
-        status = self.process.wait(timeout=30)
-        took = time.monotonic() - self.signalled_at
-        return {
-            "status": status,
-            "took": took,
-            "last": self.out.rest(5)[-1],
-            "log": self.err.rest(5),
-        }
 
 
 @contextlib.contextmanager
@@ -192,7 +107,7 @@ def _start_job(started: list[subprocess.Popen[str]], **extra: str) -> list[subpr
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            env=_env(**rank_env(rank, 0, agent_store=True), **extra),  # the port: on stdin
+            env=clean_env(**rank_env(rank, 0, agent_store=True), **extra),  # the port: on stdin
         )
         for rank in range(2)
     ]

@@ -32,7 +32,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -81,6 +81,11 @@ class _Responder:
                 if kind == "joining":  # a process waits to join the next elastic epoch
                     with _lock:
                         _noticed.add(rest)
+                    continue
+                if kind == "reforming":  # a member started the next epoch: stop waiting
+                    interrupt = on_reform
+                    if interrupt is not None:
+                        interrupt(rest)
                     continue
                 self._answer(rest)
         except Exception:
@@ -229,11 +234,12 @@ def noticed() -> set[str]:
         return set(_noticed)
 
 
-def notify_joining(store: Any, world_ranks: list[int], uid: str) -> None:
-    """Tells the responders of ``world_ranks`` (on an epoch's ``store``) that ``uid``
-    waits to join."""
+def notify(store: Any, world_ranks: list[int], kind: str, text: str) -> None:
+    """Tells the responders of ``world_ranks`` (on an elastic epoch's ``store``) that a
+    process waits to join (``kind="joining"``, ``text`` its id), or that a member
+    started the next epoch (``"reforming"``, ``text`` saying who)."""
     for world_rank in world_ranks:
-        store.queue_push(_queue(world_rank), f"joining {uid}")
+        store.queue_push(_queue(world_rank), f"{kind} {text}")
 
 
 def ping(store: Any, world_ranks: list[int], seconds: float) -> set[int]:
@@ -258,6 +264,8 @@ store_address = "of the default group"
 hosts_store = False
 #: An elastic gang's epoch store: questions go there, not to the default group's store.
 store_override: Any = None
+#: What an elastic gang does when another member starts a reform (breaks itself).
+on_reform: Callable[[str], None] | None = None
 
 
 def forget_world() -> None:

@@ -129,7 +129,7 @@ def join(store: Any, me: Candidate, elastic: Elastic, deadline: float) -> Formed
         epoch_store = dist.PrefixStore(  # type: ignore[attr-defined]
             membership.epoch_key(current, "blame"), store
         )
-        c10d_blame.notify_joining(epoch_store, list(range(size)), me.uid)
+        c10d_blame.notify(epoch_store, list(range(size)), "joining", me.uid)
     while time.monotonic() < deadline:
         current = membership.current_epoch(store)
         following = 0 if current is None else current + 1
@@ -166,6 +166,11 @@ def reform_membership(formed: Formed, elastic: Elastic, deadline: float) -> Form
         return c10d_blame.ping(old_epoch_store, indices, membership.PING_SECONDS)
 
     following = formed.epoch + 1
+    # The other members may still wait on an op that will never finish (only the ranks
+    # next to a dead one see its connection drop): tell them, so they come at once.
+    others = [i for i in range(len(formed.members)) if i != formed.rank]
+    text = f"{following} by rank {formed.rank} ({formed.me.where})"
+    c10d_blame.notify(old_epoch_store, others, "reforming", text)
     members = membership.form(
         formed.store,
         formed.me,
