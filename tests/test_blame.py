@@ -131,3 +131,26 @@ def test_blame_costs_no_store_key_per_op(gloo_reports: list[dict[str, Any]]) -> 
     for report in gloo_reports:
         before, after = report["keys"]
         assert after == before, report["keys"]
+
+
+async def _peer_closes_under_a_pending_op(gang: agang.Gang) -> dict[str, Any]:
+    pids = await gang.all_gather_objects(os.getpid())
+    if gang.rank == 1:
+        await anyio.sleep(0.5)  # rank 0's all-reduce is pending by then
+        await gang.close()
+        return {}
+    try:
+        await gang.all_reduce(torch.ones(2), timeout=30)
+    except agang.CollectiveError as error:
+        return {"message": str(error), "peer_pid": pids[1]}
+    return {"message": "no error"}
+
+
+@pytest.mark.gloo
+def test_a_lost_peers_collective_error_names_its_rank() -> None:
+    """Gloo names the peer by its socket address; the address each rank checked in
+    with says which rank that is (here the only other one on the host)."""
+    report = run_world(_peer_closes_under_a_pending_op, 2, async_backend="trio", timeout=60.0)[0]
+    assert "Connection closed by peer [127.0.0.1]" in report["message"], report
+    assert "The peer at 127.0.0.1 is rank 1 (" in report["message"], report
+    assert f"pid {report['peer_pid']})." in report["message"], report

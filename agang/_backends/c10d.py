@@ -26,7 +26,6 @@ threads, eventually. A gang that breaks, or closes with work running, aborts its
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 from collections.abc import Callable
 from datetime import timedelta
@@ -37,9 +36,10 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions
 
 from agang import _exit
-from agang._backends import c10d_blame, c10d_order, cuda_completion
+from agang._backends import c10d_blame, c10d_order, c10d_peers, cuda_completion
 from agang._backends.c10d_abort import Aborter
 from agang._backends.c10d_children import create_groups
+from agang._backends.c10d_waiter import WorkWaiter
 from agang._backends.contract import Blamed, Checked, Done, ProgressOf, after_post
 from agang._backends.device_runtime import DeviceRuntime, StreamOrder, torch_runtime
 from agang._reduce_op import ReduceOp, to_c10d
@@ -120,30 +120,6 @@ def _real(tensor: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(tensor) if tensor.is_complex() else tensor
 
 
-class _WorkWaiter:
-    """A thread that waits on Work in issue order, for Work that has no future."""
-
-    def __init__(self, name: str) -> None:
-        self._queue: queue.SimpleQueue[tuple[Any, Done] | None] = queue.SimpleQueue()
-        _exit.start_daemon(self._run, name=f"agang-wait {name}")
-
-    def watch(self, work: Any, done: Done) -> None:
-        self._queue.put((work, done))
-
-    def stop(self) -> None:
-        self._queue.put(None)
-
-    def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
-            work, done = item
-            try:
-                work.wait()
-            except Exception as exc:
-                done(exc)
-            else:
-                done(None)
-
-
 @final
 class C10dBackend:
     """A c10d process group (and, with order checking, its side Gloo group).
@@ -190,7 +166,7 @@ class C10dBackend:
         self._lock = threading.Lock()
         # Waiters by kind of Work: a recv that waits for its peer must not hold back the
         # report of a finished collective, so the two kinds never share one.
-        self._waiters: dict[str, _WorkWaiter] = {}
+        self._waiters: dict[str, WorkWaiter] = {}
         self._aborter = Aborter()
         self._runtime: DeviceRuntime = torch_runtime() if runtime is None else runtime
         self._registered = registered
@@ -286,11 +262,11 @@ class C10dBackend:
             return
         future.add_done_callback(on_future)
 
-    def _waiter(self, kind: str) -> _WorkWaiter:
+    def _waiter(self, kind: str) -> WorkWaiter:
         with self._lock:
             waiter = self._waiters.get(kind)
             if waiter is None:
-                waiter = self._waiters[kind] = _WorkWaiter(f"{self._name} {kind}")
+                waiter = self._waiters[kind] = WorkWaiter(f"{self._name} {kind}")
             return waiter
 
     def _group(self) -> dist.ProcessGroup:
@@ -396,13 +372,15 @@ class C10dBackend:
 
     def start_blame(self, seq: int, report: Blamed) -> None:
         if self._stopped or not self._registered:
-            report(None, "the gang's communicator is released")
-            return
+            return report(None, "the gang's communicator is released")
         peers = {r: world for r, world in enumerate(self._world_ranks) if r != self._rank}
         c10d_blame.start_blame(self._group_name, seq, peers, report)
 
     def where(self, rank: int) -> str:
         return c10d_blame.where(self._world_ranks, rank)
+
+    def explain(self, error: BaseException) -> str:
+        return c10d_peers.lost_peer(error, self._world_ranks, self._rank, self.where)
 
     # Failure and lifecycle.
 

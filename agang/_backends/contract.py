@@ -53,7 +53,8 @@ Blame.
     ``report(peers, note)`` once, within ``BLAME_BOUND`` seconds whatever the peers or
     the channel do: ``peers`` maps each other rank to its answer, None for one that gave
     none; ``peers`` is None where nobody could be asked, and ``note`` says why.
-    ``where(rank)`` names a rank for messages: where it runs, as far as the backend knows.
+    ``where(rank)`` names a rank for messages: where it runs, as far as the backend knows;
+    ``explain(error)`` names the lost peer behind a transport's error, where it can.
 Deadlines.
     agang's deadlines are the engine's. A backend with a deadline of its own (c10d's
     process-group timeout) keeps it behind agang's: ``allow_timeout(seconds)`` says
@@ -183,6 +184,10 @@ class Backend(Protocol):
 
     def where(self, rank: int) -> str:
         """``rank`` named for a message, with where it runs when known."""
+
+    def explain(self, error: BaseException) -> str:
+        """A sentence to add to ``error``'s message (the lost peer's rank, where the
+        transport's error lets it be known), or ""."""
 
     # Deferred starts and deadlines.
 

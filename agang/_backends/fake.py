@@ -141,6 +141,9 @@ class FakeBackend:
     def where(self, rank: int) -> str:
         return f"rank {rank}"
 
+    def explain(self, error: BaseException) -> str:
+        return ""
+
     def defer(self, start: Callable[[], None]) -> Callable[[], None]:
         return start
 

@@ -336,7 +336,8 @@ class Engine:
                 wrapped: BaseException = error
             else:
                 context = self.context(handle.op, handle.seq, handle.timeout)
-                wrapped = CollectiveError(f"{context.describe()} failed: {error}", context)
+                explained = f"{context.describe()} failed: {error}{self.backend.explain(error)}"
+                wrapped = CollectiveError(explained, context)
                 wrapped.__cause__ = error
 
             def count_failed_and_break() -> None:

@@ -35,7 +35,7 @@ import anyio
 import torch
 import torch.distributed as dist
 
-from agang._backends import c10d_blame
+from agang._backends import c10d_blame, c10d_peers
 from agang._elastic_gang import form_first
 from agang._errors import GangInitError
 from agang._fake_gang import FakeGang
@@ -188,6 +188,7 @@ class _Plan:
         )
         # What a timeout's blame names a rank with (``agang._backends.c10d_blame``).
         c10d_blame.roster[:] = [member.describe() for member in members]
+        c10d_peers.addresses[:] = [member.link.address for member in members]
 
     def _make_group(self, world: WorldInfo, deadline: float) -> None:
         try:

@@ -368,6 +368,9 @@ class FakeWorldBackend:
     def where(self, rank: int) -> str:
         return f"rank {rank}"
 
+    def explain(self, error: BaseException) -> str:
+        return ""
+
     def defer(self, start: Callable[[], None]) -> Callable[[], None]:
         return start
 
