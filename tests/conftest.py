@@ -1,4 +1,5 @@
-"""Shared test set-up: every async test runs on asyncio, asyncio+uvloop and trio."""
+"""Shared test set-up: every async test runs on asyncio, asyncio+uvloop and trio; tests
+of many nodes (``tests/netns.py``) take the ``netns`` fixture."""
 
 from __future__ import annotations
 
@@ -14,3 +15,12 @@ import pytest
 )
 def anyio_backend(request: pytest.FixtureRequest) -> tuple[str, dict[str, bool]]:
     return request.param  # type: ignore[no-any-return]
+
+
+@pytest.fixture(scope="session")
+def netns() -> None:
+    """Skips where namespaces cannot be made; clears what dead test runs left behind."""
+    from netns import clean_leftovers, require_netns
+
+    require_netns()
+    clean_leftovers()

@@ -6,6 +6,7 @@ Every network call here is bounded (the probe's timeout) and goes to 127.0.0.1 o
 from __future__ import annotations
 
 import errno
+import ipaddress
 import json
 import os
 import socket
@@ -22,6 +23,7 @@ from agang.__main__ import main
 from agang._doctor.diagnose import diagnose
 from agang._doctor.findings import Finding, Status, has_problems, render, render_json
 from agang._doctor.host import HostFacts, probe_host_facts
+from agang._doctor.links import LinkState
 from agang._doctor.network import SocketProbe
 from agang._setup.interface import Choice
 
@@ -57,6 +59,7 @@ class FakeNetwork:
     bind_error: OSError | None = None
     connect_error: OSError | None = None
     choice: Choice = field(default_factory=lambda: Choice("lo", "it holds 127.0.0.1"))
+    link_states: list[LinkState] = field(default_factory=list)
     calls: list[tuple[str, str, int]] = field(default_factory=list)
 
     def resolve(self, host: str) -> Sequence[str]:
@@ -77,6 +80,9 @@ class FakeNetwork:
 
     def interface(self, host: str, env: Mapping[str, str]) -> Choice:
         return self.choice
+
+    def links(self) -> Sequence[LinkState]:
+        return self.link_states
 
 
 def torchrun_env(rank: int = 0, world_size: int = 2, **extra: str) -> dict[str, str]:
@@ -598,3 +604,95 @@ def test_no_interface_found_is_a_warning_and_a_users_choice_is_kept() -> None:
     env = torchrun_env(GLOO_SOCKET_IFNAME="ib0")
     finding = only(run(env, FakeNetwork(choice=unknown)), "interface", Status.OK)
     assert finding.seen == "Set by you: GLOO_SOCKET_IFNAME=ib0."
+
+
+# The state of the interface toward MASTER_ADDR (agang._doctor.links); across real
+# nodes in tests/test_doctor_nodes.py.
+
+ETH0_UP = LinkState("eth0", up=True, carrier=True, networks=("10.0.0.5/24",))
+ETH0_NO_CARRIER = LinkState("eth0", up=True, carrier=False, networks=("10.0.0.5/24",))
+ETH0_DOWN = LinkState("eth0", up=False, carrier=False, networks=("10.0.0.5/24",))
+VIA_ETH0 = Choice("eth0", "it holds 10.0.0.5, the address that reaches 10.0.0.1", ("eth0",))
+
+
+def on_eth0(
+    links: list[LinkState], choice: Choice, connect_error: OSError | None = None
+) -> FakeNetwork:
+    """MASTER_ADDR 10.0.0.1, on eth0's network."""
+    names = {"10.0.0.1": ["10.0.0.1"]}
+    return FakeNetwork(names=names, connect_error=connect_error, choice=choice, link_states=links)
+
+
+def test_the_store_port_is_reached_from_the_interface_on_master_addrs_network() -> None:
+    findings = run(
+        torchrun_env(rank=1, MASTER_ADDR="10.0.0.1"), on_eth0([ETH0_UP], choice=VIA_ETH0)
+    )
+
+    assert only(findings, "MASTER_PORT", Status.OK).seen.endswith("is reachable from eth0.")
+    assert "agang will use eth0" in only(findings, "interface", Status.OK).seen
+
+
+def test_an_interface_without_carrier_toward_master_addr_is_a_problem_naming_it() -> None:
+    network = on_eth0([ETH0_NO_CARRIER], choice=VIA_ETH0, connect_error=TimeoutError("timed out"))
+
+    findings = run(torchrun_env(rank=1, MASTER_ADDR="10.0.0.1"), network)
+
+    port = only(findings, "MASTER_PORT", Status.PROBLEM)
+    assert "from eth0" in port.seen
+    assert port.causes[0].startswith("eth0 is up but has no carrier"), port.causes
+    interface = only(findings, "interface", Status.PROBLEM)
+    assert "eth0, this host's interface toward '10.0.0.1' (10.0.0.5/24), is up but" in (
+        interface.seen
+    )
+    assert "agang would use it" in interface.seen
+    assert "unplugged" in interface.causes[0]
+    assert "`ip link show eth0`" in interface.fix
+
+
+def test_a_down_interface_with_no_route_is_named_by_its_network() -> None:
+    no_route = Choice(None, "no route from this host to MASTER_ADDR '10.0.0.1'")
+    unreachable = OSError(errno.ENETUNREACH, "Network is unreachable")
+    network = on_eth0([ETH0_DOWN], choice=no_route, connect_error=unreachable)
+
+    findings = run(torchrun_env(rank=1, MASTER_ADDR="10.0.0.1"), network)
+
+    assert "from eth0" in only(findings, "MASTER_PORT", Status.PROBLEM).seen
+    interface = only(findings, "interface", Status.PROBLEM)
+    assert interface.seen.startswith("eth0, this host's interface toward '10.0.0.1'")
+    assert "is down: there is no route to MASTER_ADDR" in interface.seen
+    assert "AGANG_SOCKET_IFNAME" in interface.fix
+
+
+def test_rank_0_on_a_down_interface_is_told_although_the_port_binds() -> None:
+    findings = run(
+        torchrun_env(rank=0, MASTER_ADDR="10.0.0.1"), on_eth0([ETH0_DOWN], choice=VIA_ETH0)
+    )
+
+    assert only(findings, "MASTER_PORT", Status.OK)
+    assert "is down" in only(findings, "interface", Status.PROBLEM).seen
+
+
+def test_a_name_that_means_loopback_here_is_named_and_the_port_is_not_checked() -> None:
+    env = torchrun_env(
+        rank=1, world_size=4, LOCAL_RANK="1", LOCAL_WORLD_SIZE="2", MASTER_ADDR="node0"
+    )
+    network = FakeNetwork(names={"node0": ["127.0.1.1"]})
+
+    findings = run(env, network)
+
+    problem = only(findings, "MASTER_ADDR", Status.PROBLEM)
+    assert "'node0' resolves to the loopback address 127.0.1.1 on this node" in problem.seen
+    assert "2 ranks on this node" in problem.seen
+    assert "--local-addr" in problem.fix
+    assert [call[0] for call in network.calls] == ["resolve"]
+    assert not [f for f in findings if f.check in ("MASTER_PORT", "interface")]
+
+
+def test_the_real_links_leave_out_loopback_and_carry_their_prefixes() -> None:
+    links = SocketProbe().links()
+
+    for link in links:
+        networks = [ipaddress.ip_interface(network) for network in link.networks]
+        assert not any(network.is_loopback for network in networks), link
+        assert all("/" in network for network in link.networks), link
+        assert link.up or not link.carrier, link

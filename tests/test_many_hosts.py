@@ -13,22 +13,20 @@ each prints ``READY`` when its gang is up, may wait for a line on stdin, and end
 from __future__ import annotations
 
 import json
-import queue
 import random
 import re
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from netns import Cluster, clean_leftovers, require_netns  # noqa: E402
+from netns import Cluster
+from noderun import ROOT, node_env, reach_from, start
 
 pytestmark = pytest.mark.gloo
 
@@ -37,74 +35,12 @@ OP_TIMEOUT = 3.0
 BIG = 4 * 1024 * 1024  # floats: one all-reduce of 16 MiB
 
 
-@pytest.fixture
-def netns() -> None:
-    """Skips where namespaces cannot be made; clears what dead test runs left behind."""
-    require_netns()
-    clean_leftovers()
-
-
-def _env(**extra: str) -> dict[str, str | None]:
-    env: dict[str, str | None] = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "AGANG_SOCKET_IFNAME"):
-        env[name] = None  # never inherited: agang must choose by itself
-    for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        env[name] = None  # nor a launcher's variables from the test's own environment
-    env.update(extra)
-    return env
-
-
 def _plain_env(cluster: Cluster, rank: int, size: int, port: int) -> dict[str, str | None]:
     """One rank per node, launched without torchrun: the store is agang's own."""
-    return _env(
+    return node_env(
         RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
         MASTER_ADDR=cluster.nodes[0].address("data"), MASTER_PORT=str(port),
     )  # fmt: skip
-
-
-class Lines:
-    """A process's output, line by line, read on a thread (bounded waits)."""
-
-    def __init__(self, process: subprocess.Popen[str]) -> None:
-        self.process = process
-        self.lines: list[str] = []
-        self._queue: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.process.stdout is not None
-        for line in self.process.stdout:
-            self._queue.put(line)
-        self._queue.put(None)
-
-    def wait_for(self, prefix: str, timeout: float) -> str:
-        deadline = time.monotonic() + timeout
-        while (left := deadline - time.monotonic()) > 0:
-            try:
-                line = self._queue.get(timeout=left)
-            except queue.Empty:
-                break
-            if line is None:
-                break
-            self.lines.append(line)
-            if line.startswith(prefix):
-                return line
-        raise AssertionError(f"no {prefix!r} line within {timeout} s:\n{''.join(self.lines)}")
-
-    def send(self, text: str) -> None:
-        assert self.process.stdin is not None
-        self.process.stdin.write(text + "\n")
-        self.process.stdin.flush()
-
-    def result(self, timeout: float) -> dict[str, Any]:
-        line = self.wait_for("RESULT ", timeout)
-        self.process.wait(timeout=timeout)
-        return json.loads(line[len("RESULT ") :])  # type: ignore[no-any-return]
-
-
-def _start(cluster: Cluster, node: int, program: str, env: dict[str, str | None]) -> Lines:
-    process = cluster.popen(node, [sys.executable, THIS, program], env=env, stdin=subprocess.PIPE)
-    return Lines(process)
 
 
 def _torchrun(
@@ -132,7 +68,7 @@ def _torchrun(
     ]  # fmt: skip
     if local_addr:
         argv += ["--local-addr", cluster.nodes[node].address("data")]
-    return cluster.popen(node, [*argv, *script], env=_env())
+    return cluster.popen(node, [*argv, *script], env=node_env())
 
 
 def _finish(processes: list[subprocess.Popen[str]], timeout: float) -> list[str]:
@@ -204,7 +140,7 @@ def test_slurm_style_ranks_find_the_store_host_by_node_name(netns: None) -> None
         processes = []
         for rank in range(4):
             node, local = divmod(rank, 2)
-            env = _env(
+            env = node_env(
                 SLURM_PROCID=str(rank), SLURM_NTASKS="4", SLURM_LOCALID=str(local),
                 SLURM_NODEID=str(node), SLURM_NTASKS_PER_NODE="2", SLURM_JOB_ID=job_id,
                 SLURM_JOB_NODELIST="agnode[0-1]", SLURM_NNODES="2",
@@ -222,7 +158,7 @@ def test_a_store_host_whose_own_name_means_loopback_fails_at_once(netns: None) -
     node's ranks then meet at loopback while the others look for its real address.
     Rank 0 must say so at once rather than wait out its 60 s deadline."""
     with Cluster(num_nodes=2, own_name_on_loopback=True) as cluster:
-        env = _env(
+        env = node_env(
             SLURM_PROCID="0", SLURM_NTASKS="2", SLURM_LOCALID="0", SLURM_NODEID="0",
             SLURM_NTASKS_PER_NODE="1", SLURM_JOB_ID=str(random.randrange(1, 10**6)),
             SLURM_JOB_NODELIST="agnode[0-1]",
@@ -245,7 +181,9 @@ NO_ANSWER = "no answer (dead, stopped, or cut off from the store)"
 def test_a_cut_link_fails_every_rank_within_the_op_timeout(netns: None) -> None:
     with Cluster(num_nodes=2) as cluster:
         port = cluster.free_port(0)
-        ranks = [_start(cluster, r, "link_cut", _plain_env(cluster, r, 2, port)) for r in (0, 1)]
+        ranks = [
+            start(cluster, r, [THIS, "link_cut"], _plain_env(cluster, r, 2, port)) for r in (0, 1)
+        ]
         for lines in ranks:
             lines.wait_for("READY", timeout=60)
         time.sleep(0.5)  # ops flowing on both ranks
@@ -278,15 +216,17 @@ def test_collectives_take_the_network_of_master_addr_and_the_store_listens_only_
 ) -> None:
     with Cluster(num_nodes=2, networks=("data", "mgmt")) as cluster:
         port = cluster.free_port(0)
-        ranks = [_start(cluster, r, "traffic", _plain_env(cluster, r, 2, port)) for r in (0, 1)]
+        ranks = [
+            start(cluster, r, [THIS, "traffic"], _plain_env(cluster, r, 2, port)) for r in (0, 1)
+        ]
         for rank in ranks:
             rank.wait_for("READY", timeout=60)
 
         # The store agang hosts on rank 0: reachable on MASTER_ADDR's address only.
         reach = {
-            "data": _connect(cluster, 1, cluster.nodes[0].address("data"), port),
-            "mgmt": _connect(cluster, 1, cluster.nodes[0].address("mgmt"), port),
-            "loopback": _connect(cluster, 0, "127.0.0.1", port),
+            "data": reach_from(cluster, 1, cluster.nodes[0].address("data"), port),
+            "mgmt": reach_from(cluster, 1, cluster.nodes[0].address("mgmt"), port),
+            "loopback": reach_from(cluster, 0, "127.0.0.1", port),
         }
 
         before = [{net: cluster.counters(n, net) for net in ("data", "mgmt")} for n in (0, 1)]
@@ -316,20 +256,6 @@ def test_collectives_take_the_network_of_master_addr_and_the_store_listens_only_
     for result in results:
         assert result["big"] == [2.0, 2.0], result
         assert result["small"] == [3.0], result
-
-
-def _connect(cluster: Cluster, node: int, address: str, port: int) -> str:
-    probe = (
-        "import socket\n"
-        "try:\n"
-        f"    socket.create_connection(({address!r}, {port}), timeout=3).close()\n"
-        "    print('connected')\n"
-        "except ConnectionRefusedError:\n"
-        "    print('refused')\n"
-        "except OSError as error:\n"
-        "    print(type(error).__name__)\n"
-    )
-    return cluster.run(node, [sys.executable, "-c", probe], timeout=30).stdout.strip()
 
 
 # -- the ranks' programs ----------------------------------------------------------------------

@@ -9,5 +9,7 @@ network probe), so tests drive them without a real job. Its modules:
   CUDA), probed once and checked.
 - :mod:`agang._doctor.network`: whether the ranks can meet at the store's address and
   port.
+- :mod:`agang._doctor.links`: this host's interfaces, up or down, and their networks (to
+  name the one toward MASTER_ADDR).
 - :mod:`agang._doctor.findings`: the findings, and their rendering as text or JSON.
 """

@@ -1,9 +1,15 @@
 """``agang doctor``'s network checks: can the ranks meet at MASTER_ADDR:MASTER_PORT?
 
 The store host (rank 0, unless the launcher's agent hosts the store) must be able to bind
-the port on the address; every other process must be able to connect to it. The probe
-bounds every call in time: a resolver or a firewall that never answers costs at most the
-probe's timeout.
+the port on the address; every other process must be able to connect to it. Rules:
+
+1. The probe bounds every call in time: a resolver or a firewall that never answers costs
+   at most the probe's timeout.
+2. A MASTER_ADDR that resolves only to loopback in a job across nodes is the problem named,
+   and the port and interface checks are skipped: about loopback, they would mislead.
+3. Findings about reaching the store name this host's interface toward it (the one on
+   MASTER_ADDR's network, else the route's), and an interface that is down is a problem
+   of its own, with what to bring up or set (:mod:`agang._doctor.links`).
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from typing import Protocol, final
 
 from agang._doctor.findings import Finding, Status
+from agang._doctor.links import LinkState, link_toward, probe_links
 from agang._setup.env import WorldInfo
 from agang._setup.interface import IFNAME_ENV, Choice, choose_interface
 
@@ -39,6 +46,10 @@ class NetworkProbe(Protocol):
         """The interface agang's init would give the ranks' connections to reach ``host``."""
         ...
 
+    def links(self) -> Sequence[LinkState]:
+        """This host's interfaces (not loopback): up or down, and their networks."""
+        ...
+
 
 @final
 class SocketProbe:
@@ -53,6 +64,9 @@ class SocketProbe:
 
     def interface(self, host: str, env: Mapping[str, str]) -> Choice:
         return choose_interface(host, env)
+
+    def links(self) -> Sequence[LinkState]:
+        return probe_links()
 
     def resolve(self, host: str) -> Sequence[str]:
         # getaddrinfo has no timeout of its own: it runs on a daemon thread that is left
@@ -105,9 +119,11 @@ def network_findings(
         network: Resolves, binds and connects, each within a bounded time.
         address_origin: Where agang took the address from, when not from MASTER_ADDR
             itself (e.g. "the first host of SLURM_JOB_NODELIST").
+        env: The environment, for the interface variables the user may have set.
 
     Returns:
-        The findings: the address, then the port (skipped when the address fails).
+        The findings: the address, then the port and the interface (both skipped when the
+        address does not resolve, or resolves only to loopback in a job across nodes).
     """
     host = world.master_addr
     origin = f" ({address_origin})" if address_origin else ""
@@ -136,23 +152,56 @@ def network_findings(
         Finding("MASTER_ADDR", Status.OK, f"{host!r}{origin} resolves to {', '.join(addresses)}.")
     ]
     if local_size is not None and world.world_size > local_size and _all_loopback(addresses):
-        findings.append(
-            Finding(
-                "MASTER_ADDR",
-                Status.PROBLEM,
-                f"`MASTER_ADDR` must be reachable from other nodes for a world of "
-                f"{world.world_size} with {local_size} ranks on this node, but is the "
-                f"loopback address {host!r} instead.",
-                fix="Set MASTER_ADDR to rank 0's host name or IP address on the network "
-                "that joins the nodes.",
-            )
-        )
-    findings.append(_port_finding(world, addresses, network))
-    findings.append(_interface_finding(host, network, {} if env is None else env))
+        findings.append(_loopback_finding(world, local_size, addresses, origin))
+        return findings  # rule 2
+    # The kernel's route, whatever the user named for the transports: the store's path.
+    route = network.interface(host, {})
+    toward = link_toward(network.links(), addresses, route.ifname)
+    findings.append(_port_finding(world, addresses, network, toward))
+    findings.append(_interface_finding(host, addresses, network, env or {}, toward))
     return findings
 
 
-def _interface_finding(host: str, network: NetworkProbe, env: Mapping[str, str]) -> Finding:
+def _loopback_finding(
+    world: WorldInfo, local_size: int, addresses: Sequence[str], origin: str
+) -> Finding:
+    host = world.master_addr
+    where = (
+        f"for a world of {world.world_size} with {local_size} rank{'s' * (local_size != 1)} "
+        f"on this node"
+    )
+    if host in addresses:  # an address, not a name
+        return Finding(
+            "MASTER_ADDR",
+            Status.PROBLEM,
+            f"`MASTER_ADDR` must be reachable from other nodes {where}, but is the loopback "
+            f"address {host!r} instead.",
+            fix="Set MASTER_ADDR to rank 0's host name or IP address on the network that "
+            "joins the nodes.",
+        )
+    return Finding(
+        "MASTER_ADDR",
+        Status.PROBLEM,
+        f"`MASTER_ADDR` must be reachable from other nodes {where}, but {host!r}{origin} "
+        f"resolves to the loopback address {', '.join(addresses)} on this node instead.",
+        causes=(
+            "this node's /etc/hosts maps the name to loopback, as Debian and Ubuntu do with "
+            "a host's own name (127.0.1.1)",
+            "torchrun handed on rank 0's host name, which this node's /etc/hosts maps to loopback",
+        ),
+        fix="Set MASTER_ADDR to rank 0's IP address on the network that joins the nodes, or "
+        "map the name to that address in every node's /etc/hosts; under torchrun, pass "
+        "--local-addr with each node's address.",
+    )
+
+
+def _interface_finding(
+    host: str,
+    addresses: Sequence[str],
+    network: NetworkProbe,
+    env: Mapping[str, str],
+    toward: LinkState | None,
+) -> Finding:
     """Which interface the ranks' connections use (``agang._setup.interface``)."""
     given = [
         f"{name}={env[name]}"
@@ -162,6 +211,8 @@ def _interface_finding(host: str, network: NetworkProbe, env: Mapping[str, str])
     if given:
         return Finding("interface", Status.OK, f"Set by you: {', '.join(given)}.")
     choice = network.interface(host, env)
+    if toward is not None and toward.down and choice.ifname in (None, toward.name):
+        return _down_finding(host, addresses, toward, chosen=choice.ifname is not None)
     if choice.ifname is None:
         return Finding(
             "interface",
@@ -188,6 +239,37 @@ def _interface_finding(host: str, network: NetworkProbe, env: Mapping[str, str])
     return Finding("interface", Status.OK, seen)
 
 
+def _down_finding(host: str, addresses: Sequence[str], link: LinkState, *, chosen: bool) -> Finding:
+    name = link.name
+    networks = link.network_holding(addresses[0]) or ", ".join(link.networks)
+    what = f"{name}, this host's interface toward {host!r}" + (
+        f" ({networks})," if networks else ","
+    )
+    then = (
+        "agang would use it for the ranks' connections, but nothing leaves through it."
+        if chosen
+        else "there is no route to MASTER_ADDR, so agang cannot choose an interface for the "
+        "ranks' connections."
+    )
+    causes = (
+        (
+            f"it was taken down (`ip link set {name} down`), or never brought up",
+            "its cable or switch port failed, and the system took it down",
+        )
+        if not link.up
+        else ("its cable is unplugged or broken", "the switch port at the far end is down")
+    )
+    return Finding(
+        "interface",
+        Status.PROBLEM,
+        f"{what} {link.down}: {then}",
+        causes=causes,
+        fix=f"Bring {name} up and check its link, route and firewall (`ip link show {name}`, "
+        f"`ip route get {addresses[0]}`); if another network joins the nodes, set "
+        f"{IFNAME_ENV} to its interface and MASTER_ADDR to rank 0's address on it.",
+    )
+
+
 def _all_loopback(addresses: Sequence[str]) -> bool:
     try:
         return all(ipaddress.ip_address(address.split("%")[0]).is_loopback for address in addresses)
@@ -195,7 +277,12 @@ def _all_loopback(addresses: Sequence[str]) -> bool:
         return False
 
 
-def _port_finding(world: WorldInfo, addresses: Sequence[str], network: NetworkProbe) -> Finding:
+def _port_finding(
+    world: WorldInfo,
+    addresses: Sequence[str],
+    network: NetworkProbe,
+    toward: LinkState | None,
+) -> Finding:
     port = world.master_port
     if port == 0:
         return Finding(
@@ -207,7 +294,7 @@ def _port_finding(world: WorldInfo, addresses: Sequence[str], network: NetworkPr
         )
     if world.rank == 0 and not world.launcher_hosts_store:
         return _bind_finding(world, addresses[0], network)
-    return _connect_finding(world, addresses, network)
+    return _connect_finding(world, addresses, network, toward)
 
 
 def _bind_finding(world: WorldInfo, address: str, network: NetworkProbe) -> Finding:
@@ -271,9 +358,16 @@ def _bind_finding(world: WorldInfo, address: str, network: NetworkProbe) -> Find
     )
 
 
-def _connect_finding(world: WorldInfo, addresses: Sequence[str], network: NetworkProbe) -> Finding:
+def _connect_finding(
+    world: WorldInfo,
+    addresses: Sequence[str],
+    network: NetworkProbe,
+    toward: LinkState | None,
+) -> Finding:
     port = world.master_port
     host = "the launcher's agent" if world.launcher_hosts_store else "rank 0"
+    via = f" from {toward.name}" if toward is not None else ""
+    tried = f" (tried from {toward.name})" if toward is not None else ""
     errors: list[OSError] = []
     for address in addresses:
         try:
@@ -282,23 +376,30 @@ def _connect_finding(world: WorldInfo, addresses: Sequence[str], network: Networ
             errors.append(exc)
         else:
             return Finding(
-                "MASTER_PORT", Status.OK, f"The store port {address}:{port} is reachable."
+                "MASTER_PORT", Status.OK, f"The store port {address}:{port} is reachable{via}."
             )
     first = errors[0]
     target = f"{addresses[0]}:{port}"
-    if isinstance(first, TimeoutError):
-        seen = f"No answer from {target} in time: packets are dropped or lost."
-        causes: tuple[str, ...] = (
+    if toward is not None and toward.down:
+        seen = f"Cannot connect to {target}{via}: {first}."
+        causes: tuple[str, ...] = (f"{toward.name} {toward.down} (see the interface check)",)
+        fix = f"Bring {toward.name} up (see the interface check), then run the doctor again."
+    elif isinstance(first, TimeoutError):
+        seen = f"No answer from {target} in time{tried}: packets are dropped or lost."
+        causes = (
             "a firewall between this node and rank 0's host drops the connection",
+            "a link on the way to rank 0's host is down (a cable, a switch port, or rank "
+            "0's own interface)",
             "MASTER_ADDR is not reachable from this node (another network)",
             "rank 0's host is down",
         )
         fix = (
             f"Open port {port} on rank 0's host for the job's nodes, and check from this node "
-            f"with `nc -vz {addresses[0]} {port}` while {host} runs."
+            f"with `nc -vz {addresses[0]} {port}` while {host} runs; if `ping {addresses[0]}` "
+            f"gets no answer either, check the link{via} to rank 0's host."
         )
     elif first.errno == errno.ECONNREFUSED:
-        seen = f"Connection to {target} refused: nothing listens there."
+        seen = f"Connection to {target} refused{tried}: nothing listens there."
         causes = (
             f"{host} has not started yet, or has already exited",
             "MASTER_ADDR or MASTER_PORT differs between ranks",
@@ -309,7 +410,7 @@ def _connect_finding(world: WorldInfo, addresses: Sequence[str], network: Networ
             f"MASTER_PORT the same on every rank."
         )
     else:
-        seen = f"Cannot connect to {target}: {first}."
+        seen = f"Cannot connect to {target}{via}: {first}."
         causes = ("no route from this node to MASTER_ADDR", "a firewall rejects the connection")
         fix = "Set MASTER_ADDR to an address of rank 0's host that this node can reach."
     return Finding("MASTER_PORT", Status.PROBLEM, seen, causes=causes, fix=fix)
