@@ -9,6 +9,8 @@ Rules (blocking, on set-up threads; never on the loop):
    a new epoch's keys.
 3. A group whose creation fails (a member died after the decision) is destroyed, and
    the next epoch is formed by whoever is left, within the same deadline.
+4. Every store call of a formation ends by its deadline (the client's timeout is set to
+   what is left), even on a rank cut off from the store.
 """
 
 from __future__ import annotations
@@ -99,8 +101,16 @@ def connect_store(world: WorldInfo, deadline: float) -> Any:
     )
 
 
+def bound_store_calls(store: Any, deadline: float) -> None:
+    """Store calls end by ``deadline`` (rule 4): a call to a store this rank is cut off
+    from would otherwise hold its thread for the client's whole timeout, past the
+    caller's deadline, and a process exiting then aborts when c10d returns."""
+    call_c10d(store.set_timeout, timedelta(seconds=max(0.1, deadline - time.monotonic())))
+
+
 def first_formation(store: Any, world: WorldInfo, elastic: Elastic, deadline: float) -> Formed:
     """Formation 0, or, where it already happened, the next reform as a joiner."""
+    bound_store_calls(store, deadline)
     me = Candidate.me(world.rank)
     if membership.current_epoch(store) is None:
         members = membership.form(
@@ -165,6 +175,7 @@ def reform_membership(formed: Formed, elastic: Elastic, deadline: float) -> Form
     def alive(indices: list[int]) -> set[int]:
         return c10d_blame.ping(old_epoch_store, indices, membership.PING_SECONDS)
 
+    bound_store_calls(formed.store, deadline)
     following = formed.epoch + 1
     # The other members may still wait on an op that will never finish (only the ranks
     # next to a dead one see its connection drop): tell them, so they come at once.
