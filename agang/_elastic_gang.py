@@ -125,9 +125,12 @@ class ElasticGang(ProcessGroupGang):
                     deadline,
                 )
                 break
-            except TransientSetupError:
+            except TransientSetupError as error:
                 if time.monotonic() >= deadline:
-                    raise
+                    raise GangInitError(
+                        f"No group of epoch {formed.epoch} was made before the reform's "
+                        f"deadline: {error}"
+                    ) from error
                 formed = await self._blocking(
                     functools.partial(setup.reform_membership, formed, self._elastic, deadline),
                     deadline,

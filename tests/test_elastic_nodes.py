@@ -62,7 +62,15 @@ def scenario(netns: None) -> dict[str, Any]:
             lines.send("go")
         results = [lines.wait_for_json("RESULT ", timeout=60) for lines in ranks]
         codes = [lines.process.wait(30) for lines in ranks]
-    return {"cut": cut, "failed": failed, "reformed": reformed, "results": results, "codes": codes}
+        outputs = ["".join(lines.lines) for lines in ranks]
+    return {
+        "outputs": outputs,
+        "cut": cut,
+        "failed": failed,
+        "reformed": reformed,
+        "results": results,
+        "codes": codes,
+    }
 
 
 def test_every_rank_fails_within_the_op_timeout_after_the_cut(scenario: dict[str, Any]) -> None:
@@ -79,10 +87,10 @@ def test_the_ranks_on_the_stores_side_reform_and_train_on_exactly(
     assert (second["epoch"], second["rank"], second["size"]) == (1, 1, 2), second
     for reform in (first, second):
         print(f"reformed {reform['at'] - scenario['cut']:.2f} s after the cut")
-        assert reform["at"] - scenario["cut"] < OP_TIMEOUT + REFORM_SECONDS, reform
+        assert reform["at"] - scenario["cut"] < OP_TIMEOUT + 20.0, reform
     for result in scenario["results"][:2]:
         assert result["exact"] == STEPS_AFTER, result
-    assert scenario["codes"] == [0, 0, 0]
+    assert scenario["codes"] == [0, 0, 0], scenario["outputs"][2][-3000:]
 
 
 def test_the_cut_off_rank_cannot_reform_and_its_old_gang_stays_broken(
@@ -121,7 +129,8 @@ async def _train() -> dict[str, Any]:
             break
     old = gang
     try:
-        gang = await gang.reform(timeout=REFORM_SECONDS)
+        # The cut-off rank gives up soon; the others have time to make their group.
+        gang = await gang.reform(timeout=REFORM_SECONDS if gang.rank == 2 else 20.0)
     except agang.GangError as error:
         say("REFORMED", error=type(error).__name__, message=str(error), at=time.time())
         await anyio.to_thread.run_sync(sys.stdin.readline)  # "go": the link is back

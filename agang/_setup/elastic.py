@@ -9,8 +9,11 @@ Rules (blocking, on set-up threads; never on the loop):
    a new epoch's keys.
 3. A group whose creation fails (a member died after the decision) is destroyed, and
    the next epoch is formed by whoever is left, within the same deadline.
-4. Every store call of a formation ends by its deadline (the client's timeout is set to
-   what is left), even on a rank cut off from the store.
+4. Each reform talks to the store on a connection of its own, made within its deadline.
+   A store call on an established connection whose peer went silent (a cut link, a
+   stopped store) blocks in c10d whatever the client's timeout: a rank cut off before
+   the reform then fails to connect, in time, instead of leaving a thread stuck there
+   (one that returns while the process exits aborts it).
 """
 
 from __future__ import annotations
@@ -70,6 +73,7 @@ class Elastic:
 class Formed:
     """One epoch's membership, and this process's place in it."""
 
+    world: WorldInfo
     store: Any
     me: Candidate
     epoch: int
@@ -90,7 +94,9 @@ def connect_store(world: WorldInfo, deadline: float) -> Any:
                 world.master_addr,
                 world.master_port,
                 is_master=False,
-                timeout=timedelta(seconds=max(1.0, min(10.0, deadline - time.monotonic()))),
+                # Short attempts, retried here: c10d's own retries sleep past their
+                # timeout, and a thread still in c10d when the process exits aborts it.
+                timeout=timedelta(seconds=max(0.1, min(2.0, deadline - time.monotonic()))),
             )
         except TransientSetupError as error:
             last = error
@@ -101,16 +107,8 @@ def connect_store(world: WorldInfo, deadline: float) -> Any:
     )
 
 
-def bound_store_calls(store: Any, deadline: float) -> None:
-    """Store calls end by ``deadline`` (rule 4): a call to a store this rank is cut off
-    from would otherwise hold its thread for the client's whole timeout, past the
-    caller's deadline, and a process exiting then aborts when c10d returns."""
-    call_c10d(store.set_timeout, timedelta(seconds=max(0.1, deadline - time.monotonic())))
-
-
 def first_formation(store: Any, world: WorldInfo, elastic: Elastic, deadline: float) -> Formed:
     """Formation 0, or, where it already happened, the next reform as a joiner."""
-    bound_store_calls(store, deadline)
     me = Candidate.me(world.rank)
     if membership.current_epoch(store) is None:
         members = membership.form(
@@ -125,11 +123,11 @@ def first_formation(store: Any, world: WorldInfo, elastic: Elastic, deadline: fl
             alive=lambda indices: set(),
         )
         if members is not None:
-            return Formed(store, me, 0, members)
-    return join(store, me, elastic, deadline)
+            return Formed(world, store, me, 0, members)
+    return join(world, store, me, elastic, deadline)
 
 
-def join(store: Any, me: Candidate, elastic: Elastic, deadline: float) -> Formed:
+def join(world: WorldInfo, store: Any, me: Candidate, elastic: Elastic, deadline: float) -> Formed:
     """Waits, as a joiner, for the next reform that admits this process; tells the
     current members' responders that it waits (``waiting_to_join``)."""
     membership.register_joiner(store, me)
@@ -158,7 +156,7 @@ def join(store: Any, me: Candidate, elastic: Elastic, deadline: float) -> Formed
             alive=lambda indices: set(),
         )
         if members is not None:
-            return Formed(store, me, following, members)
+            return Formed(world, store, me, following, members)
     raise GangInitError(
         f"No reform admitted this process ({me.where}) before its deadline: the elastic "
         f"gang's members had not called reform() by then."
@@ -168,14 +166,14 @@ def join(store: Any, me: Candidate, elastic: Elastic, deadline: float) -> Formed
 def reform_membership(formed: Formed, elastic: Elastic, deadline: float) -> Formed:
     """The members of the next epoch, decided with the survivors and joiners (the old
     gang still open, so its responder answers the others' pings)."""
+    store = connect_store(formed.world, deadline)  # rule 4
     old_epoch_store = dist.PrefixStore(  # type: ignore[attr-defined]
-        membership.epoch_key(formed.epoch, "blame"), formed.store
+        membership.epoch_key(formed.epoch, "blame"), store
     )
 
     def alive(indices: list[int]) -> set[int]:
         return c10d_blame.ping(old_epoch_store, indices, membership.PING_SECONDS)
 
-    bound_store_calls(formed.store, deadline)
     following = formed.epoch + 1
     # The other members may still wait on an op that will never finish (only the ranks
     # next to a dead one see its connection drop): tell them, so they come at once.
@@ -183,7 +181,7 @@ def reform_membership(formed: Formed, elastic: Elastic, deadline: float) -> Form
     text = f"{following} by rank {formed.rank} ({formed.me.where})"
     c10d_blame.notify(old_epoch_store, others, "reforming", text)
     members = membership.form(
-        formed.store,
+        store,
         formed.me,
         following,
         previous=formed.members,
@@ -194,8 +192,8 @@ def reform_membership(formed: Formed, elastic: Elastic, deadline: float) -> Form
         alive=alive,
     )
     if members is None:  # this process came after the decision: wait for the next one
-        return join(formed.store, formed.me, elastic, deadline)
-    return Formed(formed.store, formed.me, following, members)
+        return join(formed.world, store, formed.me, elastic, deadline)
+    return Formed(formed.world, store, formed.me, following, members)
 
 
 def make_group(formed: Formed, backend: str, deadline: float, device: Any) -> None:
@@ -206,6 +204,7 @@ def make_group(formed: Formed, backend: str, deadline: float, device: Any) -> No
     )
     c10d_blame.roster[:] = [c.where for c in formed.members]
     c10d_blame.hosts_store = False
+    c10d_blame.store_address = f"{formed.world.master_addr}:{formed.world.master_port}"
     seconds = max(1.0, deadline - time.monotonic())
     try:
         dist.init_process_group(
