@@ -50,6 +50,8 @@ AGANG_API = {
     "GangFullError",
     "CollectiveMismatchError",
     "OpContext",
+    "Elastic",
+    "ElasticGang",
 }
 
 TESTING_API = {
