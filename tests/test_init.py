@@ -249,6 +249,29 @@ def _cycles(env: dict[str, str], count: int, connection: Any) -> None:
         )
         return {"fds": len(fds), "sockets": sockets, "threads": len(os.listdir("/proc/self/task"))}
 
+    def sockets() -> list[str]:
+        # What each open socket is (for the failure message): its TCP ends and state,
+        # or its kind where it is not TCP.
+        table: dict[str, str] = {}
+        for name in ("tcp", "tcp6", "udp", "udp6", "unix"):
+            with open(f"/proc/self/net/{name}") as lines:
+                for line in list(lines)[1:]:
+                    fields = line.split()
+                    if name == "unix":
+                        table[fields[6]] = f"unix {fields[7] if len(fields) > 7 else ''}"
+                    else:
+                        table[fields[9]] = f"{name} {fields[1]}->{fields[2]} st={fields[3]}"
+        found = []
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                target = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inode = target[len("socket:[") : -1]
+                found.append(table.get(inode, f"socket {inode}"))
+        return sorted(found)
+
     def settled(baseline: dict[str, int]) -> dict[str, int]:
         # c10d closes the last group's sockets on its own native threads, which may
         # still be on their way out (CI once counted one socket over, with a thread
@@ -264,13 +287,22 @@ def _cycles(env: dict[str, str], count: int, connection: Any) -> None:
 
     async def main() -> dict[str, Any]:
         before: dict[str, int] = {}
+        sockets_before: list[str] = []
         for cycle in range(count):
             if cycle == 3:
                 before = census()  # after warm-up: torch's own pools exist by now
+                sockets_before = sockets()
             gang = await agang.init(env=env, timeout=60, in_process=False)
             await gang.all_reduce(torch.ones(1))
             await gang.close()
-        return {"before": before, "after": settled(before)}
+        after = settled(before)
+        threads = sorted(t.name for t in threading.enumerate())
+        return {
+            "before": before,
+            "after": after,
+            "sockets": [sockets_before, sockets()],
+            "threads": threads,
+        }
 
     connection.send(anyio.run(main))
 

@@ -214,6 +214,65 @@ def test_the_torch_runtime_reads_the_work_error_and_the_communicator_state() -> 
     assert runtime.check_work(_Work(None), object(), device) is None  # no error state
 
 
+class _UnreadableWork:
+    """A Work as torch 2.11 binds it: ``exception()`` cannot convert its C++ result and
+    raises TypeError whether or not the op failed; the watchdog's result future tells."""
+
+    def __init__(self, result: int | None) -> None:
+        self.result = result
+        self.exception_calls = 0
+
+    def exception(self) -> BaseException | None:
+        self.exception_calls += 1
+        raise TypeError("Unable to convert function return value to a Python type!")
+
+    def get_future_result(self) -> torch.futures.Future[int]:
+        future: torch.futures.Future[int] = torch.futures.Future()
+        if self.result is not None:
+            future.set_result(self.result)
+        return future
+
+
+def test_a_work_whose_exception_cannot_be_read_is_not_a_failure() -> None:
+    # C1's check on real torch 2.11 (H100): every NCCL op was reported failed, since
+    # reading Work.exception() raised TypeError for successful ops too.
+    from torch._C._distributed_c10d import ErrorType
+
+    from agang._backends.device_runtime import TorchCudaRuntime
+
+    runtime, device = TorchCudaRuntime(), torch.device("cpu")
+    ok, pending = _UnreadableWork(0), _UnreadableWork(None)
+    assert runtime.check_work(ok, _Group(ErrorType.SUCCESS), device) is None
+    assert runtime.check_work(pending, _Group(ErrorType.SUCCESS), device) is None
+    assert ok.exception_calls == 1  # asked once only
+    assert pending.exception_calls == 0
+
+    timed_out = runtime.check_work(_UnreadableWork(1), _Group(ErrorType.SUCCESS), device)
+    assert isinstance(timed_out, RuntimeError)
+    assert "TIMEOUT" in str(timed_out)
+    comm_error = runtime.check_work(_UnreadableWork(2), _Group(ErrorType.SUCCESS), device)
+    assert isinstance(comm_error, RuntimeError)
+    assert "COMM_ERROR" in str(comm_error)
+    failed = runtime.check_work(_UnreadableWork(None), _Group(ErrorType.COMM_ERROR), device)
+    assert isinstance(failed, RuntimeError)
+    assert "COMM_ERROR" in str(failed)
+
+
+def test_the_torch_runtime_reads_a_real_c10d_work() -> None:
+    # A Gloo Work of this torch: readable exception, no result future (c10d raises).
+    import torch.distributed as dist
+
+    from agang._backends.device_runtime import TorchCudaRuntime
+
+    store = dist.HashStore()
+    group = dist.ProcessGroupGloo(store, 0, 1)
+    work = group.allreduce([torch.ones(2)])
+    work.wait()
+    runtime, device = TorchCudaRuntime(), torch.device("cpu")
+    assert runtime.check_work(work, group, device) is None
+    assert runtime.check_work(work, group, device) is None  # the skipped reads stay quiet
+
+
 async def test_stream_ordered_ops_are_done_at_once_and_ordered_on_the_stream(
     sim: SimulatedNccl,
 ) -> None:

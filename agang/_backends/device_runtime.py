@@ -17,8 +17,9 @@ What the completion path relies on:
    on a blocking-sync CUDA event), ``query()`` says whether it has.
 4. NCCL's ``Work.is_completed()`` is true once the op finished *or failed*, and never
    raises: an asynchronous NCCL error or a c10d timeout is only seen through
-   ``Work.exception()`` and the communicator's error state, which ``check_work`` reads
-   once the op's event has completed.
+   ``Work.exception()`` (unreadable from Python on some torch releases), the Work's
+   result future (set by c10d's watchdog) and the communicator's error state, which
+   ``check_work`` reads, without blocking, once the op's event has completed.
 """
 
 from __future__ import annotations
@@ -93,6 +94,8 @@ class TorchCudaRuntime:
     def __init__(self, streams: PrivateStreams | None = None) -> None:
         self._streams = PrivateStreams() if streams is None else streams
         self._lock = threading.Lock()
+        self._exception_readable = True
+        self._result_readable = True
         # Weak keys: a gang's stream goes with the gang.
         self._side_streams: weakref.WeakKeyDictionary[object, dict[torch.device, Any]] = (
             weakref.WeakKeyDictionary()
@@ -131,26 +134,73 @@ class TorchCudaRuntime:
     def check_work(
         self, work: Any, process_group: Any, device: torch.device
     ) -> BaseException | None:
-        # ``Work.exception()`` is deprecated in torch (it prints a note once), but it is
-        # the one way to read a WorkNCCL's error without a stream wait; the
-        # communicator's error state is set before the watchdog aborts it, which covers
-        # ops on the same communicator that finished before the watchdog flagged them.
-        try:
-            error = work.exception()
-        except Exception as exc:  # some Work types raise their error here
-            return exc
-        if error is not None:
-            return error  # type: ignore[no-any-return]
-        if process_group is None:
+        # Three places may hold the error of an op whose event completed; each is read
+        # without blocking, and one this torch cannot give is skipped from then on.
+        for read in (self._work_exception, self._work_result):
+            error = read(work)
+            if error is not None:
+                return error
+        return _communicator_error(process_group, device)
+
+    def _work_exception(self, work: Any) -> BaseException | None:
+        # ``Work.exception()`` is deprecated in torch (it prints a note once). On some
+        # releases (torch 2.11, seen on an H100) its binding cannot hand the C++
+        # exception to Python at all and raises TypeError whether or not the op failed:
+        # that says nothing about the op, so the other two places are read instead.
+        if not self._exception_readable:
             return None
         try:
-            backend_error = process_group._get_backend(device).get_error()
-            failed = backend_error != type(backend_error).SUCCESS
-        except Exception:
-            return None  # no error state to read on this torch or backend
-        if failed:
-            return RuntimeError(f"The NCCL communicator reports an error: {backend_error}.")
+            error = work.exception()
+        except TypeError:
+            self._exception_readable = False
+            return None
+        except Exception as exc:  # some Work types raise their error here
+            return exc
+        return error if isinstance(error, BaseException) else None
+
+    def _work_result(self, work: Any) -> BaseException | None:
+        # WorkNCCL's result future: c10d's watchdog sets it to SUCCESS, TIMEOUT or
+        # COMM_ERROR once it saw the op end. Read only if already set: waiting for it
+        # would add the watchdog's polling interval to every op.
+        if not self._result_readable:
+            return None
+        try:
+            future = work.get_future_result()
+        except (AttributeError, RuntimeError):  # not this Work type, or this torch
+            self._result_readable = False
+            return None
+        if not future.done():
+            return None
+        try:
+            result = int(future.value())
+        except Exception as exc:
+            return exc
+        if result == _WORK_SUCCESS:
+            return None
+        return RuntimeError(f"NCCL reports the op's result as {_work_result_name(result)}.")
+
+
+_WORK_SUCCESS = 0  # c10d's WorkResult: SUCCESS 0, TIMEOUT 1, COMM_ERROR 2, UNKNOWN 100
+
+
+def _work_result_name(value: int) -> str:
+    names = {1: "TIMEOUT", 2: "COMM_ERROR", 100: "UNKNOWN"}
+    return names.get(value, f"result {value}")
+
+
+def _communicator_error(process_group: Any, device: torch.device) -> BaseException | None:
+    # The communicator's error state is set before the watchdog aborts it, which covers
+    # ops on the same communicator that finished before the watchdog flagged them.
+    if process_group is None:
         return None
+    try:
+        backend_error = process_group._get_backend(device).get_error()
+        failed = backend_error != type(backend_error).SUCCESS
+    except Exception:
+        return None  # no error state to read on this torch or backend
+    if failed:
+        return RuntimeError(f"The NCCL communicator reports an error: {backend_error}.")
+    return None
 
 
 class StreamOrder:

@@ -12,6 +12,7 @@ import dataclasses
 import os
 import shutil
 import subprocess
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,6 +22,7 @@ import torch.distributed as dist
 
 from agang._gang import Gang
 from agang._process_group_gang import ProcessGroupGang
+from agang._selfcheck.harness import StallEnd
 from agang._setup.init import init
 
 _ALONE = {
@@ -87,10 +89,19 @@ class CudaHarness:
         self._made.append(gang)
         return [gang]
 
-    def stall(self, seconds: float) -> None:
-        if self._world.rank == self.size - 1:
-            with torch.cuda.device(self._device):
-                torch.cuda._sleep(int(self._cycles * seconds))  # type: ignore[no-untyped-call]
+    def stall(self, seconds: float) -> StallEnd:
+        if self._world.rank != self.size - 1:
+            return lambda: None
+        with torch.cuda.device(self._device):
+            torch.cuda._sleep(int(self._cycles * seconds))  # type: ignore[no-untyped-call]
+            passed = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
+            passed.record(torch.cuda.current_stream(self._device))
+
+        def ended_at() -> float | None:
+            passed.synchronize()
+            return time.monotonic()
+
+        return ended_at
 
     def mark(self, gang: Gang) -> Any:
         event = torch.cuda.Event()  # type: ignore[no-untyped-call]

@@ -9,7 +9,8 @@ last rank's device late, mark a stream's end, compute a reference. The checks
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import anyio
@@ -17,6 +18,10 @@ import torch
 
 from agang._gang import Gang
 from agang.testing import SimulatedNccl
+
+StallEnd = Callable[[], "float | None"]
+"""Blocks until this process's stalled rank's device got past the stall, and returns
+that moment (``time.monotonic()``); None at once where this process stalls no rank."""
 
 
 class Harness(Protocol):
@@ -29,9 +34,10 @@ class Harness(Protocol):
     async def gangs(self, name: str, *, stream_ordered: bool = False) -> list[Gang]:
         """The local ranks' gangs over a new communicator (a collective call)."""
 
-    def stall(self, seconds: float) -> None:
+    def stall(self, seconds: float) -> StallEnd:
         """Makes the last rank's device busy for ``seconds`` on its current stream (a
-        peer that is late); does nothing on the other ranks."""
+        peer that is late); does nothing on the other ranks. Returns how to learn when
+        this process's stalled device got past the stall."""
 
     def mark(self, gang: Gang) -> Any:
         """An event at the end of ``gang``'s rank's current stream: ``query()`` says
@@ -74,11 +80,25 @@ class SimulatedHarness:
         self._made += gangs
         return gangs
 
-    def stall(self, seconds: float) -> None:
+    def stall(self, seconds: float) -> StallEnd:
         release = self._sim.hold(self.size - 1)
-        timer = threading.Timer(seconds, release)
+        released = threading.Event()
+        ended: list[float] = []
+
+        def end() -> None:
+            release()
+            ended.append(time.monotonic())
+            released.set()
+
+        timer = threading.Timer(seconds, end)
         timer.daemon = True
         timer.start()
+
+        def ended_at() -> float | None:
+            released.wait(seconds + 5.0)
+            return ended[0] if ended else None
+
+        return ended_at
 
     def mark(self, gang: Gang) -> Any:
         return self._sim.record_event(gang.rank)
