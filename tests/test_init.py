@@ -332,8 +332,12 @@ def test_a5_create_and_close_cycles_leak_nothing() -> None:
 
     for report in reports:
         before, after = report["before"], report["after"]
-        assert after["fds"] <= before["fds"], report
-        assert after["sockets"] <= before["sockets"], report
+        # A socket leaked per cycle would show as +97. CI once counted 6 sockets over
+        # (of no thread: none was left) after the 5 s settle, on a busy machine: at most
+        # one world's worth (store connections and Gloo pairs) may still be closing.
+        one_world = 8
+        assert after["fds"] <= before["fds"] + one_world, report
+        assert after["sockets"] <= before["sockets"] + one_world, report
         # One leaked thread per cycle would show as +97 here. At most one more is seen
         # now and then: a native thread of c10d's last teardown still on its way out.
         assert after["threads"] <= before["threads"] + 1, report
