@@ -9,7 +9,7 @@ size, three ways to finish an all-reduce, interleaved round by round:
 - raw blocking: ``dist.all_reduce(t)`` then a synchronize of the current stream, what a
   blocking c10d caller pays to know the result is on the device;
 - agang: ``await gang.all_reduce(t)`` (done = finished on the device; the loop is free
-  meanwhile);
+  meanwhile), and how much of it the call itself takes (issuing, before the ``await``);
 - agang stream-ordered: the same on a gang with ``stream_ordered=True`` (done = ordered
   on the caller's stream), then a synchronize, to compare like with like.
 Prints the median microseconds per op over the rounds and each ratio to raw blocking.
@@ -49,10 +49,15 @@ def _raw(tensor: torch.Tensor, group: dist.ProcessGroup, ops: int) -> float:
     return (time.perf_counter() - started) / ops
 
 
-async def _agang(tensor: torch.Tensor, gang: agang.Gang, ops: int) -> float:
+async def _agang(tensor: torch.Tensor, gang: agang.Gang, ops: int, issuing: list[float]) -> float:
+    issued = 0.0
     started = time.perf_counter()
     for _ in range(ops):
-        await gang.all_reduce(tensor)
+        before = time.perf_counter()
+        handle = gang.all_reduce(tensor)
+        issued += time.perf_counter() - before
+        await handle
+    issuing.append(issued / ops)
     return (time.perf_counter() - started) / ops
 
 
@@ -82,19 +87,23 @@ async def main(rounds: int) -> None:
         stream_ordered=True,
     )
     print(f"agang on NCCL, {torch.cuda.get_device_name(device)}, torch {torch.__version__}")
-    print(f"{'size':>8}  {'raw blocking':>12}  {'agang':>16}  {'agang stream-ordered':>22}")
+    print(
+        f"{'size':>8}  {'raw blocking':>12}  {'agang':>16}  {'of it issuing':>13}  "
+        f"{'agang stream-ordered':>22}"
+    )
     for num_bytes, ops in _SIZES:
         tensor = torch.ones(max(1, num_bytes // 4), device=device)
-        samples: dict[str, list[float]] = {"raw": [], "agang": [], "ordered": []}
+        samples: dict[str, list[float]] = {"raw": [], "agang": [], "ordered": [], "issue": []}
         for _ in range(rounds + 1):  # the first round warms up
             samples["raw"].append(_raw(tensor, raw_group, ops))
-            samples["agang"].append(await _agang(tensor, lane, ops))
+            samples["agang"].append(await _agang(tensor, lane, ops, samples["issue"]))
             samples["ordered"].append(await _ordered(tensor, ordered, ops))
         med = {name: statistics.median(values[1:]) * 1e6 for name, values in samples.items()}
         raw = med["raw"]
         print(
             f"{_size(num_bytes):>8}  {raw:>9.0f} us  {med['agang']:>6.0f} us "
-            f"{med['agang'] / raw:>5.2f}x  {med['ordered']:>10.0f} us {med['ordered'] / raw:>5.2f}x"
+            f"{med['agang'] / raw:>5.2f}x  {med['issue']:>10.0f} us  "
+            f"{med['ordered']:>13.0f} us {med['ordered'] / raw:>5.2f}x"
         )
     await ordered.close()
     await lane.close()
