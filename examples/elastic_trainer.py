@@ -125,7 +125,9 @@ def check(args: argparse.Namespace) -> str | None:
 
 def emit(kind: str, **fields: Any) -> None:
     """Tells the script something for its timeline (one line on stdout)."""
-    print(EVENT + json.dumps({"kind": kind, "pid": os.getpid(), **fields}), flush=True)
+    line = EVENT + json.dumps({"kind": kind, "pid": os.getpid(), **fields}) + "\n"
+    sys.stdout.flush()
+    os.write(sys.stdout.fileno(), line.encode())  # one write: whole even on a shared pipe
 
 
 def make_model(args: argparse.Namespace) -> Any:
