@@ -463,7 +463,7 @@ def timeline(story: Story) -> list[str]:
             rows.append(f"{'':>5}  {'':>5}  {'':>4}  replacement started (pid {event['pid']})")
         elif event["kind"] == "epoch" and event["epoch"] not in seen:
             seen.add(event["epoch"])
-            rows.append(epoch_row(story, event, killed, losses))
+            rows.append(epoch_row(story, event, killed))
     done = next(story.of("done"), None)
     if done is not None and losses:
         last = max(losses)
@@ -474,9 +474,7 @@ def timeline(story: Story) -> list[str]:
     return rows
 
 
-def epoch_row(
-    story: Story, event: dict[str, Any], killed: dict[str, Any] | None, losses: dict[int, float]
-) -> str:
+def epoch_row(story: Story, event: dict[str, Any], killed: dict[str, Any] | None) -> str:
     """An epoch's row: how it came about, and its slowest member's time to get there."""
     members = [e for e in story.of("epoch") if e["epoch"] == event["epoch"]]
     ready_at = max(e["ready_at"] for e in members)
