@@ -1,0 +1,117 @@
+"""examples/elastic_trainer.py as the README runs it: 4 workers, rank 2 SIGKILLed at step 20,
+the survivors reform, a replacement joins; and its arguments are checked.
+
+The script starts its own ``agang store`` and workers and ends them by pid; the test
+ends the script by pid if it outlives its timeout, and checks that every process the
+script says it started is gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+from storeutil import clean_env
+
+pytestmark = pytest.mark.gloo
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "examples" / "elastic_trainer.py"
+COMMAND = ["--workers", "4", "--kill", "2", "--at-step", "20", "--respawn"]  # the README's
+ROW = re.compile(r"^\s*(\d+)\s+(\d+)\s+(\d+)\s+(.*)$")  # step, epoch, size, event
+
+
+def _run(arguments: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    """Runs the script; past ``timeout`` it is sent SIGTERM (it ends its processes), then
+    SIGKILL, by pid."""
+    process = subprocess.Popen(
+        [sys.executable, str(SCRIPT), *arguments],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=clean_env(),
+        cwd=ROOT,
+    )
+    try:
+        out, err = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.send_signal(signal.SIGTERM)
+        try:
+            out, err = process.communicate(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            out, err = process.communicate(timeout=10)
+        pytest.fail(f"the trainer ran past {timeout} s:\n{out}\n{err}")
+    return subprocess.CompletedProcess(process.args, process.returncode, out, err)
+
+
+def _alive(pid: int) -> bool:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, 0)
+        return True
+    return False
+
+
+@pytest.mark.timeout(120)
+def test_the_readme_command_recovers_admits_a_replacement_and_learns() -> None:
+    run = _run(COMMAND, timeout=90)
+    print(run.stdout)
+    assert run.returncode == 0, (run.stdout, run.stderr)
+    rows = [m.groups() for line in run.stdout.splitlines() if (m := ROW.match(line))]
+    epochs = [(int(epoch), int(size)) for _, epoch, size, event in rows if "done" not in event]
+    assert epochs == [(0, 4), (1, 3), (2, 4)], run.stdout
+    recovered = re.search(r"the survivors reformed ([\d.]+) s after the SIGKILL", run.stdout)
+    assert recovered is not None, run.stdout
+    assert float(recovered.group(1)) < 10.0  # under the 10 s op deadline: not waited out
+    assert re.search(r"rank 2 \(pid \d+\) SIGKILLed", run.stdout), run.stdout
+    assert "a replacement joined at a step boundary" in run.stdout, run.stdout
+    joined_at = int(rows[2][0])
+    assert 20 < joined_at < 60, run.stdout
+    done = re.search(r"loss ([\d.]+) at step 0, ([\d.]+) at step 59", run.stdout)
+    assert done is not None, run.stdout
+    assert float(done.group(2)) < 0.5 * float(done.group(1)), run.stdout  # the loss fell
+    ended = re.search(r"processes started and ended: ([\d ]+)", run.stdout)
+    assert ended is not None, run.stdout
+    pids = [int(pid) for pid in ended.group(1).split()]
+    assert len(pids) == 6  # the store, 4 workers, the replacement
+    assert [pid for pid in pids if _alive(pid)] == []
+
+
+def _example() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("elastic_trainer", SCRIPT)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(spec.name, module)  # its dataclasses look their module up
+    spec.loader.exec_module(sys.modules[spec.name])
+    return sys.modules[spec.name]
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (["--kill", "4", "--at-step", "5"], "--kill must be a rank from 0 to 3"),
+        (["--kill", "1"], "--kill and --at-step go together"),
+        (["--respawn"], "--respawn replaces a killed worker"),
+        (["--kill", "1", "--at-step", "60"], "--at-step must be from 0 to --steps - 1 (59)"),
+        (["--workers", "0"], "--workers must be between 1 and 64"),
+        (["--workers", "2", "--min-size", "2", "--kill", "0", "--at-step", "1"], "--min-size"),
+        (["--op-timeout", "0"], "--op-timeout must be positive"),
+    ],
+)
+def test_arguments_are_checked_and_the_error_names_the_parameter(
+    arguments: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        _example().parse(arguments)
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err
