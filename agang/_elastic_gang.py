@@ -132,15 +132,19 @@ class ElasticGang(ProcessGroupGang):
                         f"deadline: {error}"
                     ) from error
                 formed = await self._blocking(
-                    functools.partial(setup.reform_membership, formed, self._elastic, deadline),
+                    functools.partial(
+                        setup.reform_membership, formed, self._elastic, deadline, made=False
+                    ),
                     deadline,
                 )
-        return ElasticGang(
-            formed,
-            elastic=self._elastic,
-            waiting=self._waiting | c10d_blame.noticed(),
-            **self._settings,
+        # Made on a thread, as init makes it: its responder connects to the store (a
+        # network round trip), which must not hold the event loop.
+        waiting = self._waiting | c10d_blame.noticed()
+        gang: ElasticGang = await self._blocking(
+            lambda: ElasticGang(formed, elastic=self._elastic, waiting=waiting, **self._settings),
+            deadline,
         )
+        return gang
 
     async def _blocking(self, fn: Any, deadline: float) -> Any:
         boxed = await run_blocking(
@@ -167,7 +171,7 @@ def form_first(plan: Any, world: WorldInfo, elastic: setup.Elastic, deadline: fl
                 raise GangInitError(
                     f"No elastic group was made before the deadline: {error}"
                 ) from error
-            formed = setup.reform_membership(formed, elastic, deadline)
+            formed = setup.reform_membership(formed, elastic, deadline, made=False)
     return ElasticGang(
         formed,
         elastic=elastic,

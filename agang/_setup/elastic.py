@@ -8,7 +8,13 @@ Rules (blocking, on set-up threads; never on the loop):
    responders answer on the epoch's prefix), so a process of an old epoch never reaches
    a new epoch's keys.
 3. A group whose creation fails (a member died after the decision) is destroyed, and
-   the next epoch is formed by whoever is left, within the same deadline.
+   the next epoch is formed by whoever is left, within the same deadline. One attempt
+   waits at most ``GROUP_ATTEMPT_SECONDS`` for the members: all were alive at the
+   decision moments before, so one that has not connected by then is gone, and waiting
+   for it until the deadline would leave no time to form the next epoch. No responder
+   serves a group never made, so that next formation takes as alive the members that
+   checked in to make it, for ``GROUP_ATTEMPT_SECONDS`` (their own attempts end then,
+   about when this one's did); the others are gone.
 4. Each reform talks to the store on a connection of its own, made within its deadline.
    A store call on an established connection whose peer went silent (a cut link, a
    stopped store) blocks in c10d whatever the client's timeout: a rank cut off before
@@ -35,6 +41,9 @@ from agang._setup.proof import prove
 from agang._setup.retry import TransientSetupError, call_c10d
 
 log = logging.getLogger("agang")
+
+#: The most one attempt at an epoch's group waits for its members (seconds; rule 3).
+GROUP_ATTEMPT_SECONDS = 3.0
 
 
 @dataclass(frozen=True)
@@ -163,16 +172,26 @@ def join(world: WorldInfo, store: Any, me: Candidate, elastic: Elastic, deadline
     )
 
 
-def reform_membership(formed: Formed, elastic: Elastic, deadline: float) -> Formed:
+def reform_membership(
+    formed: Formed, elastic: Elastic, deadline: float, *, made: bool = True
+) -> Formed:
     """The members of the next epoch, decided with the survivors and joiners (the old
-    gang still open, so its responder answers the others' pings)."""
+    gang still open, so its responder answers the others' pings); where ``formed``'s
+    group was never ``made``, with those that checked in to make it (rule 3)."""
     store = connect_store(formed.world, deadline)  # rule 4
     old_epoch_store = dist.PrefixStore(  # type: ignore[attr-defined]
         membership.epoch_key(formed.epoch, "blame"), store
     )
+    first_asked: list[float] = []
 
     def alive(indices: list[int]) -> set[int]:
-        return c10d_blame.ping(old_epoch_store, indices, membership.PING_SECONDS)
+        if made:
+            return c10d_blame.ping(old_epoch_store, indices, membership.PING_SECONDS)
+        first_asked.append(time.monotonic())
+        if time.monotonic() - first_asked[0] > GROUP_ATTEMPT_SECONDS:
+            return set()
+        checked_in = membership.checked_in(store, formed.epoch)
+        return {i for i in indices if formed.members[i].uid in checked_in}
 
     following = formed.epoch + 1
     # The other members may still wait on an op that will never finish (only the ranks
@@ -205,7 +224,8 @@ def make_group(formed: Formed, backend: str, deadline: float, device: Any) -> No
     c10d_blame.roster[:] = [c.where for c in formed.members]
     c10d_blame.hosts_store = False
     c10d_blame.store_address = f"{formed.world.master_addr}:{formed.world.master_port}"
-    seconds = max(1.0, deadline - time.monotonic())
+    membership.check_in(formed.store, formed.epoch, formed.me)
+    seconds = max(1.0, min(GROUP_ATTEMPT_SECONDS, deadline - time.monotonic()))
     try:
         dist.init_process_group(
             backend,

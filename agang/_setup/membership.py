@@ -99,6 +99,16 @@ def register_joiner(store: Any, me: Candidate) -> None:
     store.append(f"{_ROOT}/joiners/list", me.to_text() + "\n")
 
 
+def check_in(store: Any, epoch: int, me: Candidate) -> None:
+    """Says that ``me`` starts making ``epoch``'s group (alive after the decision)."""
+    store.append(epoch_key(epoch, "connecting"), me.uid + "\n")
+
+
+def checked_in(store: Any, epoch: int) -> set[str]:
+    """The members that started making ``epoch``'s group."""
+    return set(_lines(store, epoch_key(epoch, "connecting")))
+
+
 def form(
     store: Any,
     me: Candidate,
