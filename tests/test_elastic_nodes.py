@@ -90,7 +90,10 @@ def test_the_ranks_on_the_stores_side_reform_and_train_on_exactly(
         assert reform["at"] - scenario["cut"] < OP_TIMEOUT + 20.0, reform
     for result in scenario["results"][:2]:
         assert result["exact"] == STEPS_AFTER, result
-    assert scenario["codes"] == [0, 0, 0], scenario["outputs"][2][-3000:]
+    failed = [i for i, code in enumerate(scenario["codes"]) if code != 0]
+    assert not failed, f"exit codes {scenario['codes']}: " + "\n".join(
+        scenario["outputs"][i][-3000:] for i in failed
+    )
 
 
 def test_the_cut_off_rank_cannot_reform_and_its_old_gang_stays_broken(
