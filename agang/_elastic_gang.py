@@ -8,7 +8,9 @@ Rules:
 2. The new gang has its own communicator and sequence numbers and the same policies;
    lanes and sub-gangs are not carried over (make them again on the new gang).
 3. ``waiting_to_join()`` reads a local count: a joiner tells each member's responder
-   that it waits, so asking costs no store traffic and no collective.
+   that it waits, so asking costs no store traffic and no collective. A reform forgets
+   the notices it had: a joiner it did not admit tells the new epoch's members again
+   once that epoch exists, and one that died never does, so it is not counted for ever.
 4. A member that starts a reform tells every other member's responder, which breaks
    their gang at once: an op that waits on a dead peer's neighbour fails then, not at
    its deadline, so every member comes to the reform within moments of the first.
@@ -113,6 +115,7 @@ class ElasticGang(ProcessGroupGang):
         seconds = check_timeout(timeout, name="timeout")
         seconds = DEFAULT_REFORM_TIMEOUT if seconds is None or math.isinf(seconds) else seconds
         deadline = time.monotonic() + seconds
+        c10d_blame.forget_noticed()  # rule 3: the joiners still waiting say so again
         formed = await self._blocking(
             lambda: setup.reform_membership(self._formed, self._elastic, deadline), deadline
         )
@@ -139,7 +142,7 @@ class ElasticGang(ProcessGroupGang):
                 )
         # Made on a thread, as init makes it: its responder connects to the store (a
         # network round trip), which must not hold the event loop.
-        waiting = self._waiting | c10d_blame.noticed()
+        waiting = c10d_blame.noticed()  # rule 3: only notices since this reform began
         gang: ElasticGang = await self._blocking(
             lambda: ElasticGang(formed, elastic=self._elastic, waiting=waiting, **self._settings),
             deadline,

@@ -13,6 +13,7 @@ Commands (``{"do": ...}``) and their events (``{"what": ...}``):
 - ``reform`` (``timeout``, ``after_joiner``): reforms (once a joiner waits, with
   ``after_joiner``); ``epoch`` or ``reform_failed``.
 - ``waiting``: says ``waiting`` once a joiner waits (``waiting_to_join() > 0``).
+- ``count``: says ``count`` with ``waiting_to_join()`` at once.
 - ``old``: calls ops on the gang of the previous epoch; ``old`` lists the outcomes.
 - ``stats``: ``stats`` with threads, open fds, RSS and the loop's lag (p99, max).
 - ``exit``: closes the gang and ends the process with status 0.
@@ -166,6 +167,11 @@ async def _waiting(rank: Rank, command: dict[str, Any]) -> None:
     await rank.say("waiting", joiners=rank.gang.waiting_to_join())
 
 
+async def _count(rank: Rank, command: dict[str, Any]) -> None:
+    """Says ``count`` with ``waiting_to_join()`` as it reads now."""
+    await rank.say("count", joiners=rank.gang.waiting_to_join())
+
+
 async def _old(rank: Rank, command: dict[str, Any]) -> None:
     outcomes: list[str] = []
     gang = rank.previous if command.get("previous", True) else rank.gang
@@ -205,6 +211,7 @@ COMMANDS = {
     "recv": _recv,
     "reform": _reform,
     "waiting": _waiting,
+    "count": _count,
     "old": _old,
     "stats": _stats,
 }

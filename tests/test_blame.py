@@ -69,12 +69,12 @@ def test_progress_survives_the_trip_through_the_store() -> None:
     assert Progress.from_text(progress.to_text()) == progress
 
 
-async def _one_rank_stays_behind(gang: agang.Gang) -> dict[str, Any]:
+async def _one_rank_stays_behind(gang: agang.Gang, stays: float = 2.5) -> dict[str, Any]:
     """Every rank does op #0; ranks 0 and 1 then issue #1 with a 1 s deadline, which
-    rank 2 never issues (it waits, then leaves)."""
+    rank 2 never issues (it waits ``stays`` seconds, then leaves)."""
     await gang.all_reduce(torch.ones(2))
     if gang.rank == 2:
-        await anyio.sleep(2.5)
+        await anyio.sleep(stays)
         return {}
     try:
         await gang.all_reduce(torch.ones(2), timeout=1.0)
@@ -101,7 +101,9 @@ async def _blamed_on_gloo(gang: agang.Gang) -> dict[str, Any]:
     for _ in range(200):
         await gang.all_reduce(torch.ones(2))
     keys_after = store.num_keys()
-    report = await _one_rank_stays_behind(gang)
+    # Rank 2 stays 6 s: asked 1.5 s in at most, it must still be there to answer when
+    # a loaded machine delays the others (at 2.5 s it had left once, under load).
+    report = await _one_rank_stays_behind(gang, stays=6.0)
     return {**report, "keys": (keys_before, keys_after), "pid": os.getpid()}
 
 

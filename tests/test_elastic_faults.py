@@ -251,6 +251,28 @@ def test_a_woken_stale_member_is_refused_and_never_corrupts_the_new_gang(
     assert stopped["readmitted_exact"] == [3, 3, 3]
 
 
+def test_a_joiner_that_dies_before_it_is_admitted_is_forgotten_by_the_reform(
+    control: Control,
+) -> None:
+    # Counted for ever, it made every step boundary of the README's loop reform again.
+    with Cluster(control, 2, min_size=2, **SETTINGS) as cluster:
+        w0, w1 = cluster.workers
+        joiner = cluster.fork(0)
+        cluster.join(joiner)
+        noticed = [worker.ask("waiting", "waiting") for worker in (w0, w1)]
+        cluster.kill(joiner)
+        for worker in (w0, w1):
+            worker.send("reform")
+        epochs = [_epoch(worker) for worker in (w0, w1)]
+        time.sleep(0.5)  # time for any joiner's notice to reach the new epoch
+        counts = [worker.ask("count", "count") for worker in (w0, w1)]
+        exact = _exact([w0, w1])
+    assert [event["joiners"] for event in noticed] == [1, 1]
+    assert [(e["what"], e["epoch"], e["size"]) for e in epochs] == [("epoch", 1, 2)] * 2
+    assert [event["joiners"] for event in counts] == [0, 0]
+    assert exact == [3, 3]
+
+
 # -- two ranks at once; a death inside the reform; too few left ------------------------
 
 

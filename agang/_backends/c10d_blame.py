@@ -234,6 +234,12 @@ def noticed() -> set[str]:
         return set(_noticed)
 
 
+def forget_noticed() -> None:
+    """Forgets every notice (a reform begins: joiners still waiting notify again)."""
+    with _lock:
+        _noticed.clear()
+
+
 def notify(store: Any, world_ranks: list[int], kind: str, text: str) -> None:
     """Tells the responders of ``world_ranks`` (on an elastic epoch's ``store``) that a
     process waits to join (``kind="joining"``, ``text`` its id), or that a member

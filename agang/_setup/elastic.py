@@ -140,15 +140,13 @@ def join(world: WorldInfo, store: Any, me: Candidate, elastic: Elastic, deadline
     """Waits, as a joiner, for the next reform that admits this process; tells the
     current members' responders that it waits (``waiting_to_join``)."""
     membership.register_joiner(store, me)
-    current = membership.current_epoch(store)
-    if current is not None:
-        size = len(membership.members_of(store, current))
-        epoch_store = dist.PrefixStore(  # type: ignore[attr-defined]
-            membership.epoch_key(current, "blame"), store
-        )
-        c10d_blame.notify(epoch_store, list(range(size)), "joining", me.uid)
+    told: int | None = None
     while time.monotonic() < deadline:
         current = membership.current_epoch(store)
+        if current is not None and current != told:
+            # Each epoch's members hear it (a reform forgets the notices it had).
+            _tell_members(store, current, me)
+            told = current
         following = 0 if current is None else current + 1
         if not store.check([membership.epoch_key(following, "arrived")]):
             time.sleep(0.05)  # no reform under way yet
@@ -170,6 +168,15 @@ def join(world: WorldInfo, store: Any, me: Candidate, elastic: Elastic, deadline
         f"No reform admitted this process ({me.where}) before its deadline: the elastic "
         f"gang's members had not called reform() by then."
     )
+
+
+def _tell_members(store: Any, epoch: int, me: Candidate) -> None:
+    """Tells epoch ``epoch``'s members' responders that ``me`` waits to join."""
+    size = len(membership.members_of(store, epoch))
+    epoch_store = dist.PrefixStore(  # type: ignore[attr-defined]
+        membership.epoch_key(epoch, "blame"), store
+    )
+    c10d_blame.notify(epoch_store, list(range(size)), "joining", me.uid)
 
 
 def reform_membership(
