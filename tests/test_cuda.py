@@ -145,3 +145,74 @@ def test_selfcheck_passes_on_this_gpu() -> None:
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "agang selfcheck: NCCL on" in done.stdout
+
+
+def test_an_elastic_gang_reforms_onto_a_new_nccl_communicator() -> None:
+    """An elastic gang of one on NCCL around an ``agang store``: a reform makes epoch 1
+    on a new communicator, and both epochs' all-reduces are exact on the device (in a
+    process of its own: this module's world gang is open here)."""
+    import os
+    import subprocess
+    import sys
+
+    store = subprocess.Popen(
+        [sys.executable, "-m", "agang", "store", "--port", "0", "--quiet"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert store.stdout is not None
+        first_line = store.stdout.readline().strip()
+        host, port = first_line.rsplit(" ", 1)[1].rsplit(":", 1)
+        env = {
+            **os.environ,
+            "MASTER_ADDR": host,
+            "MASTER_PORT": port,
+            "RANK": "0",
+            "WORLD_SIZE": "1",
+            "LOCAL_RANK": "0",
+        }
+        done = subprocess.run(
+            [sys.executable, __file__, "elastic"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+    finally:
+        store.terminate()
+        store.wait(10)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "epochs [0, 1]; exact [True, True]; new communicator True; old closed True" in (
+        done.stdout
+    ), done.stdout
+
+
+async def _elastic_on_nccl() -> str:
+    gang = await agang.init(
+        elastic=agang.Elastic(min_size=1), backend="nccl", device="cuda", timeout=120
+    )
+    assert isinstance(gang, agang.ElasticGang)
+    epochs, exact = [gang.epoch], []
+    tensor = torch.full((1 << 16,), 3.0, device=gang.device)
+    exact.append(bool((await gang.all_reduce(tensor)).eq(3.0).all()))
+    old, old_group = gang, gang.process_group
+    gang = await gang.reform(timeout=60)
+    epochs.append(gang.epoch)
+    exact.append(bool((await gang.all_reduce(tensor)).eq(3.0).all()))
+    new_communicator = gang.process_group is not old_group
+    await gang.close()
+    return (
+        f"epochs {epochs}; exact {exact}; new communicator {new_communicator}; "
+        f"old closed {old.closed}"
+    )
+
+
+if __name__ == "__main__":
+    import sys
+
+    import anyio
+
+    assert sys.argv[1:] == ["elastic"], sys.argv
+    print(anyio.run(_elastic_on_nccl), flush=True)
