@@ -47,6 +47,7 @@ from agang._validate import (
     check_reduce_op,
     check_same_dtype,
     check_shape,
+    check_stacked_or_concatenated,
     check_tensor,
     check_tensor_list,
 )
@@ -233,7 +234,7 @@ class CollectiveGang(Gang):
         input = self._check_tensor(input, "input")
         output = self._check_tensor(output, "output")
         check_same_dtype(output, input)
-        check_shape(output, (self.size, *input.shape), name="output")
+        check_stacked_or_concatenated(output, self.size, input.shape, name="output")
         flat = output.view(-1)
         backend = self._backend
         return self._issue(
@@ -284,7 +285,7 @@ class CollectiveGang(Gang):
         op = check_reduce_op(op)
         check_same_dtype(output, input)
         check_reduce_dtype(input, op, name="input")
-        check_shape(input, (self.size, *output.shape), name="input")
+        check_stacked_or_concatenated(input, self.size, output.shape, name="input")
         flat = input.view(-1)
         backend = self._backend
         return self._issue(

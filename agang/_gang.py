@@ -216,13 +216,17 @@ class Gang(ABC):
     def all_gather(
         self, output: torch.Tensor, input: torch.Tensor, *, timeout: float | None = None
     ) -> Handle[torch.Tensor]:
-        """Gathers every rank's ``input`` into ``output``, shaped ``[size, *input.shape]``.
+        """Gathers every rank's ``input`` into ``output``, in either layout: stacked,
+        ``[size, *input.shape]``, or concatenated, ``[size * input.shape[0],
+        *input.shape[1:]]`` (c10d's ``all_gather_into_tensor``).
 
         Returns:
-            A handle whose ``await`` returns ``output``; ``output[r]`` is rank r's input.
+            A handle whose ``await`` returns ``output``; rank r's input is ``output[r]``
+            (stacked) or ``output.chunk(size)[r]`` (concatenated).
 
         Example:
-            >>> out = await gang.all_gather(torch.empty(gang.size, 4), x)
+            >>> out = await gang.all_gather(torch.empty(gang.size, 4), x)  # x: [4]
+            >>> out = await gang.all_gather(torch.empty(gang.size * 4), x)
         """
 
     @abstractmethod
@@ -248,13 +252,17 @@ class Gang(ABC):
         *,
         timeout: float | None = None,
     ) -> Handle[torch.Tensor]:
-        """Reduces ``input`` (shaped ``[size, *output.shape]``) and scatters it.
+        """Reduces ``input`` and scatters it; ``input`` in either layout: stacked,
+        ``[size, *output.shape]``, or concatenated, ``[size * output.shape[0],
+        *output.shape[1:]]`` (c10d's ``reduce_scatter_tensor``).
 
-        Rank r receives the reduction over ranks of ``input[r]`` in ``output``. ``input``
+        Rank r receives in ``output`` the reduction over ranks of the r-th block of
+        ``input`` (``input[r]`` stacked, ``input.chunk(size)[r]`` concatenated). ``input``
         is never modified.
 
         Example:
             >>> shard = await gang.reduce_scatter(torch.empty(4), grads.view(gang.size, 4))
+            >>> shard = await gang.reduce_scatter(torch.empty(4), grads)  # grads: [size * 4]
         """
 
     @abstractmethod

@@ -167,6 +167,29 @@ def check_shape(tensor: torch.Tensor, expected: Sequence[int], *, name: str) -> 
         )
 
 
+def check_stacked_or_concatenated(
+    tensor: torch.Tensor, size: int, part: Sequence[int], *, name: str
+) -> None:
+    """``tensor`` holds one ``part``-shaped block per rank, in either layout: stacked,
+    ``[size, *part]``, or concatenated along the first dimension,
+    ``[size * part[0], *part[1:]]`` (c10d's ``all_gather_into_tensor`` and
+    ``reduce_scatter_tensor`` layout). Both are the same bytes in the same order."""
+    part = tuple(part)
+    stacked = (size, *part)
+    if tuple(tensor.shape) == stacked:
+        return
+    if part:
+        concatenated = (size * part[0], *part[1:])
+        if tuple(tensor.shape) == concatenated:
+            return
+        layouts = f"{stacked} (stacked) or {concatenated} (concatenated)"
+    else:
+        layouts = f"{stacked}"
+    raise ValueError(
+        f"`{name}` must have shape {layouts}, but has shape {tuple(tensor.shape)} instead."
+    )
+
+
 def check_tensor_list(tensors: object, *, name: str, length: int | None) -> list[Any]:
     """``tensors`` as a list; ``length`` (one per rank) unless None."""
     if not isinstance(tensors, list | tuple):
