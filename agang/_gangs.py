@@ -9,13 +9,19 @@ current when it was started; what it sets itself never leaks back to the parent.
 from __future__ import annotations
 
 import contextvars
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from types import TracebackType
-from typing import overload
+from typing import TYPE_CHECKING, overload
 
 import torch
 
 from agang._gang import Gang
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from agang._process_group_gang import ProcessGroupGang
 
 # A stack rather than one value with reset tokens: one Gangs object may be entered by
 # several tasks at once, or nested in itself, and a token stored on the (frozen) object
@@ -106,6 +112,97 @@ class Gangs:
                 "in the task that entered them, but these gangs are not the current ones."
             )
         _current.set(stack[:-1])
+
+    @classmethod
+    def from_device_mesh(
+        cls,
+        mesh: DeviceMesh,
+        *,
+        root: ProcessGroupGang | None = None,
+        dp: str | None = None,
+        tp: str | None = None,
+        pp: str | None = None,
+        rdp: str | None = None,
+        sdp: str | None = None,
+    ) -> Gangs:
+        """Wraps the process groups of ``mesh``'s dimensions as gangs; creates none.
+
+        Each keyword names the mesh dimension that becomes that gang; a dimension left
+        out is a size-1 :class:`agang.FakeGang` (``sdp`` defaults to ``dp``). Nothing is
+        communicated, so ranks need not call it in step. The gangs borrow the mesh's
+        groups: closing one leaves its group to the mesh, which stays usable. (Closing
+        ``root``, as :meth:`close` does, closes agang's world gang if it is the root,
+        and that destroys every c10d group.) A failure that breaks a gang (a deadline passed, a peer
+        lost) aborts its group, as it must to end the hung op: the mesh's group is
+        then broken too.
+
+        The root is ``root`` if given, else the open agang world gang (from
+        :func:`agang.init`), else a gang borrowing c10d's default group. A dimension
+        whose group is the root's is the root. The borrowed gangs take the root's
+        deadlines and in-flight bounds, without order checks (each would need a new
+        side group).
+
+        Args:
+            mesh: A mesh over the root's ranks, on its device type.
+            root: The gang of every rank of ``mesh``, or None (see above).
+            dp: The mesh dimension of data parallelism.
+            tp: The mesh dimension of tensor parallelism.
+            pp: The mesh dimension of pipeline parallelism.
+            rdp: The mesh dimension that replicates shards (hybrid sharding).
+            sdp: The mesh dimension that shards (hybrid sharding).
+
+        Returns:
+            This rank's gangs.
+
+        Raises:
+            TypeError: ``mesh`` is not a ``DeviceMesh``, ``root`` not a
+                :class:`agang.ProcessGroupGang`, or a dimension name not a str.
+            ValueError: A name is not a dimension of ``mesh``, ``mesh`` spans other
+                ranks or another device type than the root, ``root`` is closed, or
+                ``rdp`` and ``sdp`` are given without ``dp``.
+
+        Example:
+            >>> mesh = init_device_mesh("cuda", (4, 2), mesh_dim_names=("dp", "tp"))
+            >>> gangs = agang.Gangs.from_device_mesh(mesh, dp="dp", tp="tp")
+            >>> await gangs.tp.all_reduce(partial_activations)
+        """
+        from agang._mesh import gangs_from_device_mesh  # imports torch's DeviceMesh
+
+        names = {"dp": dp, "tp": tp, "pp": pp, "rdp": rdp, "sdp": sdp}
+        return gangs_from_device_mesh(mesh, root=root, names=names)
+
+    def device_mesh(self, dims: Sequence[str] | None = None) -> DeviceMesh:
+        """A ``DeviceMesh`` over these gangs' process groups; creates no communicator.
+
+        DTensor, functional collectives and FSDP2 (``fully_shard(model, mesh=...)``) then
+        run on agang's groups. The gangs must lie as :func:`create_parallel_gangs` and
+        :func:`create_fsdp_gangs` lay them out (the root's ranks in a ``(pp, dp, tp)``
+        grid, ``dp`` split as ``(rdp, sdp)``); each gang's ranks are checked against it.
+        The mesh's dimensions are named as the gangs. Nothing is communicated. The
+        groups stay agang's: closing the gangs destroys them, and the mesh with them.
+
+        Args:
+            dims: The gangs to make the mesh's dimensions of, in order, among ``"pp"``,
+                ``"dp"``, ``"rdp"``, ``"sdp"`` and ``"tp"`` (``dp`` excludes ``rdp`` and
+                ``sdp``). None: those of size > 1 among ``pp``, ``dp``, ``tp``, with
+                ``rdp`` and ``sdp`` for ``dp`` when both are > 1.
+
+        Returns:
+            The mesh, named by ``dims``.
+
+        Raises:
+            TypeError: ``dims`` is not a sequence of str.
+            ValueError: ``dims`` names an unknown or repeated dimension, a gang with no
+                c10d group (a ``FakeGang``) or a closed one, or the gangs do not lie
+                as ``create_parallel_gangs`` lays them out.
+
+        Example:
+            >>> mesh = gangs.device_mesh(("dp", "tp"))
+            >>> weight = distribute_tensor(weight, mesh, [Replicate(), Shard(0)])
+        """
+        from agang._mesh import device_mesh_of  # imports torch's DeviceMesh
+
+        return device_mesh_of(self, dims)
 
     async def close(self) -> None:
         """Closes every gang, the sub-gangs before the root.

@@ -136,6 +136,8 @@ class C10dBackend:
         runtime: The device runtime of the NCCL paths; None for torch.cuda.
         registered: Whether torch.distributed knows the group (it is destroyed through
             it at release); False for a group double.
+        owned: Whether the gang owns the group and destroys it at release; False for a
+            group borrowed from its owner (a ``DeviceMesh``'s), which destroys it itself.
     """
 
     def __init__(
@@ -150,6 +152,7 @@ class C10dBackend:
         order_group: dist.ProcessGroup | None = None,
         runtime: DeviceRuntime | None = None,
         registered: bool = True,
+        owned: bool = True,
     ) -> None:
         self._pg: dist.ProcessGroup | None = process_group
         self._rank = process_group.rank()
@@ -170,6 +173,7 @@ class C10dBackend:
         self._aborter = Aborter()
         self._runtime: DeviceRuntime = torch_runtime() if runtime is None else runtime
         self._registered = registered
+        self._owned = owned
         self._world_ranks = c10d_blame.world_ranks(process_group, registered and not is_world)
         self._completion = cuda_completion.Completion(self._runtime, device, process_group, name)
         # c10d copies the options on each call, so one object per op serves every call.
@@ -430,8 +434,8 @@ class C10dBackend:
                 self._aborter.abort(self._groups())
             if self._order_group is not None:
                 dist.destroy_process_group(self._order_group)
-            if not self._registered:
-                pass  # a group double: nothing to destroy
+            if not self._registered or not self._owned:
+                pass  # a group double, or a borrowed group: not ours to destroy
             elif self._is_world:
                 dist.destroy_process_group()
             elif self._pg is not None and self._pg in dist.distributed_c10d._world.pg_map:
