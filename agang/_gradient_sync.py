@@ -1,12 +1,14 @@
 """Data-parallel gradient synchronisation that overlaps the all-reduces with backward.
 
 Rules:
-1. Buckets are fixed at construction, equal on every rank: the trainable parameters in
-   reverse registration order (the order backward tends to produce their gradients, as
-   DDP assumes), packed by ``agang._engine.grouping.plan_buckets`` into flat buffers of at most
-   ``bucket_bytes`` per dtype and device. As in DDP, the first parameters (the last
-   layers, whose gradients come first) go into smaller buckets of at most
-   ``first_bucket_bytes``, so that communication starts early in backward.
+1. Buckets are fixed at construction, equal on every rank, and are DDP's: the trainable
+   parameters in reverse registration order (the order backward tends to produce their
+   gradients, as DDP assumes), one open bucket per dtype and device, each closed as soon
+   as it holds at least its limit (the parameter that reaches it included), the first
+   of each kind with ``first_bucket_bytes`` (the last layers, whose gradients come
+   first: communication starts early in backward), the rest with ``bucket_bytes``; then
+   ordered by their first parameter (``plan_like_ddp``). Fewer, fuller buckets than a
+   hard cap makes: each all-reduce costs a fixed time, which a small model feels.
 2. Each parameter's gradient lives in its bucket's buffer (a view, as DDP's
    ``gradient_as_bucket_view``): autograd accumulates straight into it. Where autograd
    handed over a fresh tensor instead (the first step, or after ``zero_grad`` set the
@@ -42,7 +44,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, final
 
@@ -51,7 +53,7 @@ import torch
 from agang._backends.device_runtime import DeviceEvent, StreamOrder
 from agang._collective_gang import CollectiveGang
 from agang._engine.coalescer import all_of
-from agang._engine.grouping import flatten, plan_buckets, unflatten_into
+from agang._engine.grouping import flatten, unflatten_into
 from agang._future import Future
 from agang._gang import Gang
 from agang._handle import Handle
@@ -127,9 +129,10 @@ class GradientSync:
     Args:
         model: The replica on this rank; its trainable parameters are synchronised.
         gang: The data-parallel gang.
-        bucket_bytes: The most bytes per bucket.
-        first_bucket_bytes: The most bytes in the first bucket (filled first by backward);
-            a small one lets communication start early, as in DDP.
+        bucket_bytes: A bucket's limit: it closes once it holds at least this many bytes
+            (DDP's ``bucket_cap_mb``, in bytes).
+        first_bucket_bytes: The first bucket's limit (filled first by backward); a small
+            one lets communication start early, as in DDP.
         op: How gradients are combined; ``MEAN`` averages them, as DDP does.
         source_rank: The rank whose parameters and buffers every replica starts from.
         timeout: Seconds before each bucket's deadline; None for the gang's default.
@@ -198,17 +201,7 @@ class GradientSync:
 
     def _make_buckets(self, params: list[torch.nn.Parameter]) -> list[_Bucket]:
         keys = [((p.dtype, p.device), p.numel() * p.element_size()) for p in params]
-        # The first parameters that fit under the first cap (at least one) are planned
-        # with it; the rest with the normal cap (rule 1).
-        split, total = 0, 0
-        while split < len(keys) and (
-            split == 0 or total + keys[split][1] <= self._first_bucket_bytes
-        ):
-            total += keys[split][1]
-            split += 1
-        plan = plan_buckets(keys[:split], self._first_bucket_bytes) + [
-            [split + i for i in bucket] for bucket in plan_buckets(keys[split:], self._bucket_bytes)
-        ]
+        plan = plan_like_ddp(keys, self._first_bucket_bytes, self._bucket_bytes)
         buckets = []
         for index, members in enumerate(plan):
             chosen = [params[i] for i in members]
@@ -448,3 +441,28 @@ class GradientSync:
                 bucket.handle = None
                 bucket.stream = bucket.ordered = None
             self._next_to_issue = 0
+
+
+def plan_like_ddp(
+    items: Sequence[tuple[Hashable, int]], first_limit: int, limit: int
+) -> list[list[int]]:
+    """DDP's bucket assignment (rule 1): ``(key, num_bytes)`` items in order, one open
+    bucket per key, closed once it holds at least its limit (``first_limit`` for a key's
+    first bucket, ``limit`` after), the buckets ordered by their first item. Equal to
+    ``torch.distributed._compute_bucket_assignment_by_size`` (tested)."""
+    done: list[list[int]] = []
+    open_buckets: dict[Hashable, tuple[list[int], int]] = {}
+    closed_per_key: dict[Hashable, int] = {}
+    for index, (key, num_bytes) in enumerate(items):
+        members, total = open_buckets.get(key, ([], 0))
+        members.append(index)
+        total += num_bytes
+        bound = first_limit if closed_per_key.get(key, 0) == 0 else limit
+        if total >= bound:
+            done.append(members)
+            closed_per_key[key] = closed_per_key.get(key, 0) + 1
+            open_buckets.pop(key, None)
+        else:
+            open_buckets[key] = (members, total)
+    done.extend(members for members, _ in open_buckets.values())
+    return sorted(done, key=lambda members: members[0])

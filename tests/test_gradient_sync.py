@@ -65,7 +65,9 @@ async def test_gradients_are_the_average_over_ranks(bucket_bytes: int) -> None:
 
     results = await world.run(program)
     for grads, num_buckets in results:
-        assert num_buckets == {64: 6, 400: 3, 10**6: 1}[bucket_bytes]
+        # DDP's buckets: closed once they hold at least the limit (tensors of 12, 120,
+        # 40, 400, 40 and 240 bytes in backward order).
+        assert num_buckets == {64: 3, 400: 2, 10**6: 1}[bucket_bytes]
         for got, want in zip(grads, expected, strict=True):
             torch.testing.assert_close(got, want)
 
@@ -169,7 +171,8 @@ async def test_buckets_are_issued_in_index_order_whatever_the_hook_order() -> No
         torch.manual_seed(0)
         first, second = torch.nn.Linear(3, 3), torch.nn.Linear(3, 3)
         model = torch.nn.ModuleList([first, second])
-        sync = agang.GradientSync(model, gang, bucket_bytes=36)  # one bucket per tensor
+        # Each tensor (12 or 36 bytes) reaches a 12-byte limit: one bucket per tensor.
+        sync = agang.GradientSync(model, gang, bucket_bytes=12)
         await sync.ready()
         # Rank 0 produces `first`'s gradients before `second`'s, rank 1 the reverse.
         for layer in (first, second) if gang.rank == 0 else (second, first):
@@ -269,3 +272,28 @@ def test_the_trainer_matches_ddp_on_two_gloo_ranks(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "DDP check passed: 25 losses and all parameters match" in done.stdout
+
+
+def test_buckets_are_ddps() -> None:
+    # Same limits, same buckets as DDP: a bucket closes once it holds at least its limit
+    # (a hard cap made more, smaller buckets: 5 against DDP's 3 for the demo's model).
+    import random
+
+    import torch.distributed as dist
+
+    from agang._gradient_sync import plan_like_ddp
+
+    chooser = random.Random(0)
+    for _ in range(300):
+        count = chooser.randint(1, 12)
+        tensors = [
+            torch.empty(
+                chooser.choice([1, 3, 8, 100, 1000, 5000]),
+                dtype=chooser.choice([torch.float32, torch.float64]),
+            )
+            for _ in range(count)
+        ]
+        first, limit = chooser.choice([(64, 256), (400, 400), (1000, 4000), (10**6, 10**6)])
+        expected, _ = dist._compute_bucket_assignment_by_size(tensors, [first, limit])
+        items = [((t.dtype, t.device), t.numel() * t.element_size()) for t in tensors]
+        assert plan_like_ddp(items, first, limit) == [list(b) for b in expected]
