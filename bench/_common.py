@@ -6,10 +6,15 @@ torchrun's agent does (``TORCHELASTIC_USE_AGENT_STORE``). A rank's target is a
 module-level function ``target(env, payload, conn)`` that sends ``("ok", result)`` or
 ``("error", traceback text)`` on ``conn``; :func:`run_ranks` returns the results in rank
 order, or raises with the failing rank's traceback, and never leaves a rank running.
+
+Every bench prints its table and writes its JSON with or without matplotlib (it comes
+with agang's ``dev`` extra); plots are drawn only where it is installed
+(:func:`write_plots`), and a run without it says so in one line.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import multiprocessing
 import os
@@ -19,11 +24,13 @@ import traceback
 from collections.abc import Callable, Coroutine, Sequence
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
+from pathlib import Path
 from typing import Any
 
 from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
 WORLD_SIZE = 2
+OUT_DIR = Path(__file__).resolve().parent / "out"
 
 RankTarget = Callable[[dict[str, str], Any, Connection], None]
 
@@ -143,3 +150,50 @@ def format_seconds(seconds: float) -> str:
     if seconds < 1e-3:
         return f"{seconds * 1e6:.0f} us"
     return f"{seconds * 1e3:.2f} ms"
+
+
+def add_out_argument(parser: argparse.ArgumentParser) -> None:
+    """Adds ``--out DIR``: where a bench writes its JSON and plots (default bench/out)."""
+    if not isinstance(parser, argparse.ArgumentParser):
+        raise TypeError(f"`parser` must be an argparse.ArgumentParser, but is {parser!r}.")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=OUT_DIR,
+        metavar="DIR",
+        help=f"where to write the JSON and plots (default {OUT_DIR})",
+    )
+
+
+def pyplot() -> Any | None:
+    """matplotlib's ``pyplot`` on the file-only Agg backend, or None where matplotlib is
+    not installed (benches must finish without it: it is only in the dev extra)."""
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def write_plots(paths: Sequence[Path], draw: Callable[[Any], object]) -> list[Path]:
+    """Calls ``draw(pyplot)`` to write ``paths`` and returns them; without matplotlib,
+    writes nothing, says so in one line, and returns [].
+
+    Example:
+        >>> written = write_plots([out / "latency.png"], lambda plt: plot(plt, rows))
+    """
+    paths = list(paths)
+    if not paths or not all(isinstance(path, Path) for path in paths):
+        raise ValueError(f"`paths` must be one or more Paths, but is {paths!r} instead.")
+    if not callable(draw):
+        raise TypeError(f"`draw` must be callable, but is {draw!r} instead.")
+    plt = pyplot()
+    if plt is None:
+        names = ", ".join(path.name for path in paths)
+        print(f"matplotlib is not installed: no {names} (pip install matplotlib to plot).")
+        return []
+    draw(plt)
+    return paths

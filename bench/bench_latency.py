@@ -27,10 +27,12 @@ Method:
 Usage:
     python bench/bench_latency.py                 # full run, about 3 minutes
     python bench/bench_latency.py --quick         # smoke test, about 25 s
+    python bench/bench_latency.py --smoke --sizes 4   # 1 round of 2 ops: for tests
     python bench/bench_latency.py --sizes 4,256K  # chosen sizes (bytes; K, M, G suffixes)
 
 Writes ``bench/out/latency.json`` (plan, statistics, per-op samples of both ranks) and
-``bench/out/latency.png`` (latency against size, and ratio to the raw blocking call).
+``bench/out/latency.png`` (latency against size, and ratio to the raw blocking call) where
+matplotlib is installed; ``--out DIR`` writes them elsewhere.
 """
 
 from __future__ import annotations
@@ -58,7 +60,6 @@ import agang
 
 WARMUP_OPS = 1
 DEFAULT_SIZES = "4,4K,256K,4M,64M"
-OUT_DIR = Path(__file__).resolve().parent / "out"
 BASELINE = "c10d blocking"
 
 
@@ -175,8 +176,11 @@ def _estimated_op_seconds(num_bytes: int) -> float:
     return 2e-4 + num_bytes / 1.1e9
 
 
-def make_plan(sizes: list[int], *, quick: bool) -> list[SizePlan]:
-    """Fixed counts per size: about `budget` seconds of ops per size, split in rounds."""
+def make_plan(sizes: list[int], *, quick: bool, smoke: bool = False) -> list[SizePlan]:
+    """Fixed counts per size: about `budget` seconds of ops per size, split in rounds;
+    ``smoke``: one round of 2 ops per mode (every output, no meaning)."""
+    if smoke:
+        return [SizePlan(num_bytes, 1, 2) for num_bytes in sizes]
     budget, rounds, max_batch = (3.0, 4, 100) if quick else (24.0, 20, 300)
     plans = []
     for num_bytes in sizes:
@@ -340,13 +344,9 @@ def write_json(
     path.write_text(json.dumps(document, indent=1))
 
 
-def write_plot(path: Path, rows: list[Stats]) -> None:
-    """Left: median latency (bar up to p90) against size. Right: median ratio."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def write_plot(plt: Any, path: Path, rows: list[Stats]) -> None:
+    """Left: median latency (bar up to p90) against size. Right: median ratio. ``plt``
+    is matplotlib's pyplot (see ``_common.write_plots``)."""
     figure, (latency, ratio) = plt.subplots(1, 2, figsize=(12, 5))
     for index, mode in enumerate(MODES):
         mine = [row for row in rows if row.mode == mode]
@@ -399,12 +399,17 @@ def parse_size(text: str) -> int:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0] if __doc__ else None)
-    parser.add_argument("--quick", action="store_true", help="short smoke-test run (~25 s)")
+    modes = parser.add_mutually_exclusive_group()
+    modes.add_argument("--quick", action="store_true", help="short smoke-test run (~25 s)")
+    modes.add_argument(
+        "--smoke", action="store_true", help="1 round of 2 ops: every output, no meaning"
+    )
     parser.add_argument(
         "--sizes",
         default=DEFAULT_SIZES,
         help=f"comma-separated message sizes in bytes, K/M/G suffixes (default {DEFAULT_SIZES})",
     )
+    _common.add_out_argument(parser)
     args = parser.parse_args(argv)
     try:
         args.sizes = sorted({parse_size(text) for text in args.sizes.split(",")})
@@ -415,7 +420,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    plans = make_plan(args.sizes, quick=args.quick)
+    plans = make_plan(args.sizes, quick=args.quick, smoke=args.smoke)
     estimate = sum(plan.estimated_seconds() for plan in plans)
     print(f"2 Gloo ranks on 127.0.0.1, torch {torch.__version__}; plan (ops per mode):")
     for plan in plans:
@@ -433,11 +438,14 @@ def main(argv: list[str] | None = None) -> int:
     verdicts = check_targets(rows)
     print_targets(verdicts)
 
-    OUT_DIR.mkdir(parents=True, exist_ok=True)
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
     all_rows = rows + summarize(1, results[1])
-    write_json(OUT_DIR / "latency.json", plans, all_rows, verdicts, results, args.quick)
-    write_plot(OUT_DIR / "latency.png", rows)
-    print(f"\nWrote {OUT_DIR / 'latency.json'} and {OUT_DIR / 'latency.png'}.")
+    write_json(out / "latency.json", plans, all_rows, verdicts, results, args.quick)
+    plot = out / "latency.png"
+    written = [out / "latency.json"]
+    written += _common.write_plots([plot], lambda plt: write_plot(plt, plot, rows))
+    print(f"\nWrote {' and '.join(str(path) for path in written)}.")
     return 0
 
 

@@ -28,9 +28,11 @@ Usage:
     python bench/bench_scheduler.py            # full run, about 4 minutes
     python bench/bench_scheduler.py --quick    # smoke test, under a minute
     python bench/bench_scheduler.py --coalescing-only 40   # part 1 alone, 40 rounds
+    python bench/bench_scheduler.py --smoke    # every part once, tiny: for tests
 
-Writes ``bench/out/scheduler.json``, then plots (``plot_scheduler.py``) ``coalesce.png``
-and ``scheduler_lag.png`` from it. Latency against message size is ``bench_latency.py``'s
+Writes ``bench/out/scheduler.json`` (``--out DIR``: elsewhere), then plots
+(``plot_scheduler.py``) ``coalesce.png`` and ``scheduler_lag.png`` from it, where
+matplotlib is installed. Latency against message size is ``bench_latency.py``'s
 ``latency.png``.
 """
 
@@ -59,7 +61,6 @@ from _common import format_bytes, percentile, send_result
 
 import agang
 
-OUT_DIR = Path(__file__).resolve().parent / "out"
 NUMEL = 1024  # float32[1024] = 4 KiB
 BATCH = 64
 TICK = 1e-3
@@ -93,6 +94,9 @@ PLANS = {
     True: Plan(coalesce_rounds=10, lag_rounds=1, lag_sizes=(4096,), lag_ops=300,
                order_phases=2, order_rounds=4, order_singles=20, order_batches=1),
 }  # fmt: skip
+# --smoke: the smallest run that prints every table and writes every file, for tests.
+SMOKE_PLAN = Plan(coalesce_rounds=1, lag_rounds=1, lag_sizes=(4096,), lag_ops=4,
+                  order_phases=2, order_rounds=1, order_singles=2, order_batches=1)  # fmt: skip
 
 
 def _rotated(names: list[str], index: int) -> list[str]:
@@ -456,7 +460,12 @@ def report(summary: dict[str, Any], result: dict[str, Any], plan: Plan) -> list[
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0] if __doc__ else None)
-    parser.add_argument("--quick", action="store_true", help="short smoke-test run")
+    sizes = parser.add_mutually_exclusive_group()
+    sizes.add_argument("--quick", action="store_true", help="short smoke-test run")
+    sizes.add_argument(
+        "--smoke", action="store_true", help="every part once, tiny: every output, no meaning"
+    )
+    _common.add_out_argument(parser)
     parser.add_argument(
         "--coalescing-only",
         type=int,
@@ -464,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
         help="run part 1 alone, ROUNDS rounds; print its table, write nothing",
     )
     args = parser.parse_args(argv)
-    plan = PLANS[args.quick]
+    plan = SMOKE_PLAN if args.smoke else PLANS[args.quick]
     if args.coalescing_only is not None:
         plan = replace(plan, coalesce_rounds=args.coalescing_only, coalescing_only=True)
     load = os.getloadavg()[0]
@@ -483,7 +492,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nRanks ran {elapsed:.0f} s (rank 0: {steps}; the rest is process start-up); "
           f"load average {os.getloadavg()[0]:.1f} at the end.")  # fmt: skip
 
-    OUT_DIR.mkdir(parents=True, exist_ok=True)
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
     document = {
         "method": __doc__.split("Usage:")[0].strip() if __doc__ else "",
         "torch": torch.__version__,
@@ -510,10 +520,10 @@ def main(argv: list[str] | None = None) -> int:
             for summary, result in zip(summaries, results, strict=True)
         ],
     }
-    source = OUT_DIR / "scheduler.json"
+    source = out / "scheduler.json"
     source.write_text(json.dumps(document, indent=1, default=str))
-    written = [source, *plot_scheduler.plot(source, OUT_DIR)]
-    print(f"Wrote {', '.join(path.name for path in written)} in {OUT_DIR}.")
+    written = [source, *plot_scheduler.plot(source, out)]
+    print(f"Wrote {', '.join(path.name for path in written)} in {out}.")
     return 0
 
 

@@ -1,6 +1,6 @@
 """Step time of data-parallel training on 2 local Gloo ranks: agang vs DDP vs a naive loop.
 
-    python bench/bench_training.py [--quick]
+    python bench/bench_training.py [--quick | --smoke] [--out DIR]
 
 Every mode trains the same model (an MLP whose gradient is tens of MB, in many
 parameter tensors) on the same data, from the same start:
@@ -12,7 +12,9 @@ parameter tensors) on the same data, from the same start:
 Modes take turns step by step (round-robin, after warm-up steps), so noise on this
 shared 2-core machine hits them alike; the table gives medians and ratios to DDP. One
 agang step's timeline (backward vs each bucket's all-reduce) goes to
-bench/out/training_timeline.png, the figures to bench/out/training.json.
+bench/out/training_timeline.png (where matplotlib is installed), the figures to
+bench/out/training.json. ``--smoke`` is the smallest run that prints the table and writes
+every file, for tests: its figures mean nothing.
 """
 
 from __future__ import annotations
@@ -28,9 +30,15 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import format_seconds, percentile, run_async_rank, run_ranks
+from _common import (
+    add_out_argument,
+    format_seconds,
+    percentile,
+    run_async_rank,
+    run_ranks,
+    write_plots,
+)
 
-OUT = Path(__file__).resolve().parent / "out"
 MODES = ("agang", "ddp", "naive")
 
 
@@ -114,12 +122,9 @@ def rank_main(env: dict[str, str], payload: dict[str, Any], conn: Connection) ->
     run_async_rank(env, conn, lambda: measure(payload))
 
 
-def plot_timeline(timeline: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot_timeline(plt: Any, timeline: dict[str, Any], path: Path) -> None:
+    """One agang step: compute, and each bucket's all-reduce (``plt``: matplotlib's
+    pyplot, see ``_common.write_plots``)."""
     origin = timeline["forward_backward"][0]
     figure, axes = plt.subplots(figsize=(9, 2.8))
     start, end = timeline["forward_backward"]
@@ -141,17 +146,24 @@ def plot_timeline(timeline: dict[str, Any], path: Path) -> None:
     plt.close(figure)
 
 
-def main() -> None:
+#: Model and run sizes: the full run, --quick, and --smoke (plumbing only, for tests).
+PAYLOADS = {
+    "full": {"width": 1024, "depth": 6, "batch": 16, "warmup": 5, "steps": 30},
+    "quick": {"width": 1024, "depth": 6, "batch": 16, "warmup": 2, "steps": 5},
+    "smoke": {"width": 64, "depth": 1, "batch": 4, "warmup": 1, "steps": 2},
+}
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer steps, for a smoke run")
-    args = parser.parse_args()
-    payload = {
-        "width": 1024,
-        "depth": 6,
-        "batch": 16,
-        "warmup": 2 if args.quick else 5,
-        "steps": 5 if args.quick else 30,
-    }
+    sizes = parser.add_mutually_exclusive_group()
+    sizes.add_argument("--quick", action="store_true", help="fewer steps, for a smoke run")
+    sizes.add_argument(
+        "--smoke", action="store_true", help="a tiny model, 2 steps: every output, no meaning"
+    )
+    add_out_argument(parser)
+    args = parser.parse_args(argv)
+    payload = PAYLOADS["smoke" if args.smoke else "quick" if args.quick else "full"]
     began = time.monotonic()
     result = run_ranks(rank_main, payload, timeout=900)[0]
     times = result["times"]
@@ -175,10 +187,13 @@ def main() -> None:
         f"naive / agang: {medians['naive'] / medians['agang']:.2f}x (target >= 1.3x); "
         f"agang hid {100 * hidden:.0f}% of its communication (median step)"
     )
-    OUT.mkdir(exist_ok=True)
-    (OUT / "training.json").write_text(json.dumps({"payload": payload, **result}, indent=1))
-    plot_timeline(result["timeline"], OUT / "training_timeline.png")
-    print(f"wrote {OUT / 'training.json'} and {OUT / 'training_timeline.png'}")
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "training.json").write_text(json.dumps({"payload": payload, **result}, indent=1))
+    plot = out / "training_timeline.png"
+    written = [out / "training.json"]
+    written += write_plots([plot], lambda plt: plot_timeline(plt, result["timeline"], plot))
+    print(f"wrote {' and '.join(str(path) for path in written)}")
     print(f"run took {time.monotonic() - began:.0f} s")
 
 

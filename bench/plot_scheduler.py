@@ -6,6 +6,8 @@ Usage:
 Defaults: ``bench/out/scheduler.json`` to ``bench/out/``. Writes ``coalesce.png`` (ms per
 64 all-reduces per mode, median with a bar to p90) and ``scheduler_lag.png`` (lag of a
 1 ms ticker, p50/p99/max, against the number of all-reduces in flight), both rank 0.
+Without matplotlib it says so in one line and writes nothing (exit status 1 from the
+command line, whose only job is plotting; ``bench_scheduler.py`` goes on).
 """
 
 from __future__ import annotations
@@ -15,23 +17,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from _common import format_bytes
+from _common import OUT_DIR, format_bytes, write_plots
 
-OUT_DIR = Path(__file__).resolve().parent / "out"
 COLORS = ("tab:blue", "tab:green", "tab:red", "tab:orange")
 
 
-def _pyplot() -> Any:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def plot_coalesce(path: Path, coalesce: dict[str, Any]) -> None:
-    plt = _pyplot()
+def plot_coalesce(plt: Any, path: Path, coalesce: dict[str, Any]) -> None:
+    """ms per 64 all-reduces per mode (``plt``: matplotlib's pyplot)."""
     figure, axes = plt.subplots(figsize=(8, 4.5))
     names = list(coalesce)
     medians = [coalesce[n]["median"] * 1e3 for n in names]
@@ -51,8 +43,8 @@ def plot_coalesce(path: Path, coalesce: dict[str, Any]) -> None:
     plt.close(figure)
 
 
-def plot_lag(path: Path, document: dict[str, Any]) -> None:
-    plt = _pyplot()
+def plot_lag(plt: Any, path: Path, document: dict[str, Any]) -> None:
+    """The ticker's lag against ops in flight (``plt``: matplotlib's pyplot)."""
     lag, counts = document["ranks"][0]["lag"], document["lag_counts"]
     sizes, modes = document["plan"]["lag_sizes"], document["lag_modes"]
     figure, panels = plt.subplots(
@@ -96,12 +88,17 @@ def plot_lag(path: Path, document: dict[str, Any]) -> None:
 
 
 def plot(source: Path, out_dir: Path) -> list[Path]:
-    """Writes both plots from ``source``; returns their paths."""
+    """Writes both plots from ``source``; returns their paths, none without matplotlib."""
+    if not isinstance(source, Path) or not isinstance(out_dir, Path):
+        raise TypeError(f"`source` and `out_dir` must be Paths, not {source!r}, {out_dir!r}.")
     document = json.loads(source.read_text())
     paths = [out_dir / "coalesce.png", out_dir / "scheduler_lag.png"]
-    plot_coalesce(paths[0], document["ranks"][0]["coalesce"])
-    plot_lag(paths[1], document)
-    return paths
+
+    def draw(plt: Any) -> None:
+        plot_coalesce(plt, paths[0], document["ranks"][0]["coalesce"])
+        plot_lag(plt, paths[1], document)
+
+    return write_plots(paths, draw)
 
 
 def main(argv: list[str]) -> int:
@@ -110,7 +107,10 @@ def main(argv: list[str]) -> int:
     if not source.exists():
         print(f"{source} not found: run `python bench/bench_scheduler.py` first.")
         return 1
-    print("Wrote " + ", ".join(str(path) for path in plot(source, out_dir)) + ".")
+    written = plot(source, out_dir)
+    if not written:
+        return 1
+    print("Wrote " + ", ".join(str(path) for path in written) + ".")
     return 0
 
 

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from agang._doctor.findings import Finding, Status
+from agang._setup.c10d_log import DEBUG_VARIABLE, c10d_output_wanted
 from agang._setup.nccl_env import NCCL_SETTINGS
 
 
@@ -138,7 +139,30 @@ def backend_findings(env: Mapping[str, str], facts: HostFacts) -> list[Finding]:
         findings.append(Finding("nccl", Status.OK, "NCCL is not available (no CUDA)."))
     findings.append(_async_error_handling_finding(env, facts))
     findings.extend(_monitoring_findings(env, facts))
+    findings.append(c10d_log_finding(env))
     return findings
+
+
+def c10d_log_finding(env: Mapping[str, str]) -> Finding:
+    """What ``agang.init`` does with c10d's C++ log while it opens the store (see
+    ``agang._setup.c10d_log``): quiet, or left as the user's variable asks.
+
+    Raises:
+        TypeError: ``env`` is not a mapping.
+    """
+    wanted = c10d_output_wanted(env)
+    if wanted is None:
+        return Finding(
+            "c10d log",
+            Status.OK,
+            f"quiet while agang.init opens the store (one INFO line per retry instead of "
+            f"c10d's C++ traces); {DEBUG_VARIABLE}=1 shows it.",
+        )
+    return Finding(
+        "c10d log",
+        Status.OK,
+        f"{wanted} is set: agang.init leaves c10d's log as torch makes it.",
+    )
 
 
 def _async_error_handling_finding(env: Mapping[str, str], facts: HostFacts) -> Finding:

@@ -20,6 +20,8 @@ Rules (blocking, on set-up threads; never on the loop):
    stopped store) blocks in c10d whatever the client's timeout: a rank cut off before
    the reform then fails to connect, in time, instead of leaving a thread stuck there
    (one that returns while the process exits aborts it).
+5. Connecting keeps c10d's C++ log quiet (:mod:`agang._setup.c10d_log`); each failed
+   try is one INFO line of agang's.
 """
 
 from __future__ import annotations
@@ -35,10 +37,11 @@ import torch.distributed as dist
 from agang._backends import c10d_blame
 from agang._errors import GangInitError
 from agang._setup import membership
+from agang._setup.c10d_log import quiet_c10d
 from agang._setup.env import WorldInfo
 from agang._setup.membership import Candidate
 from agang._setup.proof import prove
-from agang._setup.retry import TransientSetupError, call_c10d
+from agang._setup.retry import TransientSetupError, call_c10d, one_line
 
 log = logging.getLogger("agang")
 
@@ -96,19 +99,29 @@ class Formed:
 def connect_store(world: WorldInfo, deadline: float) -> Any:
     """A client of the store that outlives the ranks (rule 1), retried until ``deadline``."""
     last: BaseException | None = None
+    attempt = 0
     while time.monotonic() < deadline:
+        attempt += 1
         try:
-            return call_c10d(
-                dist.TCPStore,  # type: ignore[attr-defined]
-                world.master_addr,
-                world.master_port,
-                is_master=False,
-                # Short attempts, retried here: c10d's own retries sleep past their
-                # timeout, and a thread still in c10d when the process exits aborts it.
-                timeout=timedelta(seconds=max(0.1, min(2.0, deadline - time.monotonic()))),
-            )
+            with quiet_c10d():  # rule 5
+                return call_c10d(
+                    dist.TCPStore,  # type: ignore[attr-defined]
+                    world.master_addr,
+                    world.master_port,
+                    is_master=False,
+                    # Short attempts, retried here: c10d's own retries sleep past their
+                    # timeout, and a thread still in c10d when the process exits aborts it.
+                    timeout=timedelta(seconds=max(0.1, min(2.0, deadline - time.monotonic()))),
+                )
         except TransientSetupError as error:
             last = error
+            log.info(
+                "agang: rank %d: attempt %d at the store %s failed: %s; retrying in 0.1 s.",
+                world.rank,
+                attempt,
+                world.store_address,
+                one_line(error.__cause__ or error).rstrip("."),
+            )
             time.sleep(0.1)
     raise GangInitError(
         f"No store answered at {world.master_addr}:{world.master_port} before the deadline "

@@ -9,6 +9,8 @@ Each setting is made only where the user has not made it, and logged:
    monitor that kills it), so an agang deadline is survivable.
 3. With several local ranks and no ``OMP_NUM_THREADS``, each rank gets its share of the
    CPUs, so they do not oversubscribe the machine.
+4. c10d's C++ log stays quiet while the store is opened, unless the user asked for it
+   (``agang._setup.c10d_log``); what set-up does with it is logged.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from collections.abc import Mapping
 
 import torch
 
+from agang._setup import c10d_log
 from agang._setup.env import WorldInfo
 from agang._setup.interface import apply_interface, check_master_reachable
 from agang._setup.nccl_env import apply_nccl_settings
@@ -29,7 +32,8 @@ log = logging.getLogger("agang")
 def prepare_process(
     world: WorldInfo, backend: str, device: torch.device, env: Mapping[str, str]
 ) -> None:
-    """Applies rules 1 to 3 to this process (``env`` is the launcher's view of it)."""
+    """Applies rules 1 to 4 to this process (``env`` is the launcher's view of it)."""
+    c10d_log.announce(os.environ)
     check_master_reachable(world.master_addr, world.world_size, world.local_world_size)
     apply_interface(world.master_addr, os.environ, nccl=backend == "nccl")
     if backend == "nccl":

@@ -31,6 +31,9 @@ Rules (all of this runs on init's daemon thread, never on the loop):
 9. Each rank checks in with the interface its connections leave from (address and
    network); the ranks learn each other's, for messages that name where a rank runs,
    and warn when they are on different networks.
+10. Opening the store (hosting it, or connecting) keeps c10d's C++ log quiet
+   (:mod:`agang._setup.c10d_log`): each retry is one INFO line of agang's instead of
+   c10d's stack traces.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ import torch.distributed as dist
 
 from agang._errors import GangInitError
 from agang._offload import start_thread
+from agang._setup.c10d_log import quiet_c10d
 from agang._setup.env import WorldInfo
 from agang._setup.interface import Link, disagreement
 from agang._setup.retry import (
@@ -59,6 +63,7 @@ from agang._setup.retry import (
     TransientSetupError,
     call_c10d,
     is_address_in_use,
+    one_line,
     retrying,
 )
 
@@ -105,18 +110,43 @@ def open_store(
     Returns:
         The store, and the port it is on.
     """
-    for attempt in retrying(policy, deadline):
+    started = time.monotonic()
+
+    def say_retry(number: int, error: BaseException, pause: float) -> None:
+        log_retry(world, number, error, pause, time.monotonic() - started)
+
+    for attempt in retrying(policy, deadline, on_retry=say_retry):
         with attempt:
             on_attempt()
             if cancelled.is_set():
                 raise InitCancelled
-            store, port = _open_once(world, deadline)
+            with quiet_c10d():  # rule 10
+                store, port = _open_once(world, deadline)
             try:
                 then(store)
             except BaseException:
                 store = None  # let a hosted store go with the failed attempt
                 raise
     return store, port
+
+
+def log_retry(
+    world: WorldInfo, attempt: int, error: BaseException, pause: float, elapsed: float
+) -> None:
+    """Says, in one INFO line, that opening the store failed transiently and when the
+    next attempt is (rule 10)."""
+    cause = error.__cause__ if error.__cause__ is not None else error
+    log.info(
+        "agang: rank %d of %d: attempt %d at the store %s failed after %.1f s: %s; "
+        "retrying in %.1f s.",
+        world.rank,
+        world.world_size,
+        attempt,
+        world.store_address,
+        elapsed,
+        one_line(cause).rstrip("."),
+        pause,
+    )
 
 
 def _open_once(world: WorldInfo, deadline: float) -> tuple[Any, int]:

@@ -161,12 +161,21 @@ def is_transient(error: BaseException) -> bool:
     return isinstance(error, TransientSetupError)
 
 
-def retrying(policy: RetryPolicy, deadline: float) -> tenacity.Retrying:
+def retrying(
+    policy: RetryPolicy,
+    deadline: float,
+    *,
+    on_retry: Callable[[int, BaseException, float], None] | None = None,
+) -> tenacity.Retrying:
     """A tenacity controller for ``policy`` that never passes ``deadline`` (rule 2).
 
     It retries :class:`TransientSetupError` and a :class:`PortInUseError` on a port
     agang chose, nothing else: wrap the c10d calls of an attempt in :func:`call_c10d`
     so that their transient failures have that type.
+
+    Args:
+        on_retry: Called before each wait with the number of the attempt that failed, its
+            error and the seconds until the next one (to say so in one line).
 
     Example:
         >>> for attempt in retrying(RetryPolicy(), deadline):
@@ -183,5 +192,30 @@ def retrying(policy: RetryPolicy, deadline: float) -> tenacity.Retrying:
                 lambda error: isinstance(error, PortInUseError) and error.port_is_ours
             )
         ),
+        before_sleep=None if on_retry is None else _before_sleep(on_retry),
         reraise=True,
     )
+
+
+def _before_sleep(
+    on_retry: Callable[[int, BaseException, float], None],
+) -> Callable[[tenacity.RetryCallState], None]:
+    def before_sleep(state: tenacity.RetryCallState) -> None:
+        error = state.outcome.exception() if state.outcome is not None else None
+        pause = state.next_action.sleep if state.next_action is not None else 0.0
+        if error is not None:
+            on_retry(state.attempt_number, error, pause)
+
+    return before_sleep
+
+
+def one_line(error: BaseException, limit: int = 200) -> str:
+    """``error``'s message as one short line: its first line, cut at ``limit`` characters
+    (c10d's messages can carry a C++ trace after the first line)."""
+    if not isinstance(error, BaseException):
+        raise TypeError(f"`error` must be an exception, but is {error!r} instead.")
+    if limit < 1:
+        raise ValueError(f"`limit` must be a positive int, but is {limit!r} instead.")
+    lines = str(error).strip().splitlines()
+    text = lines[0] if lines else type(error).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
