@@ -209,7 +209,14 @@ def case(
 
 SHAPE_CASES = [
     case("all_gather", ValueError, "output", id="output-one-row-short", output=torch.empty(2, 4)),
-    case("all_gather", ValueError, "output", id="output-flat", output=torch.empty(SIZE * 4)),
+    # Flat, [SIZE * 4], is the concatenated layout (accepted); one element more is neither.
+    case(
+        "all_gather",
+        ValueError,
+        "output",
+        id="output-neither-layout",
+        output=torch.empty(SIZE * 4 + 1),
+    ),
     case(
         "all_gather",
         TypeError,
