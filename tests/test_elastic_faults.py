@@ -241,7 +241,11 @@ def test_a_woken_stale_member_is_refused_and_never_corrupts_the_new_gang(
     stopped: dict[str, Any],
 ) -> None:
     assert stopped["woken"]["what"] == "failed", stopped["woken"]
-    assert stopped["woken"]["error"] == "GangBrokenError", stopped["woken"]
+    # Its responder breaks the old gang once it reads the others' reform notice; a call
+    # made before that (the process just woke: a race, lost once under CI's load) fails
+    # on the old group's closed connections instead. Either way it fails, and every
+    # call after it is refused.
+    assert stopped["woken"]["error"] in ("GangBrokenError", "CollectiveError"), stopped["woken"]
     assert stopped["woken_old"]["outcomes"] == ["GangBrokenError"] * 5
     assert stopped["exact_meanwhile"] == [20, 20]
     assert [event["joiners"] for event in stopped["noticed"]] == [1, 1]
