@@ -11,6 +11,7 @@ A ``CollectiveGang`` is made of parts, each holding the next, with one-way calls
 ``ProcessGroupGang``, ``FakeGang`` and ``testing.FakeWorldGang`` are this class over
 their backend. Sub-gangs and lanes are made here, once, from the backend's children.
 Only collectives are order-checked (fingerprint: op, shapes, dtypes, reduce op, root).
+The rooted collectives (reduce, gather, scatter) are the mixin ``agang._rooted``'s.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from agang._lanes import Lanes
 from agang._offload import run_all, run_blocking
 from agang._policy import GangPolicy
 from agang._reduce_op import ReduceOp
+from agang._rooted import RootedCollectives
 from agang._serialize import Serializer
 from agang._statistics import GangStatistics
 from agang._validate import (
@@ -55,7 +57,7 @@ from agang._validate import (
 _CLOSE_SECONDS = 5.0  # how long ``close`` waits for the backend's release at most
 
 
-class CollectiveGang(Gang):
+class CollectiveGang(RootedCollectives, Gang):
     """A gang over a backend: every collective, lanes, sub-gangs, coalescing, closing.
 
     Args:

@@ -276,6 +276,67 @@ class Gang(ABC):
         """
 
     @abstractmethod
+    def reduce(
+        self,
+        tensor: torch.Tensor,
+        destination_rank: int,
+        op: ReduceOp = ReduceOp.SUM,
+        *,
+        timeout: float | None = None,
+    ) -> Handle[torch.Tensor]:
+        """Reduces ``tensor`` across ranks into ``tensor`` of ``destination_rank``.
+
+        ``await`` returns ``tensor`` on every rank. On the destination it holds the
+        reduction; on the other ranks its contents are unspecified afterwards (Gloo
+        leaves partial reductions there): pass a copy to keep them.
+
+        Example:
+            >>> loss = await gang.reduce(loss, destination_rank=0, op=ReduceOp.MEAN)
+        """
+
+    @abstractmethod
+    def gather(
+        self,
+        output: torch.Tensor | None,
+        input: torch.Tensor,
+        destination_rank: int,
+        *,
+        timeout: float | None = None,
+    ) -> Handle[torch.Tensor | None]:
+        """Gathers every rank's ``input`` into ``output`` of ``destination_rank``.
+
+        On the destination ``output`` is stacked, ``[size, *input.shape]``, or
+        concatenated, ``[size * input.shape[0], *input.shape[1:]]``, and receives rank
+        r's ``input`` as its r-th block; on the other ranks it must be None. ``await``
+        returns ``output``: the tensor on the destination, None elsewhere. ``input`` is
+        never modified.
+
+        Example:
+            >>> rows = torch.empty(gang.size, 4) if gang.rank == 0 else None
+            >>> rows = await gang.gather(rows, metrics, destination_rank=0)
+        """
+
+    @abstractmethod
+    def scatter(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor | None,
+        source_rank: int,
+        *,
+        timeout: float | None = None,
+    ) -> Handle[torch.Tensor]:
+        """Sends block r of ``source_rank``'s ``input`` into ``output`` of rank r.
+
+        On the source ``input`` is stacked, ``[size, *output.shape]``, or concatenated,
+        ``[size * output.shape[0], *output.shape[1:]]``, and is never modified; on the
+        other ranks it must be None. ``await`` returns ``output`` on every rank.
+
+        Example:
+            >>> shards = batch.view(gang.size, -1) if gang.rank == 0 else None
+            >>> shard = await gang.scatter(torch.empty(batch.numel() // gang.size), shards, 0)
+        """
+
+    @abstractmethod
     def broadcast_objects(
         self,
         objects: list[Any],

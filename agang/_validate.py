@@ -242,3 +242,15 @@ def check_member_ranks(ranks: object, size: int) -> list[int]:
     if len(set(members)) != len(members):
         raise ValueError(f"`ranks` must not repeat a rank, but is {list(ranks)} instead.")
     return sorted(members)
+
+
+def check_root_only(value: object, *, is_root: bool, name: str, root: str) -> None:
+    """``value`` (a tensor the op only uses on its root) is given on the root, named
+    ``root`` in messages, and None on every other rank, where it would be ignored."""
+    if is_root and value is None:
+        raise TypeError(f"`{name}` must be a tensor on the {root}, but is None instead.")
+    if not is_root and value is not None:
+        raise ValueError(
+            f"`{name}` must be None on ranks other than the {root}, but is of type "
+            f"`{type(value).__name__}` instead."
+        )

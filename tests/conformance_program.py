@@ -58,8 +58,10 @@ class Case:
     """One step of the program: a collective and its arguments.
 
     ``shape`` is the shape of the tensor the op works on: the input of the gathers and
-    of all_to_all, the output of reduce_scatter (whose input is ``[size, *shape]``),
-    the tensor sent and received around the ring of ``send_recv``.
+    of all_to_all, the output of reduce_scatter and scatter (whose input is ``[size,
+    *shape]``), the tensor sent and received around the ring of ``send_recv``.
+    ``source_rank`` is the root: broadcast's and scatter's source, reduce's and
+    gather's destination.
     """
 
     op: str
@@ -101,6 +103,20 @@ def source_ranks(size: int) -> list[int]:
     return sorted({0, min(1, size - 1), size - 1})
 
 
+def rooted_cases(root: int) -> list[Case]:
+    """A few cases of each rooted collective: its root, a reduce op, dtypes and shapes
+    are what differs from the unrooted ones (which try every dtype and shape)."""
+    return [
+        Case("reduce", torch.float32, (5,), reduce_op=ReduceOp.SUM, source_rank=root),
+        Case("reduce", torch.complex64, (2, 3), reduce_op=ReduceOp.MEAN, source_rank=root),
+        Case("reduce", torch.int32, (), reduce_op=ReduceOp.MAX, source_rank=root),
+        Case("gather", torch.float32, (2, 3), source_rank=root),
+        Case("gather", torch.complex64, (), source_rank=root),
+        Case("scatter", torch.float32, (2, 3), source_rank=root),
+        Case("scatter", torch.bool, (0,), source_rank=root),
+    ]
+
+
 def _tensor_cases(
     op: str,
     dtypes: tuple[torch.dtype, ...],
@@ -126,6 +142,7 @@ def cases(size: int) -> list[Case]:
     for source in source_ranks(size):
         result += _tensor_cases("broadcast", ALL_DTYPES, source_rank=source)
         result.append(Case("broadcast_objects", source_rank=source))
+        result += rooted_cases(source)
     # all_to_all needs a first dimension that is a multiple of the size; no 0-dim.
     result += _tensor_cases("all_to_all", ALL_DTYPES, ((2 * size,), (size, 3), (0,)))
     result += [Case("all_gather_objects"), Case("barrier")]
@@ -164,7 +181,7 @@ def make_input(case: Case, rank: int, size: int) -> Any:
     if case.op == "barrier":
         return None
     assert case.dtype is not None
-    shape = (size, *case.shape) if case.op == "reduce_scatter" else case.shape
+    shape = (size, *case.shape) if case.op in ("reduce_scatter", "scatter") else case.shape
     return make_tensor(shape, case.dtype, rank, small=case.reduce_op is ReduceOp.PRODUCT)
 
 
@@ -214,6 +231,37 @@ def _c10d_all_gather_to_list(input: torch.Tensor) -> list[torch.Tensor]:
     outputs = [_blank(input) for _ in range(dist.get_world_size())]
     dist.all_gather(outputs, input)
     return outputs
+
+
+def _c10d_reduce(tensor: torch.Tensor, op: ReduceOp, root: int) -> torch.Tensor | None:
+    dist.reduce(tensor, root, op=_c10d_reduce_op(op))
+    if dist.get_rank() != root:
+        return None  # c10d leaves scratch there
+    if op is ReduceOp.MEAN:
+        tensor.div_(dist.get_world_size())
+    return tensor
+
+
+def _real(tensor: torch.Tensor) -> torch.Tensor:
+    # c10d's gather and scatter, unlike its reductions, refuse complex tensors on Gloo
+    # ("Invalid scalar type"): they move the same bytes as pairs of reals.
+    return torch.view_as_real(tensor) if tensor.is_complex() else tensor
+
+
+def _c10d_gather(input: torch.Tensor, root: int) -> torch.Tensor | None:
+    if dist.get_rank() != root:
+        dist.gather(_real(input), None, root)
+        return None
+    output = _blank(input, (dist.get_world_size(), *input.shape))
+    dist.gather(_real(input), [_real(t) for t in output.unbind(0)], root)
+    return output
+
+
+def _c10d_scatter(input: torch.Tensor, root: int) -> torch.Tensor:
+    output = _blank(input[0])
+    blocks = [_real(t) for t in input.unbind(0)] if dist.get_rank() == root else None
+    dist.scatter(_real(output), blocks, root)
+    return output
 
 
 def _c10d_broadcast(tensor: torch.Tensor, source_rank: int) -> torch.Tensor:
@@ -335,6 +383,55 @@ async def _broadcast(gang: agang.Gang, case: Case, tensor: torch.Tensor, c10d: C
     )
 
 
+async def _reduce(gang: agang.Gang, case: Case, tensor: torch.Tensor, c10d: C10d) -> Record:
+    """Only the destination's result is recorded: the others' tensor is unspecified."""
+    assert case.reduce_op is not None
+    assert case.source_rank is not None
+    original, root = tensor.clone(), case.source_rank
+    handle = gang.reduce(tensor, root, case.reduce_op)
+    awaited = await handle
+    return Record(
+        case=case,
+        result=awaited if gang.rank == root else None,
+        c10d=await c10d(_c10d_reduce, original, case.reduce_op, root),
+        awaited_as_documented=awaited is tensor,
+        handles=[_metadata(handle)],
+    )
+
+
+async def _gather(gang: agang.Gang, case: Case, input: torch.Tensor, c10d: C10d) -> Record:
+    assert case.source_rank is not None
+    original, root = input.clone(), case.source_rank
+    output = _blank(input, (gang.size, *input.shape)) if gang.rank == root else None
+    handle = gang.gather(output, input, root)
+    result = await handle
+    return Record(
+        case=case,
+        result=result,
+        c10d=await c10d(_c10d_gather, original, root),
+        awaited_as_documented=result is output,
+        input_unchanged=torch.equal(input, original),
+        handles=[_metadata(handle)],
+    )
+
+
+async def _scatter(gang: agang.Gang, case: Case, input: torch.Tensor, c10d: C10d) -> Record:
+    """Every rank makes an input; only the source passes it (None elsewhere)."""
+    assert case.source_rank is not None
+    original, root = input.clone(), case.source_rank
+    output = _blank(input[0])
+    handle = gang.scatter(output, input if gang.rank == root else None, root)
+    result = await handle
+    return Record(
+        case=case,
+        result=result,
+        c10d=await c10d(_c10d_scatter, original, root),
+        awaited_as_documented=result is output,
+        input_unchanged=torch.equal(input, original),
+        handles=[_metadata(handle)],
+    )
+
+
 async def _all_to_all(gang: agang.Gang, case: Case, input: torch.Tensor, c10d: C10d) -> Record:
     original = input.clone()
     output = _blank(input)
@@ -415,6 +512,9 @@ _RUNNERS: dict[str, Callable[[agang.Gang, Case, Any, C10d], Awaitable[Record]]] 
     "all_gather_to_list": _all_gather_to_list,
     "broadcast": _broadcast,
     "all_to_all": _all_to_all,
+    "reduce": _reduce,
+    "gather": _gather,
+    "scatter": _scatter,
     "send_recv": _send_recv,
     "broadcast_objects": _broadcast_objects,
     "all_gather_objects": _all_gather_objects,

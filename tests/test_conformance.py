@@ -7,7 +7,8 @@ inputs, and on real Gloo ranks also against raw torch.distributed on the same in
 
 - the results, exactly (``torch.equal``, dtype and shape included);
 - ``await`` returns the tensor of an in-place op and the output of an out-of-place one;
-- out-of-place ops (reduce_scatter, the gathers, all_to_all, send) leave their input be;
+- out-of-place ops (reduce_scatter, the gathers, scatter, all_to_all, send) leave their
+  input be;
 - each handle's ``op`` and ``num_bytes``, and ``seq`` numbers consecutive from 0.
 
 FakeGang plays every rank as a copy of itself, so its reference is the same one computed
@@ -36,6 +37,7 @@ from agang._serialize import encode
 from agang.testing import FakeWorld, run_world
 
 SIZES = (2, 3, 4)
+ROOTED = ("reduce", "gather", "scatter")
 
 # Every async backend on 2 ranks, then one each for 3 and 4: each run_world costs seconds.
 GLOO_RUNS = [(2, "asyncio"), (2, "uvloop"), (2, "trio"), (3, "trio"), (4, "uvloop")]
@@ -77,6 +79,8 @@ def expected_results(case: Case, inputs: list[Any]) -> list[Any]:
     if case.op in ("broadcast", "broadcast_objects"):
         assert case.source_rank is not None
         return [inputs[case.source_rank]] * size
+    if case.op in ROOTED:
+        return expected_rooted(case, inputs)
     if case.op == "all_to_all":
         # Chunk j of rank i's input lands in chunk i of rank j's output.
         return [torch.cat([x.tensor_split(size)[rank] for x in inputs]) for rank in ranks]
@@ -84,6 +88,22 @@ def expected_results(case: Case, inputs: list[Any]) -> list[Any]:
         return [inputs[(rank - 1) % size] for rank in ranks]
     assert case.op == "barrier"
     return [None] * size
+
+
+def expected_rooted(case: Case, inputs: list[Any]) -> list[Any]:
+    """reduce and gather: the result on the root, None elsewhere (a reduce's other
+    tensors are unspecified and not recorded); scatter: the root's r-th block on rank r."""
+    root = case.source_rank
+    assert root is not None
+    ranks = range(len(inputs))
+    if case.op == "scatter":
+        return [inputs[root][rank] for rank in ranks]
+    if case.op == "reduce":
+        assert case.reduce_op is not None
+        result = reduce(inputs, case.reduce_op)
+    else:
+        result = torch.stack(inputs)
+    return [result if rank == root else None for rank in ranks]
 
 
 def num_bytes(tensor: torch.Tensor) -> int:
@@ -94,8 +114,11 @@ def expected_handles(case: Case, rank: int, inputs: list[Any]) -> list[tuple[str
     """``(op, num_bytes)`` of the handles ``rank`` issues: the bytes of its tensors."""
     size = len(inputs)
     mine = inputs[rank]
-    if case.op in ("all_reduce", "broadcast"):
+    if case.op in ("all_reduce", "broadcast", "reduce"):
         return [(case.op, num_bytes(mine))]
+    if case.op in ("gather", "scatter"):  # the root's blocks count on the root only
+        part = num_bytes(mine) if case.op == "gather" else num_bytes(mine) // size
+        return [(case.op, part * (size + 1 if rank == case.source_rank else 1))]
     if case.op == "reduce_scatter":  # the input, and an output of one chunk of it
         return [(case.op, num_bytes(mine) + num_bytes(mine) // size)]
     if case.op in ("all_gather", "all_gather_to_list"):  # the input, and size copies
@@ -206,7 +229,12 @@ def test_gloo_conforms_and_matches_c10d(size: int, async_backend: str) -> None:
 @pytest.mark.parametrize(("rank", "size"), [(0, 1), (2, 3), (1, 4)])
 async def test_fake_gang_conforms_as_copies_of_one_rank(rank: int, size: int) -> None:
     gang = agang.FakeGang(rank=rank, size=size)
-    program = [case for case in cases(size) if case.op != "send_recv"]
+    # A rooted op computes on its root only: there, this rank's copies are every rank.
+    program = [
+        dataclasses.replace(case, source_rank=rank) if case.op in ROOTED else case
+        for case in cases(size)
+        if case.op != "send_recv"
+    ]
 
     records = await run_cases(gang, program)
 

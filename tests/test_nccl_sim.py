@@ -88,6 +88,35 @@ async def test_collectives_are_correct_and_written_when_the_device_runs(
     await close_all(*gangs)
 
 
+async def test_rooted_collectives_write_on_their_root(sim: SimulatedNccl) -> None:
+    gangs = sim.gangs()
+    with anyio.fail_after(BOUND):
+        # MEAN is NCCL's AVG here (no divide of agang's); the other rank keeps its tensor.
+        tensors = [torch.full((2,), float(rank)) for rank in range(2)]
+        handles = [g.reduce(t, 1, agang.ReduceOp.MEAN) for g, t in zip(gangs, tensors, strict=True)]
+        assert [(await h) is t for h, t in zip(handles, tensors, strict=True)] == [True, True]
+        assert [t.tolist() for t in tensors] == [[0.0, 0.0], [0.5, 0.5]]
+
+        gathered = torch.zeros(4)  # concatenated: [size * 2]
+        handles = [
+            g.gather(gathered if rank == 0 else None, torch.full((2,), rank + 1.0), 0)
+            for rank, g in enumerate(gangs)
+        ]
+        results = [await h for h in handles]
+        assert results[0] is gathered
+        assert results[1] is None
+        assert gathered.tolist() == [1.0, 1.0, 2.0, 2.0]
+
+        shards = [torch.zeros(2) for _ in range(2)]
+        source = torch.arange(4.0).view(2, 2)
+        handles = [
+            g.scatter(shards[rank], source if rank == 1 else None, 1)
+            for rank, g in enumerate(gangs)
+        ]
+        assert [(await h).tolist() for h in handles] == [[0.0, 1.0], [2.0, 3.0]]
+    await close_all(*gangs)
+
+
 async def test_c1_async_nccl_error_is_a_collective_error(sim: SimulatedNccl) -> None:
     gangs = sim.gangs()
     with anyio.fail_after(BOUND):

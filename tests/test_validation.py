@@ -34,6 +34,9 @@ COLLECTIVES = [
     "broadcast_objects",
     "all_gather_objects",
     "all_to_all",
+    "reduce",
+    "gather",
+    "scatter",
     "send",
     "recv",
     "barrier",
@@ -61,6 +64,14 @@ def valid_arguments(collective: str, rank: int, size: int) -> dict[str, Any]:
             return {"obj": {"rank": rank}}
         case "all_to_all":
             return {"output": torch.empty(2 * size), "input": torch.ones(2 * size)}
+        case "reduce":  # rank 0 is the root of the rooted collectives
+            return {"tensor": torch.ones(4), "destination_rank": 0}
+        case "gather":
+            output = torch.empty(size, 4) if rank == 0 else None
+            return {"output": output, "input": torch.ones(4), "destination_rank": 0}
+        case "scatter":
+            input = torch.ones(size, 4) if rank == 0 else None
+            return {"output": torch.empty(4), "input": input, "source_rank": 0}
         case "send":
             return {"tensor": torch.ones(4), "destination_rank": (rank + 1) % size}
         case "recv":
@@ -146,6 +157,11 @@ TENSOR_PARAMETERS = [
     ("broadcast", "tensor"),
     ("all_to_all", "output"),
     ("all_to_all", "input"),
+    ("reduce", "tensor"),
+    ("gather", "output"),
+    ("gather", "input"),
+    ("scatter", "output"),
+    ("scatter", "input"),
     ("send", "tensor"),
     ("recv", "tensor"),
 ]
@@ -277,6 +293,41 @@ SHAPE_CASES = [
     ),
 ]
 
+ROOTED_SHAPE_CASES = [
+    case("gather", ValueError, "output", id="output-one-row-short", output=torch.empty(2, 4)),
+    case(
+        "gather",
+        TypeError,
+        "output",
+        id="output-other-dtype",
+        output=torch.empty(SIZE, 4, dtype=torch.float64),
+    ),
+    case("scatter", ValueError, "input", id="input-one-row-short", input=torch.ones(2, 4)),
+    case("scatter", ValueError, "input", id="output-too-long", output=torch.empty(5)),
+    case(
+        "scatter",
+        TypeError,
+        "output",
+        id="output-other-dtype",
+        output=torch.empty(4, dtype=torch.int64),
+    ),
+]
+
+# The bad rank (RANK) is the root of the valid calls: it must pass the root's tensor,
+# and must not pass it when it names another root.
+ROOT_CASES = [
+    case("reduce", ValueError, "destination_rank", id="too-big", destination_rank=SIZE),
+    case("reduce", TypeError, "destination_rank", id="bool", destination_rank=False),
+    case("gather", ValueError, "destination_rank", id="negative", destination_rank=-1),
+    case("gather", TypeError, "destination_rank", id="none", destination_rank=None),
+    case("scatter", ValueError, "source_rank", id="too-big", source_rank=SIZE),
+    case("scatter", TypeError, "source_rank", id="float", source_rank=0.0),
+    case("gather", TypeError, "output", id="output-none-on-the-destination", output=None),
+    case("gather", ValueError, "output", id="output-off-the-destination", destination_rank=1),
+    case("scatter", TypeError, "input", id="input-none-on-the-source", input=None),
+    case("scatter", ValueError, "input", id="input-off-the-source", source_rank=2),
+]
+
 RANK_CASES = [
     case("broadcast", ValueError, "source_rank", id="source-rank-too-big", source_rank=SIZE),
     case("broadcast", ValueError, "source_rank", id="source-rank-negative", source_rank=-1),
@@ -320,6 +371,23 @@ REDUCE_OP_CASES = [
     case("all_reduce", TypeError, "op", id="op-str", op="sum"),
     case("all_reduce", TypeError, "op", id="op-c10d", op=dist.ReduceOp.SUM),
     case("reduce_scatter", TypeError, "op", id="op-c10d", op=dist.ReduceOp.MAX),
+    case("reduce", TypeError, "op", id="op-str", op="max"),
+    case(
+        "reduce",
+        TypeError,
+        "tensor",
+        id="mean-of-ints",
+        tensor=torch.ones(4, dtype=torch.int32),
+        op=ReduceOp.MEAN,
+    ),
+    case(
+        "reduce",
+        TypeError,
+        "tensor",
+        id="min-of-complex",
+        tensor=torch.ones(4, dtype=torch.complex64),
+        op=ReduceOp.MIN,
+    ),
     case(
         "all_reduce",
         TypeError,
@@ -362,6 +430,8 @@ REDUCE_OP_CASES = [
 BAD_CALLS = [
     *bad_tensor_cases(),
     *SHAPE_CASES,
+    *ROOTED_SHAPE_CASES,
+    *ROOT_CASES,
     *RANK_CASES,
     *OBJECT_CASES,
     *TIMEOUT_CASES,

@@ -33,11 +33,11 @@ from typing import Any, final
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import AllgatherOptions
 
 from agang import _exit
-from agang._backends import c10d_blame, c10d_order, c10d_peers, cuda_completion
+from agang._backends import c10d_blame, c10d_calls, c10d_order, c10d_peers, cuda_completion
 from agang._backends.c10d_abort import Aborter
+from agang._backends.c10d_calls import all_gather_flat, all_to_all_flat, real, reduce_scatter_flat
 from agang._backends.c10d_children import create_groups
 from agang._backends.c10d_waiter import WorkWaiter
 from agang._backends.contract import Blamed, Checked, Done, ProgressOf, after_post
@@ -54,31 +54,6 @@ _BACKSTOP_MARGIN = 30.0
 # the default group's heartbeat monitor then kills the process minutes later whatever
 # the error handling mode. So "no deadline" lifts it to what is never reached in practice.
 _NO_DEADLINE_BACKSTOP = 30 * 86400.0
-
-
-def _all_gather_flat(group: Any, output: torch.Tensor, input: torch.Tensor) -> Any:
-    # The group's own method, not ``dist``'s function: a group double works too.
-    options = AllgatherOptions()
-    options.asyncOp = True
-    method = getattr(group, "all_gather_single", None) or group._allgather_base
-    return method(output, input, options)
-
-
-def _reduce_scatter_flat(
-    group: Any, output: torch.Tensor, input: torch.Tensor, op: dist.ReduceOp.RedOpType
-) -> Any:
-    options = dist.ReduceScatterOptions()
-    options.reduceOp = op  # type: ignore[assignment]  # stubs want the enum's class
-    options.asyncOp = True
-    method = getattr(group, "reduce_scatter_single", None) or group._reduce_scatter_base
-    return method(output, input, options)
-
-
-def _all_to_all_flat(group: Any, output: torch.Tensor, input: torch.Tensor) -> Any:
-    options = dist.AllToAllOptions()
-    options.asyncOp = True
-    method = getattr(group, "all_to_all_single", None) or group.alltoall_base
-    return method(output, input, [], [], options)
 
 
 def backstop_for(timeout: float | None) -> float:
@@ -113,11 +88,6 @@ def _then(first: Callable[[], None], second: Callable[[], None] | None) -> Calla
         second()
 
     return both
-
-
-def _real(tensor: torch.Tensor) -> torch.Tensor:
-    # c10d reduces complex tensors as pairs of reals.
-    return torch.view_as_real(tensor) if tensor.is_complex() else tensor
 
 
 @final
@@ -288,7 +258,7 @@ class C10dBackend:
         post: Callable[[], None] | None = None,
     ) -> None:
         options, divide = self._all_reduce_options[op]
-        work = self._group().allreduce([_real(tensor)], options)
+        work = self._group().allreduce([real(tensor)], options)
         if divide:
             post = _then(_divider(tensor, self._size), post)
         self._watch(work, done, post)
@@ -298,21 +268,21 @@ class C10dBackend:
     ) -> None:
         # Gloo concatenates along the first dimension: the input must be flat like the
         # output, or a 2-D or 0-dim input fails ("invalid tensor size at index 0").
-        flat_input = _real(input.view(-1))
-        work = _all_gather_flat(self._group(), _real(output), flat_input)
+        flat_input = real(input.view(-1))
+        work = all_gather_flat(self._group(), real(output), flat_input)
         self._watch(work, done, to_host=to_host)
 
     def start_all_gather_to_list(
         self, outputs: list[torch.Tensor], input: torch.Tensor, done: Done
     ) -> None:
-        work = self._group().allgather([[_real(t) for t in outputs]], [_real(input)])
+        work = self._group().allgather([[real(t) for t in outputs]], [real(input)])
         self._watch(work, done)
 
     def start_reduce_scatter(
         self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp, done: Done
     ) -> None:
         c10d_op, divide = to_c10d(op, backend=self._kind)
-        work = _reduce_scatter_flat(self._group(), _real(output.view(-1)), _real(input), c10d_op)
+        work = reduce_scatter_flat(self._group(), real(output.view(-1)), real(input), c10d_op)
         self._watch(work, done, _divider(output, self._size) if divide else None)
 
     def start_broadcast(
@@ -321,12 +291,40 @@ class C10dBackend:
         options = dist.BroadcastOptions()
         options.rootRank = source_rank
         options.rootTensor = 0
-        work = self._group().broadcast([_real(tensor)], options)
+        work = self._group().broadcast([real(tensor)], options)
         self._watch(work, done, to_host=to_host)
 
     def start_all_to_all(self, output: torch.Tensor, input: torch.Tensor, done: Done) -> None:
-        work = _all_to_all_flat(self._group(), _real(output), _real(input))
+        work = all_to_all_flat(self._group(), real(output), real(input))
         self._watch(work, done)
+
+    # The rooted collectives: MEAN is divided on the destination only, where the sum is.
+
+    def start_reduce(
+        self, tensor: torch.Tensor, destination_rank: int, op: ReduceOp, done: Done
+    ) -> None:
+        c10d_op, divide = to_c10d(op, backend=self._kind)
+        work = c10d_calls.reduce(self._group(), tensor, destination_rank, c10d_op)
+        divide = divide and self._rank == destination_rank
+        self._watch(work, done, _divider(tensor, self._size) if divide else None)
+
+    def start_gather(
+        self,
+        outputs: list[torch.Tensor] | None,
+        input: torch.Tensor,
+        destination_rank: int,
+        done: Done,
+    ) -> None:
+        self._watch(c10d_calls.gather(self._group(), outputs, input, destination_rank), done)
+
+    def start_scatter(
+        self,
+        output: torch.Tensor,
+        inputs: list[torch.Tensor] | None,
+        source_rank: int,
+        done: Done,
+    ) -> None:
+        self._watch(c10d_calls.scatter(self._group(), output, inputs, source_rank), done)
 
     def _watch_p2p(self, work: Any, done: Done) -> None:
         if self._kind == "nccl":
@@ -335,10 +333,10 @@ class C10dBackend:
         self._waiter("send/recv").watch(work, done)
 
     def start_send(self, tensor: torch.Tensor, destination_rank: int, done: Done) -> None:
-        self._watch_p2p(self._group().send([_real(tensor)], destination_rank, 0), done)
+        self._watch_p2p(self._group().send([real(tensor)], destination_rank, 0), done)
 
     def start_recv(self, tensor: torch.Tensor, source_rank: int, done: Done) -> None:
-        self._watch_p2p(self._group().recv([_real(tensor)], source_rank, 0), done)
+        self._watch_p2p(self._group().recv([real(tensor)], source_rank, 0), done)
 
     def start_barrier(self, done: Done) -> None:
         if self._kind == "nccl":

@@ -160,6 +160,32 @@ class Backend(Protocol):
     def start_all_to_all(self, output: torch.Tensor, input: torch.Tensor, done: Done) -> None:
         """Chunk j of ``input`` goes to rank j; chunk j of ``output`` comes from rank j."""
 
+    def start_reduce(
+        self, tensor: torch.Tensor, destination_rank: int, op: ReduceOp, done: Done
+    ) -> None:
+        """Reduces ``tensor`` into ``destination_rank``'s, divided there for MEAN; the
+        other ranks' ``tensor`` may be left holding anything."""
+
+    def start_gather(
+        self,
+        outputs: list[torch.Tensor] | None,
+        input: torch.Tensor,
+        destination_rank: int,
+        done: Done,
+    ) -> None:
+        """``outputs[r]`` of ``destination_rank`` receives rank r's ``input``;
+        ``outputs`` is None on the other ranks."""
+
+    def start_scatter(
+        self,
+        output: torch.Tensor,
+        inputs: list[torch.Tensor] | None,
+        source_rank: int,
+        done: Done,
+    ) -> None:
+        """``output`` of rank r receives ``inputs[r]`` of ``source_rank``; ``inputs`` is
+        None on the other ranks and stays unchanged on the source."""
+
     def start_send(self, tensor: torch.Tensor, destination_rank: int, done: Done) -> None:
         """Sends ``tensor``; matched with ``destination_rank``'s receives in order."""
 

@@ -2,8 +2,9 @@
 
 Every simulated rank is assumed to hold the same tensors as this one, so SUM multiplies
 by the size, PRODUCT raises to the size, MEAN, MIN and MAX leave values as they are, and
-gathers repeat the input. Every op finishes inside its ``start_*`` call. It implements
-the contract of ``contract``.
+gathers repeat the input. A rooted op computes on its root only: a reduce elsewhere and a
+scatter off its source leave their tensor as it is. Every op finishes inside its
+``start_*`` call. It implements the contract of ``contract``.
 """
 
 from __future__ import annotations
@@ -117,6 +118,42 @@ class FakeBackend:
         # Rank j sends this rank its chunk number `rank`, which equals ours.
         chunk = input.view(self._size, -1)[self._rank]
         output.view(self._size, -1).copy_(chunk.unsqueeze(0))
+        done(None)
+
+    # The rooted collectives: the root is a copy of this rank too.
+
+    @torch.no_grad()  # results go into tensors that may require grad
+    def start_reduce(
+        self, tensor: torch.Tensor, destination_rank: int, op: ReduceOp, done: Done
+    ) -> None:
+        if self._rank == destination_rank:  # elsewhere ``tensor`` is left as it is
+            _repeat_reduce(tensor, op, self._size)
+        done(None)
+
+    @torch.no_grad()  # results go into tensors that may require grad
+    def start_gather(
+        self,
+        outputs: list[torch.Tensor] | None,
+        input: torch.Tensor,
+        destination_rank: int,
+        done: Done,
+    ) -> None:
+        for output in outputs or ():  # outputs: on the destination only
+            output.copy_(input)
+        done(None)
+
+    @torch.no_grad()  # results go into tensors that may require grad
+    def start_scatter(
+        self,
+        output: torch.Tensor,
+        inputs: list[torch.Tensor] | None,
+        source_rank: int,
+        done: Done,
+    ) -> None:
+        # Off the source this rank has no copy of the source's blocks: ``output`` is
+        # left as it is, as broadcast leaves its tensor.
+        if inputs is not None:
+            output.copy_(inputs[self._rank])
         done(None)
 
     def start_send(self, tensor: torch.Tensor, destination_rank: int, done: Done) -> None:

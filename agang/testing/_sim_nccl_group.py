@@ -274,6 +274,19 @@ class SimProcessGroup:
     ) -> SimWork:
         return self._issue("all_to_all_single", input, output)
 
+    def reduce(self, tensors: list[torch.Tensor], options: Any = None) -> SimWork:
+        return self._issue("reduce", tensors, tensors, options=options)
+
+    def gather(
+        self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], options: Any = None
+    ) -> SimWork:
+        return self._issue("gather", inputs, outputs, options=options)
+
+    def scatter(
+        self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], options: Any = None
+    ) -> SimWork:
+        return self._issue("scatter", inputs, outputs, options=options)
+
     def send(self, tensors: list[torch.Tensor], destination: int, tag: int = 0) -> SimWork:
         pair = [self._rank, destination]
         return self._issue("send", tensors, None, key=("p2p", *pair), ranks=sorted(pair))

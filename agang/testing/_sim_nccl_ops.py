@@ -80,6 +80,22 @@ def kernel_for(kind: str, options: Any) -> Kernel:
         for rank, p in enumerate(ranked):
             p.outputs.view(-1).copy_(torch.cat([chunks[j][rank] for j in range(len(ranked))]))
 
+    # The rooted ops write on their root only (reduce, gather) or read from it (scatter).
+
+    def reduce(parts: dict[int, Part]) -> None:
+        result = _reduce([p.inputs[0] for p in _ranked(parts)], _op(options))
+        parts[options.rootRank].outputs[0].copy_(result)
+
+    def gather(parts: dict[int, Part]) -> None:
+        outputs = parts[options.rootRank].outputs[0]
+        for out, p in zip(outputs, _ranked(parts), strict=True):
+            out.copy_(p.inputs[0])
+
+    def scatter(parts: dict[int, Part]) -> None:
+        inputs = parts[options.rootRank].inputs[0]
+        for p, value in zip(_ranked(parts), inputs, strict=True):
+            p.outputs[0].copy_(value)
+
     def send(parts: dict[int, Part]) -> None:
         sender = next(p for p in parts.values() if p.inputs is not None)
         receiver = next(p for p in parts.values() if p.outputs is not None)
@@ -95,6 +111,9 @@ def kernel_for(kind: str, options: Any) -> Kernel:
         "all_gather_single": all_gather_single,
         "reduce_scatter_single": reduce_scatter_single,
         "all_to_all_single": all_to_all_single,
+        "reduce": reduce,
+        "gather": gather,
+        "scatter": scatter,
         "send": send,
         "barrier": barrier,
     }

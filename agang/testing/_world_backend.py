@@ -255,6 +255,23 @@ def _all_to_all(arrivals: list[_Arrival]) -> None:
         a.args[0].reshape(size, -1).copy_(torch.stack([inputs[j][a.rank] for j in range(size)]))
 
 
+def _reduce(arrivals: list[_Arrival]) -> None:
+    op, destination = arrivals[0].key[0], arrivals[0].key[1]
+    arrivals[destination].args[0].copy_(reduce_tensors([a.args[0] for a in arrivals], op))
+
+
+def _gather(arrivals: list[_Arrival]) -> None:
+    outputs = arrivals[arrivals[0].key[0]].args[0]
+    for output, a in zip(outputs, arrivals, strict=True):
+        output.copy_(a.args[1])
+
+
+def _scatter(arrivals: list[_Arrival]) -> None:
+    inputs = arrivals[arrivals[0].key[0]].args[1]
+    for a, input in zip(arrivals, inputs, strict=True):
+        a.args[0].copy_(input)
+
+
 def _nothing(arrivals: list[_Arrival]) -> None:
     pass
 
@@ -266,6 +283,9 @@ _COMPUTE: dict[str, Callable[[list[_Arrival]], None]] = {
     "reduce_scatter": _reduce_scatter,
     "broadcast": _broadcast,
     "all_to_all": _all_to_all,
+    "reduce": _reduce,
+    "gather": _gather,
+    "scatter": _scatter,
     "barrier": _nothing,
 }
 
@@ -345,6 +365,33 @@ class FakeWorldBackend:
 
     def start_all_to_all(self, output: torch.Tensor, input: torch.Tensor, done: Done) -> None:
         self._arrive("all_to_all", _shapes(output, input), (output, input), done)
+
+    # The rooted collectives. Only the root holds its blocks, so the ranks agree on the
+    # root and on the shape of the tensor every rank has; off the destination a reduce
+    # leaves ``tensor`` as it is.
+
+    def start_reduce(
+        self, tensor: torch.Tensor, destination_rank: int, op: ReduceOp, done: Done
+    ) -> None:
+        self._arrive("reduce", (op, destination_rank, *_shapes(tensor)), (tensor,), done)
+
+    def start_gather(
+        self,
+        outputs: list[torch.Tensor] | None,
+        input: torch.Tensor,
+        destination_rank: int,
+        done: Done,
+    ) -> None:
+        self._arrive("gather", (destination_rank, *_shapes(input)), (outputs, input), done)
+
+    def start_scatter(
+        self,
+        output: torch.Tensor,
+        inputs: list[torch.Tensor] | None,
+        source_rank: int,
+        done: Done,
+    ) -> None:
+        self._arrive("scatter", (source_rank, *_shapes(output)), (output, inputs), done)
 
     def start_send(self, tensor: torch.Tensor, destination_rank: int, done: Done) -> None:
         self.communicator.point_to_point("send", (self._rank, destination_rank), tensor, done)

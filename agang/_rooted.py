@@ -1,0 +1,156 @@
+"""The rooted collectives of :class:`agang.Gang`: reduce, gather and scatter.
+
+They are a part of ``CollectiveGang`` (which inherits this mixin), kept apart because
+one rank, the root, plays another role than the others: it alone receives the
+reduction (``reduce``), receives every rank's block (``gather``) or sends one block to
+every rank (``scatter``). The tensor only the root uses must be None elsewhere, so a
+call that mixes up the roles fails at once, naming it, instead of being ignored.
+
+Each call is checked, then issued as every collective is (``CollectiveGang._issue``:
+timeout, coalescer flush, engine), with a fingerprint naming the root, so ranks that
+disagree on it fail the order check. The root's blocks go to the backend as views of
+its stacked or concatenated tensor, one per rank, as c10d takes them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+
+from agang._backends.contract import Backend
+from agang._engine.coalescer import describe
+from agang._engine.ops import Start
+from agang._handle import Handle
+from agang._reduce_op import ReduceOp
+from agang._validate import (
+    check_rank,
+    check_reduce_dtype,
+    check_reduce_op,
+    check_root_only,
+    check_same_dtype,
+    check_stacked_or_concatenated,
+)
+
+
+def blocks(tensor: torch.Tensor, size: int, part: Sequence[int]) -> list[torch.Tensor]:
+    """Views of ``tensor``'s ``size`` blocks shaped ``part``, in rank order; ``tensor``
+    is stacked or concatenated (both are the same bytes in the same order)."""
+    return list(tensor.view(size, *part).unbind(0))
+
+
+class _Gang(Protocol):
+    """What the mixin uses of ``CollectiveGang``: its ranks, backend and issue path."""
+
+    _backend: Backend
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def size(self) -> int: ...
+
+    def _check_tensor(self, tensor: object, name: str) -> torch.Tensor:
+        """``tensor``, checked for this gang's device and backend."""
+
+    def _issue(
+        self,
+        op: str,
+        tensors: Sequence[tuple[str, torch.Tensor]],
+        output: Any,
+        timeout: float | None,
+        start: Start,
+        *,
+        fingerprint: str | None = None,
+    ) -> Handle[Any]:
+        """Issues one backend op whose handle finishes with ``output``."""
+
+
+class RootedCollectives:
+    """``reduce``, ``gather`` and ``scatter`` of :class:`agang.Gang`, for
+    ``CollectiveGang`` (a plain mixin, not a Gang: the gang classes stay one level deep
+    under ``CollectiveGang``); their documentation is the Gang's."""
+
+    def reduce(
+        self: _Gang,
+        tensor: torch.Tensor,
+        destination_rank: int,
+        op: ReduceOp = ReduceOp.SUM,
+        *,
+        timeout: float | None = None,
+    ) -> Handle[torch.Tensor]:
+        tensor = self._check_tensor(tensor, "tensor")
+        destination_rank = check_rank(destination_rank, self.size, name="destination_rank")
+        op = check_reduce_op(op)
+        check_reduce_dtype(tensor, op, name="tensor")
+        backend = self._backend
+        return self._issue(
+            "reduce",
+            [("tensor", tensor)],
+            tensor,
+            timeout,
+            lambda done: backend.start_reduce(tensor, destination_rank, op, done),
+            fingerprint=f"reduce({op.name}, destination_rank={destination_rank}, "
+            f"{describe(tensor)})",
+        )
+
+    def gather(
+        self: _Gang,
+        output: torch.Tensor | None,
+        input: torch.Tensor,
+        destination_rank: int,
+        *,
+        timeout: float | None = None,
+    ) -> Handle[torch.Tensor | None]:
+        input = self._check_tensor(input, "input")
+        destination_rank = check_rank(destination_rank, self.size, name="destination_rank")
+        is_root = self.rank == destination_rank
+        check_root_only(output, is_root=is_root, name="output", root="destination rank")
+        tensors = [("input", input)]
+        outputs = None
+        if output is not None:
+            output = self._check_tensor(output, "output")
+            check_same_dtype(output, input)
+            check_stacked_or_concatenated(output, self.size, input.shape, name="output")
+            tensors.insert(0, ("output", output))
+            outputs = blocks(output, self.size, input.shape)
+        backend = self._backend
+        return self._issue(
+            "gather",
+            tensors,
+            output,
+            timeout,
+            lambda done: backend.start_gather(outputs, input, destination_rank, done),
+            fingerprint=f"gather(destination_rank={destination_rank}, {describe(input)})",
+        )
+
+    def scatter(
+        self: _Gang,
+        output: torch.Tensor,
+        input: torch.Tensor | None,
+        source_rank: int,
+        *,
+        timeout: float | None = None,
+    ) -> Handle[torch.Tensor]:
+        output = self._check_tensor(output, "output")
+        source_rank = check_rank(source_rank, self.size, name="source_rank")
+        is_root = self.rank == source_rank
+        check_root_only(input, is_root=is_root, name="input", root="source rank")
+        tensors = [("output", output)]
+        inputs = None
+        if input is not None:
+            input = self._check_tensor(input, "input")
+            check_same_dtype(output, input)
+            check_stacked_or_concatenated(input, self.size, output.shape, name="input")
+            tensors.append(("input", input))
+            inputs = blocks(input, self.size, output.shape)
+        backend = self._backend
+        return self._issue(
+            "scatter",
+            tensors,
+            output,
+            timeout,
+            lambda done: backend.start_scatter(output, inputs, source_rank, done),
+            fingerprint=f"scatter(source_rank={source_rank}, {describe(output)})",
+        )
