@@ -147,6 +147,20 @@ def test_selfcheck_passes_on_this_gpu() -> None:
     assert "agang selfcheck: NCCL on" in done.stdout
 
 
+def test_rooted_collectives_on_the_device(gang: agang.Gang) -> None:
+    # One rank: reduce is the identity, gather copies the input into its row, scatter
+    # copies the source's first block out (both layouts go to NCCL as views).
+    tensor = torch.arange(8, device=gang.device, dtype=torch.float32)
+    expected = tensor.clone()
+    assert torch.equal(gang.reduce(tensor, 0, agang.ReduceOp.MEAN).wait(timeout=60), expected)
+    stacked = torch.empty(1, 8, device=gang.device)
+    assert torch.equal(gang.gather(stacked, tensor, 0).wait(timeout=60)[0], expected)
+    flat = torch.empty(8, device=gang.device)
+    assert torch.equal(gang.gather(flat, tensor, 0).wait(timeout=60), expected)
+    out = torch.empty(8, device=gang.device)
+    assert torch.equal(gang.scatter(out, tensor.view(1, 8), 0).wait(timeout=60), expected)
+
+
 def test_an_elastic_gang_reforms_onto_a_new_nccl_communicator() -> None:
     """An elastic gang of one on NCCL around an ``agang store``: a reform makes epoch 1
     on a new communicator, and both epochs' all-reduces are exact on the device (in a
