@@ -10,8 +10,10 @@ Rules (blocking, on set-up threads; never on the loop):
 3. A group whose creation fails (a member died after the decision) is destroyed, and
    the next epoch is formed by whoever is left, within the same deadline. One attempt
    waits at most ``GROUP_ATTEMPT_SECONDS`` for the members: all were alive at the
-   decision moments before, so one that has not connected by then is gone, and waiting
-   for it until the deadline would leave no time to form the next epoch. No responder
+   decision moments before, so one that has not checked in to make the group by then is
+   gone, and waiting for it until the deadline would leave no time to form the next
+   epoch. Once every member checked in, connecting may take the rest of the deadline
+   (a loaded machine took over 3 s). No responder
    serves a group never made, so that next formation takes as alive the members that
    checked in to make it, for ``GROUP_ATTEMPT_SECONDS`` (their own attempts end then,
    about when this one's did); the others are gone.
@@ -45,8 +47,10 @@ from agang._setup.retry import TransientSetupError, call_c10d, one_line
 
 log = logging.getLogger("agang")
 
-#: The most one attempt at an epoch's group waits for its members (seconds; rule 3).
+#: The most one attempt at an epoch's group waits for its members to check in to make
+#: it (seconds; rule 3). Once all have, making the group may take the rest of the deadline.
 GROUP_ATTEMPT_SECONDS = 3.0
+_CHECK_IN_POLL = 0.02
 
 
 @dataclass(frozen=True)
@@ -235,6 +239,23 @@ def reform_membership(
     return Formed(formed.world, store, formed.me, following, members)
 
 
+def _wait_for_check_ins(formed: Formed, until: float) -> None:
+    """Returns once every member of ``formed`` checked in to make its group; raises
+    ``TransientSetupError`` naming those that did not by ``until`` (gone: rule 3)."""
+    expected = {c.uid: c for c in formed.members}
+    while True:
+        missing = set(expected) - membership.checked_in(formed.store, formed.epoch)
+        if not missing:
+            return
+        if time.monotonic() >= until:
+            names = ", ".join(sorted(expected[uid].where for uid in missing))
+            raise TransientSetupError(
+                f"Epoch {formed.epoch}'s group could not be made: {names} did not come to "
+                f"make it within {GROUP_ATTEMPT_SECONDS:g} s of the decision (gone)."
+            )
+        time.sleep(_CHECK_IN_POLL)
+
+
 def make_group(formed: Formed, backend: str, deadline: float, device: Any) -> None:
     """The epoch's process group (rule 2); raises ``TransientSetupError`` where a member
     is gone (rule 3)."""
@@ -245,7 +266,10 @@ def make_group(formed: Formed, backend: str, deadline: float, device: Any) -> No
     c10d_blame.hosts_store = False
     c10d_blame.store_address = f"{formed.world.master_addr}:{formed.world.master_port}"
     membership.check_in(formed.store, formed.epoch, formed.me)
-    seconds = max(1.0, min(GROUP_ATTEMPT_SECONDS, deadline - time.monotonic()))
+    _wait_for_check_ins(formed, min(deadline, time.monotonic() + GROUP_ATTEMPT_SECONDS))
+    # Every member is alive and making the group: give it the rest of the deadline (a
+    # loaded machine may take seconds to connect them).
+    seconds = max(1.0, deadline - time.monotonic())
     try:
         dist.init_process_group(
             backend,
