@@ -67,6 +67,22 @@ class _Gang(Protocol):
         """Issues one backend op whose handle finishes with ``output``."""
 
 
+def _root_tensor(
+    gang: _Gang, tensor: torch.Tensor | None, block: torch.Tensor, *, is_root: bool, name: str
+) -> tuple[torch.Tensor | None, list[torch.Tensor] | None]:
+    """The root-only ``tensor`` (gather's output, scatter's input), checked, and views
+    of its per-rank blocks shaped like ``block``; (None, None) off the root."""
+    root = "destination rank" if name == "output" else "source rank"
+    check_root_only(tensor, is_root=is_root, name=name, root=root)
+    if tensor is None:
+        return None, None
+    tensor = gang._check_tensor(tensor, name)
+    output, input = (tensor, block) if name == "output" else (block, tensor)
+    check_same_dtype(output, input)
+    check_stacked_or_concatenated(tensor, gang.size, block.shape, name=name)
+    return tensor, blocks(tensor, gang.size, block.shape)
+
+
 class RootedCollectives:
     """``reduce``, ``gather`` and ``scatter`` of :class:`agang.Gang`, for
     ``CollectiveGang`` (a plain mixin, not a Gang: the gang classes stay one level deep
@@ -105,16 +121,10 @@ class RootedCollectives:
     ) -> Handle[torch.Tensor | None]:
         input = self._check_tensor(input, "input")
         destination_rank = check_rank(destination_rank, self.size, name="destination_rank")
-        is_root = self.rank == destination_rank
-        check_root_only(output, is_root=is_root, name="output", root="destination rank")
-        tensors = [("input", input)]
-        outputs = None
-        if output is not None:
-            output = self._check_tensor(output, "output")
-            check_same_dtype(output, input)
-            check_stacked_or_concatenated(output, self.size, input.shape, name="output")
-            tensors.insert(0, ("output", output))
-            outputs = blocks(output, self.size, input.shape)
+        output, outputs = _root_tensor(
+            self, output, input, is_root=self.rank == destination_rank, name="output"
+        )
+        tensors = [("input", input)] if output is None else [("output", output), ("input", input)]
         backend = self._backend
         return self._issue(
             "gather",
@@ -135,16 +145,10 @@ class RootedCollectives:
     ) -> Handle[torch.Tensor]:
         output = self._check_tensor(output, "output")
         source_rank = check_rank(source_rank, self.size, name="source_rank")
-        is_root = self.rank == source_rank
-        check_root_only(input, is_root=is_root, name="input", root="source rank")
-        tensors = [("output", output)]
-        inputs = None
-        if input is not None:
-            input = self._check_tensor(input, "input")
-            check_same_dtype(output, input)
-            check_stacked_or_concatenated(input, self.size, output.shape, name="input")
-            tensors.append(("input", input))
-            inputs = blocks(input, self.size, output.shape)
+        input, inputs = _root_tensor(
+            self, input, output, is_root=self.rank == source_rank, name="input"
+        )
+        tensors = [("output", output)] if input is None else [("output", output), ("input", input)]
         backend = self._backend
         return self._issue(
             "scatter",
