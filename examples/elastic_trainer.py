@@ -50,7 +50,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     """The command line, checked: every error names the parameter (status 2)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, default=4, help="worker processes (1-64)")
-    parser.add_argument("--steps", type=int, default=60, help="training steps in all")
+    parser.add_argument("--steps", type=int, default=100, help="training steps in all")
     parser.add_argument("--kill", type=int, metavar="RANK", help="the rank to SIGKILL")
     parser.add_argument("--at-step", type=int, metavar="S", help="the step it dies at")
     parser.add_argument(
