@@ -102,7 +102,7 @@ def _example() -> ModuleType:
         (["--kill", "4", "--at-step", "5"], "--kill must be a rank from 0 to 3"),
         (["--kill", "1"], "--kill and --at-step go together"),
         (["--respawn"], "--respawn replaces a killed worker"),
-        (["--kill", "1", "--at-step", "60"], "--at-step must be from 0 to --steps - 1 (59)"),
+        (["--kill", "1", "--at-step", "100"], "--at-step must be from 0 to --steps - 1 (99)"),
         (["--workers", "0"], "--workers must be between 1 and 64"),
         (["--workers", "2", "--min-size", "2", "--kill", "0", "--at-step", "1"], "--min-size"),
         (["--op-timeout", "0"], "--op-timeout must be positive"),
