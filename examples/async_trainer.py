@@ -10,6 +10,8 @@ the event loop.
 
 ``--check-ddp`` then trains the same model, data and seed with torch's
 DistributedDataParallel and checks that every step's loss and the final parameters match.
+It also compares the two runs' median step times, each leaving out its first 10 steps:
+the run that goes first (agang's) would otherwise pay the process's one-time costs.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from tqdm import tqdm
 import agang
 
 DIMENSIONS = (64, 8)  # inputs, outputs
+WARM_UP = 10  # steps left out of the median step time
 
 
 @dataclass
@@ -39,6 +42,13 @@ class Run:
     parameters: list[torch.Tensor]
     seconds: float
     hidden_shares: list[float]
+    step_seconds: list[float]
+
+    def median_step(self) -> float:
+        """The median time of a step once warm (the first ``WARM_UP`` steps left out:
+        they pay one-time costs, first allocations and first kernels, that a comparison
+        between two runs in one process would charge to whichever runs first)."""
+        return statistics.median(self.step_seconds[WARM_UP:] or self.step_seconds)
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -95,10 +105,11 @@ async def train_with_agang(args: argparse.Namespace, gang: agang.Gang) -> Run:
     sync = agang.GradientSync(model, gang, bucket_bytes=int(args.bucket_mb * 2**20))
     await sync.ready()
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    losses, hidden = [], []
+    losses, hidden, steps = [], [], []
     started = time.perf_counter()
     bar = progress(args, gang.rank, "agang")
     for step in bar:
+        step_started = time.perf_counter()
         x, y = batch(args, gang.rank, step, gang.device)
         loss = torch.nn.functional.mse_loss(model(x), y)
         loss.backward()  # buckets are all-reduced as backward produces them
@@ -106,13 +117,14 @@ async def train_with_agang(args: argparse.Namespace, gang: agang.Gang) -> Run:
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
+        steps.append(time.perf_counter() - step_started)
         last = sync.last_step()
         if last is not None:
             hidden.append(last.hidden_share)
         bar.set_postfix(loss=f"{losses[-1]:.4f}")
     seconds = time.perf_counter() - started
     sync.remove()
-    return Run(losses, [p.detach().cpu() for p in model.parameters()], seconds, hidden)
+    return Run(losses, [p.detach().cpu() for p in model.parameters()], seconds, hidden, steps)
 
 
 def train_with_ddp(args: argparse.Namespace, rank: int, device: torch.device) -> Run:
@@ -123,17 +135,19 @@ def train_with_ddp(args: argparse.Namespace, rank: int, device: torch.device) ->
         bucket_cap_mb=args.bucket_mb,
     )
     optimizer = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
-    losses = []
+    losses, steps = [], []
     started = time.perf_counter()
     for step in progress(args, rank, "DDP"):
+        step_started = time.perf_counter()
         x, y = batch(args, rank, step, device)
         loss = torch.nn.functional.mse_loss(ddp(x), y)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
+        steps.append(time.perf_counter() - step_started)
     seconds = time.perf_counter() - started
-    return Run(losses, [p.detach().cpu() for p in model.parameters()], seconds, [])
+    return Run(losses, [p.detach().cpu() for p in model.parameters()], seconds, [], steps)
 
 
 def compare(ours: Run, theirs: Run, *, tolerance: float = 1e-4) -> str | None:
@@ -175,7 +189,7 @@ async def main(argv: list[str] | None = None, say: Callable[[str], None] = print
             hidden = statistics.mean(run.hidden_shares) if run.hidden_shares else 1.0
             say(
                 f"agang: {gang.size} rank(s), {args.steps} steps in {run.seconds:.2f} s "
-                f"({args.steps / run.seconds:.1f} steps/s); communication hidden behind "
+                f"(median step {1e3 * run.median_step():.2f} ms); communication hidden behind "
                 f"backward: {100 * hidden:.0f}%; final loss {final_loss:.5f} "
                 f"(first {run.losses[0]:.5f})"
             )
@@ -191,7 +205,9 @@ async def main(argv: list[str] | None = None, say: Callable[[str], None] = print
             say(
                 f"DDP check passed: {args.steps} losses and all parameters match "
                 f"(largest parameter difference {largest_difference(run, reference):.2g}); "
-                f"DDP took {reference.seconds:.2f} s"
+                f"DDP took {reference.seconds:.2f} s (median step "
+                f"{1e3 * reference.median_step():.2f} ms); agang/DDP per step "
+                f"{run.median_step() / reference.median_step():.2f}x"
             )
         return int(verdict.item())
     finally:
