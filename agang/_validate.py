@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -266,15 +267,23 @@ def check_split_sizes(sizes: object, size: int, *, name: str) -> list[int]:
         raise ValueError(
             f"`{name}` must have one size per rank ({size}), but has {len(sizes)} instead."
         )
+    checked = []
     for value in sizes:
-        if isinstance(value, bool) or not isinstance(value, int):
+        try:  # ints, and what stands for one (NumPy's, a 0-dim integer tensor)
+            if isinstance(value, bool):
+                raise TypeError
+            number = operator.index(value)
+        except TypeError:
             raise TypeError(
                 f"`{name}` must contain ints only, but contains {value!r} of type "
                 f"`{type(value).__name__}` instead."
+            ) from None
+        if number < 0:
+            raise ValueError(
+                f"`{name}` must contain sizes of 0 or more, but contains {number} instead."
             )
-        if value < 0:
-            raise ValueError(f"`{name}` must contain sizes of 0 or more, but contains {value}.")
-    return list(sizes)
+        checked.append(number)
+    return checked
 
 
 def check_rows(tensor: torch.Tensor, sizes: Sequence[int], *, name: str, sizes_name: str) -> None:
