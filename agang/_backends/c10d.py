@@ -7,7 +7,8 @@ How an op's end reaches agang:
    already done). It only finishes the op's post-processing and calls ``done``.
 2. Gloo send/recv and reduce_scatter have no future ("Work::getFuture not implemented"),
    so a waiter thread per gang and kind waits on them in issue order. A later send that
-   finishes before an earlier one is reported after it: late, never wrong.
+   finishes before an earlier one is reported after it: late, never wrong. An exchange
+   is one Work per transfer there (Gloo cannot coalesce), done once all of them are.
 3. NCCL: the future only means "enqueued", so completion goes through
    ``cuda_completion`` (an event on the gang's side stream, the gang's watcher thread).
    Every stream, event and device call goes through the backend's ``DeviceRuntime``
