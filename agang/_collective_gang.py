@@ -11,7 +11,8 @@ A ``CollectiveGang`` is made of parts, each holding the next, with one-way calls
 ``ProcessGroupGang``, ``FakeGang`` and ``testing.FakeWorldGang`` are this class over
 their backend. Sub-gangs and lanes are made here, once, from the backend's children.
 Only collectives are order-checked (fingerprint: op, shapes, dtypes, reduce op, root).
-The rooted collectives (reduce, gather, scatter) are the mixin ``agang._rooted``'s.
+The rooted collectives (reduce, gather, scatter) are the mixin ``agang._rooted``'s;
+all_gather, all_to_all and exchange (whose blocks may be uneven) ``agang._exchanges``'s.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from agang._backends.device_runtime import StreamOrder
 from agang._engine.coalescer import DEFAULT_BUCKET_BYTES, Coalesced, Coalescer, all_of, describe
 from agang._engine.engine import Engine
 from agang._engine.ops import Start
+from agang._exchanges import ExchangeCollectives
 from agang._gang import Gang
 from agang._handle import Handle
 from agang._lanes import Lanes
@@ -57,7 +59,7 @@ from agang._validate import (
 _CLOSE_SECONDS = 5.0  # how long ``close`` waits for the backend's release at most
 
 
-class CollectiveGang(RootedCollectives, Gang):
+class CollectiveGang(RootedCollectives, ExchangeCollectives, Gang):
     """A gang over a backend: every collective, lanes, sub-gangs, coalescing, closing.
 
     Args:
@@ -230,25 +232,6 @@ class CollectiveGang(RootedCollectives, Gang):
         return all_of(handles, checked, op="all_reduce_bucketed")
 
     @override
-    def all_gather(
-        self, output: torch.Tensor, input: torch.Tensor, *, timeout: float | None = None
-    ) -> Handle[torch.Tensor]:
-        input = self._check_tensor(input, "input")
-        output = self._check_tensor(output, "output")
-        check_same_dtype(output, input)
-        check_stacked_or_concatenated(output, self.size, input.shape, name="output")
-        flat = output.view(-1)
-        backend = self._backend
-        return self._issue(
-            "all_gather",
-            [("output", output), ("input", input)],
-            output,
-            timeout,
-            lambda done: backend.start_all_gather(flat, input, done),
-            fingerprint=f"all_gather({describe(input)})",
-        )
-
-    @override
     def all_gather_to_list(
         self,
         outputs: Sequence[torch.Tensor],
@@ -313,29 +296,6 @@ class CollectiveGang(RootedCollectives, Gang):
             timeout,
             lambda done: backend.start_broadcast(tensor, source_rank, done),
             fingerprint=f"broadcast(source_rank={source_rank}, {describe(tensor)})",
-        )
-
-    @override
-    def all_to_all(
-        self, output: torch.Tensor, input: torch.Tensor, *, timeout: float | None = None
-    ) -> Handle[torch.Tensor]:
-        input = self._check_tensor(input, "input")
-        output = self._check_tensor(output, "output")
-        check_same_dtype(output, input)
-        check_shape(output, input.shape, name="output")
-        if input.dim() == 0 or input.shape[0] % self.size:
-            raise ValueError(
-                f"`input` must have a first dimension that is a multiple of the gang's size "
-                f"({self.size}), but has shape {tuple(input.shape)} instead."
-            )
-        backend = self._backend
-        return self._issue(
-            "all_to_all",
-            [("output", output), ("input", input)],
-            output,
-            timeout,
-            lambda done: backend.start_all_to_all(output, input, done),
-            fingerprint=f"all_to_all({describe(input)})",
         )
 
     @override

@@ -6,6 +6,7 @@ size 1. The simulation is its backend's (``agang._backends.fake``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, final
 
 import torch
@@ -13,6 +14,7 @@ from typing_extensions import override
 
 from agang._backends.fake import FakeBackend, no_peers
 from agang._collective_gang import CollectiveGang
+from agang._gang_exchanges import Transfer
 from agang._handle import Handle
 from agang._policy import CheckOrder, GangPolicy, InFlightLimits, OnTimeout, make_policy
 from agang._serialize import Serializer
@@ -88,4 +90,14 @@ class FakeGang(CollectiveGang):
     def recv(
         self, tensor: torch.Tensor, source_rank: int, *, timeout: float | None = None
     ) -> Handle[torch.Tensor]:
+        raise no_peers()
+
+    @override
+    def exchange(
+        self,
+        sends: Sequence[Transfer] = (),
+        recvs: Sequence[Transfer] = (),
+        *,
+        timeout: float | None = None,
+    ) -> Handle[list[torch.Tensor]]:
         raise no_peers()

@@ -21,14 +21,18 @@ import torch
 
 from agang._engine.coalescer import Coalesced
 from agang._errors import GangError
+from agang._gang_exchanges import GangExchanges
 from agang._handle import Handle
 from agang._reduce_op import ReduceOp
 from agang._serialize import Serializer
 from agang._statistics import GangStatistics
 
 
-class Gang(ABC):
+class Gang(GangExchanges, ABC):
     """A set of ranks that run collectives together.
+
+    The gathers, all-to-all and point-to-point calls are documented in
+    ``agang._gang_exchanges`` (:class:`GangExchanges`, which this class inherits).
 
     Implementations: the process-group gang returned by :func:`agang.init`,
     :class:`agang.FakeGang`, and the gangs of :class:`agang.testing.FakeWorld`.
@@ -213,37 +217,6 @@ class Gang(ABC):
         """
 
     @abstractmethod
-    def all_gather(
-        self, output: torch.Tensor, input: torch.Tensor, *, timeout: float | None = None
-    ) -> Handle[torch.Tensor]:
-        """Gathers every rank's ``input`` into ``output``, in either layout: stacked,
-        ``[size, *input.shape]``, or concatenated, ``[size * input.shape[0],
-        *input.shape[1:]]`` (c10d's ``all_gather_into_tensor``).
-
-        Returns:
-            A handle whose ``await`` returns ``output``; rank r's input is ``output[r]``
-            (stacked) or ``output.chunk(size)[r]`` (concatenated).
-
-        Example:
-            >>> out = await gang.all_gather(torch.empty(gang.size, 4), x)  # x: [4]
-            >>> out = await gang.all_gather(torch.empty(gang.size * 4), x)
-        """
-
-    @abstractmethod
-    def all_gather_to_list(
-        self,
-        outputs: Sequence[torch.Tensor],
-        input: torch.Tensor,
-        *,
-        timeout: float | None = None,
-    ) -> Handle[list[torch.Tensor]]:
-        """Gathers every rank's ``input`` into ``outputs[rank]``, one tensor per rank.
-
-        Example:
-            >>> outs = await gang.all_gather_to_list([torch.empty(4) for _ in range(n)], x)
-        """
-
-    @abstractmethod
     def reduce_scatter(
         self,
         output: torch.Tensor,
@@ -389,39 +362,6 @@ class Gang(ABC):
 
         Example:
             >>> hosts = await gang.all_gather_objects(socket.gethostname())
-        """
-
-    @abstractmethod
-    def all_to_all(
-        self, output: torch.Tensor, input: torch.Tensor, *, timeout: float | None = None
-    ) -> Handle[torch.Tensor]:
-        """Exchanges equal chunks: chunk j of ``input`` goes to rank j.
-
-        ``input`` and ``output`` have the same shape, whose first dimension is a multiple
-        of ``size``; chunk j of ``output`` is what rank j sent to this rank.
-
-        Example:
-            >>> await gang.all_to_all(torch.empty(n * 2), tokens)
-        """
-
-    @abstractmethod
-    def send(
-        self, tensor: torch.Tensor, destination_rank: int, *, timeout: float | None = None
-    ) -> Handle[None]:
-        """Sends ``tensor`` to ``destination_rank``, which must :meth:`recv` it.
-
-        Example:
-            >>> await gang.send(activations, destination_rank=gang.rank + 1)
-        """
-
-    @abstractmethod
-    def recv(
-        self, tensor: torch.Tensor, source_rank: int, *, timeout: float | None = None
-    ) -> Handle[torch.Tensor]:
-        """Receives into ``tensor`` what ``source_rank`` sends.
-
-        Example:
-            >>> x = await gang.recv(torch.empty(8), source_rank=gang.rank - 1)
         """
 
     @abstractmethod

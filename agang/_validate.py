@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -253,4 +254,51 @@ def check_root_only(value: object, *, is_root: bool, name: str, root: str) -> No
         raise ValueError(
             f"`{name}` must be None on ranks other than the {root}, but is of type "
             f"`{type(value).__name__}` instead."
+        )
+
+
+def check_split_sizes(sizes: object, size: int, *, name: str) -> list[int]:
+    """``sizes`` as a list of ``size`` non-negative ints: rows per rank along dim 0."""
+    if isinstance(sizes, str | bytes) or not isinstance(sizes, Sequence):
+        raise TypeError(
+            f"`{name}` must be a sequence of ints, but is of type `{type(sizes).__name__}` instead."
+        )
+    if len(sizes) != size:
+        raise ValueError(
+            f"`{name}` must have one size per rank ({size}), but has {len(sizes)} instead."
+        )
+    checked = []
+    for value in sizes:
+        try:  # ints, and what stands for one (NumPy's, a 0-dim integer tensor)
+            if isinstance(value, bool):
+                raise TypeError
+            number = operator.index(value)
+        except TypeError:
+            raise TypeError(
+                f"`{name}` must contain ints only, but contains {value!r} of type "
+                f"`{type(value).__name__}` instead."
+            ) from None
+        if number < 0:
+            raise ValueError(
+                f"`{name}` must contain sizes of 0 or more, but contains {number} instead."
+            )
+        checked.append(number)
+    return checked
+
+
+def check_rows(tensor: torch.Tensor, sizes: Sequence[int], *, name: str, sizes_name: str) -> None:
+    """``tensor`` has ``sum(sizes)`` rows (its first dimension), as ``sizes_name`` says."""
+    if tensor.dim() == 0 or tensor.shape[0] != sum(sizes):
+        raise ValueError(
+            f"`{name}` must have a first dimension of sum(`{sizes_name}`) = {sum(sizes)}, but "
+            f"has shape {tuple(tensor.shape)} instead."
+        )
+
+
+def check_trailing_shape(output: torch.Tensor, input: torch.Tensor) -> None:
+    """``output`` and ``input`` agree past their first dimension (rows of one shape)."""
+    if output.dim() == 0 or tuple(output.shape[1:]) != tuple(input.shape[1:]):
+        raise ValueError(
+            f"`output` must have the shape of `input` past the first dimension "
+            f"({tuple(input.shape[1:])}), but has shape {tuple(output.shape)} instead."
         )

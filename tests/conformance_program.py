@@ -61,7 +61,9 @@ class Case:
     of all_to_all, the output of reduce_scatter and scatter (whose input is ``[size,
     *shape]``), the tensor sent and received around the ring of ``send_recv``.
     ``source_rank`` is the root: broadcast's and scatter's source, reduce's and
-    gather's destination.
+    gather's destination. For the uneven ops (``all_to_all_split``,
+    ``all_gather_split``) and ``exchange``, ``shape`` is that of one row: the number of
+    rows differs by rank (``send_splits``, ``gather_splits``).
     """
 
     op: str
@@ -145,8 +147,35 @@ def cases(size: int) -> list[Case]:
         result += rooted_cases(source)
     # all_to_all needs a first dimension that is a multiple of the size; no 0-dim.
     result += _tensor_cases("all_to_all", ALL_DTYPES, ((2 * size,), (size, 3), (0,)))
+    # Uneven blocks and batched transfers: shapes are the rows' (past the first dimension).
+    for op in ("all_to_all_split", "all_gather_split", "exchange"):
+        result += [Case(op, dtype, shape) for dtype, shape in UNEVEN_CASES]
     result += [Case("all_gather_objects"), Case("barrier")]
     return result
+
+
+# The uneven cases: (dtype, shape of one row). Complex goes to c10d as pairs of reals.
+UNEVEN_CASES = ((torch.float32, (3,)), (torch.complex64, ()), (torch.uint8, (2, 2)))
+
+
+def send_splits(rank: int, size: int) -> list[int]:
+    """The rows ``rank`` sends each rank in ``all_to_all_split``: 0 to 2, by pair."""
+    return [(rank + 2 * peer) % 3 for peer in range(size)]
+
+
+def receive_splits(rank: int, size: int) -> list[int]:
+    """The rows ``rank`` receives from each rank: what each sends it."""
+    return [send_splits(peer, size)[rank] for peer in range(size)]
+
+
+def gather_splits(size: int) -> list[int]:
+    """Each rank's rows in ``all_gather_split``: 1, 2, 0, 1, ..."""
+    return [(rank + 1) % 3 for rank in range(size)]
+
+
+def second_input(tensor: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """What ``exchange`` sends to the previous rank (``tensor`` goes to the next)."""
+    return make_tensor(tuple(tensor.shape), tensor.dtype, rank + size)
 
 
 def make_tensor(
@@ -182,6 +211,10 @@ def make_input(case: Case, rank: int, size: int) -> Any:
         return None
     assert case.dtype is not None
     shape = (size, *case.shape) if case.op in ("reduce_scatter", "scatter") else case.shape
+    if case.op == "all_to_all_split":
+        shape = (sum(send_splits(rank, size)), *case.shape)
+    elif case.op == "all_gather_split":
+        shape = (gather_splits(size)[rank], *case.shape)
     return make_tensor(shape, case.dtype, rank, small=case.reduce_op is ReduceOp.PRODUCT)
 
 
@@ -273,6 +306,36 @@ def _c10d_all_to_all(input: torch.Tensor) -> torch.Tensor:
     output = _blank(input)
     dist.all_to_all_single(output, input)
     return output
+
+
+def _c10d_all_to_all_split(input: torch.Tensor) -> torch.Tensor:
+    rank, size = dist.get_rank(), dist.get_world_size()
+    output = _blank(input, (sum(receive_splits(rank, size)), *input.shape[1:]))
+    dist.all_to_all_single(output, input, receive_splits(rank, size), send_splits(rank, size))
+    return output
+
+
+def _c10d_all_gather_split(input: torch.Tensor) -> torch.Tensor:
+    # Gloo's all_gather refuses uneven blocks: the usual way round, padded to the most rows.
+    sizes = gather_splits(dist.get_world_size())
+    padded = _blank(input, (max(sizes), *input.shape[1:]))
+    padded[: input.shape[0]] = input
+    gathered = _blank(input, (len(sizes) * max(sizes), *input.shape[1:]))
+    _all_gather_flat(_real(gathered), _real(padded))
+    blocks = gathered.split(max(sizes))
+    return torch.cat([block[:rows] for block, rows in zip(blocks, sizes, strict=True)])
+
+
+def _c10d_exchange(tensor: torch.Tensor, second: torch.Tensor) -> list[torch.Tensor]:
+    rank, size = dist.get_rank(), dist.get_world_size()
+    after, before = (rank + 1) % size, (rank - 1) % size
+    received = [_blank(tensor), _blank(second)]
+    transfers = [(dist.isend, tensor, after), (dist.isend, second, before)]
+    transfers += [(dist.irecv, received[0], before), (dist.irecv, received[1], after)]
+    ops = [dist.P2POp(op, _real(t), peer) for op, t, peer in transfers]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    return received
 
 
 def _c10d_ring(tensor: torch.Tensor) -> torch.Tensor:
@@ -447,6 +510,62 @@ async def _all_to_all(gang: agang.Gang, case: Case, input: torch.Tensor, c10d: C
     )
 
 
+async def _all_to_all_split(
+    gang: agang.Gang, case: Case, input: torch.Tensor, c10d: C10d
+) -> Record:
+    original = input.clone()
+    receives, sends = receive_splits(gang.rank, gang.size), send_splits(gang.rank, gang.size)
+    output = _blank(input, (sum(receives), *input.shape[1:]))
+    handle = gang.all_to_all(output, input, output_split_sizes=receives, input_split_sizes=sends)
+    result = await handle
+    return Record(
+        case=case,
+        result=result,
+        c10d=await c10d(_c10d_all_to_all_split, original),
+        awaited_as_documented=result is output,
+        input_unchanged=torch.equal(input, original),
+        handles=[_metadata(handle)],
+    )
+
+
+async def _all_gather_split(
+    gang: agang.Gang, case: Case, input: torch.Tensor, c10d: C10d
+) -> Record:
+    original, sizes = input.clone(), gather_splits(gang.size)
+    output = _blank(input, (sum(sizes), *input.shape[1:]))
+    handle = gang.all_gather(output, input, output_split_sizes=sizes)
+    result = await handle
+    return Record(
+        case=case,
+        result=result,
+        c10d=await c10d(_c10d_all_gather_split, original),
+        awaited_as_documented=result is output,
+        input_unchanged=torch.equal(input, original),
+        handles=[_metadata(handle)],
+    )
+
+
+async def _exchange(gang: agang.Gang, case: Case, tensor: torch.Tensor, c10d: C10d) -> Record:
+    """Each rank sends to both neighbours and receives from both, as one batch; with two
+    ranks both are the same peer, matched in order."""
+    second = second_input(tensor, gang.rank, gang.size)
+    originals = [tensor.clone(), second.clone()]
+    after, before = (gang.rank + 1) % gang.size, (gang.rank - 1) % gang.size
+    received = [_blank(tensor), _blank(second)]
+    handle = gang.exchange(
+        [(tensor, after), (second, before)], [(received[0], before), (received[1], after)]
+    )
+    result = await handle
+    return Record(
+        case=case,
+        result=result,
+        c10d=await c10d(_c10d_exchange, *originals),
+        awaited_as_documented=[id(t) for t in result] == [id(t) for t in received],
+        input_unchanged=torch.equal(tensor, originals[0]) and torch.equal(second, originals[1]),
+        handles=[_metadata(handle)],
+    )
+
+
 async def _send_recv(gang: agang.Gang, case: Case, tensor: torch.Tensor, c10d: C10d) -> Record:
     """Each rank sends to the next and receives from the previous one (a ring)."""
     original = tensor.clone()
@@ -516,6 +635,9 @@ _RUNNERS: dict[str, Callable[[agang.Gang, Case, Any, C10d], Awaitable[Record]]] 
     "gather": _gather,
     "scatter": _scatter,
     "send_recv": _send_recv,
+    "all_to_all_split": _all_to_all_split,
+    "all_gather_split": _all_gather_split,
+    "exchange": _exchange,
     "broadcast_objects": _broadcast_objects,
     "all_gather_objects": _all_gather_objects,
     "barrier": _barrier,

@@ -26,9 +26,13 @@ from conformance_program import (
     Case,
     Record,
     cases,
+    gather_splits,
     make_input,
+    receive_splits,
     run_cases,
     run_conformance,
+    second_input,
+    send_splits,
 )
 
 import agang
@@ -38,6 +42,8 @@ from agang.testing import FakeWorld, run_world
 
 SIZES = (2, 3, 4)
 ROOTED = ("reduce", "gather", "scatter")
+# FakeGang's ranks are copies of one: no blocks that differ by rank, no peers.
+UNEVEN = ("all_to_all_split", "all_gather_split", "exchange")
 
 # Every async backend on 2 ranks, then one each for 3 and 4: each run_world costs seconds.
 GLOO_RUNS = [(2, "asyncio"), (2, "uvloop"), (2, "trio"), (3, "trio"), (4, "uvloop")]
@@ -86,6 +92,8 @@ def expected_results(case: Case, inputs: list[Any]) -> list[Any]:
         return [torch.cat([x.tensor_split(size)[rank] for x in inputs]) for rank in ranks]
     if case.op == "send_recv":
         return [inputs[(rank - 1) % size] for rank in ranks]
+    if case.op in UNEVEN:
+        return expected_uneven(case, inputs)
     assert case.op == "barrier"
     return [None] * size
 
@@ -104,6 +112,20 @@ def expected_rooted(case: Case, inputs: list[Any]) -> list[Any]:
     else:
         result = torch.stack(inputs)
     return [result if rank == root else None for rank in ranks]
+
+
+def expected_uneven(case: Case, inputs: list[Any]) -> list[Any]:
+    """The uneven blocks' results, from each rank's rows, and exchange's pair of
+    receives (from the previous rank's first input, from the next rank's second)."""
+    size = len(inputs)
+    ranks = range(size)
+    if case.op == "all_gather_split":
+        return [torch.cat(inputs)] * size
+    if case.op == "all_to_all_split":
+        blocks = [x.split(send_splits(rank, size)) for rank, x in enumerate(inputs)]
+        return [torch.cat([sent[rank] for sent in blocks]) for rank in ranks]
+    after = [second_input(x, rank, size) for rank, x in enumerate(inputs)]
+    return [[inputs[(rank - 1) % size], after[(rank + 1) % size]] for rank in ranks]
 
 
 def num_bytes(tensor: torch.Tensor) -> int:
@@ -125,6 +147,14 @@ def expected_handles(case: Case, rank: int, inputs: list[Any]) -> list[tuple[str
         return [(case.op, (size + 1) * num_bytes(mine))]
     if case.op == "all_to_all":
         return [(case.op, 2 * num_bytes(mine))]
+    if case.op == "exchange":  # two sends and two receives of one shape
+        return [("exchange", 4 * num_bytes(mine))]
+    if case.op in UNEVEN:  # the input, and an output of the rows received
+        row = num_bytes(torch.empty(case.shape, dtype=case.dtype))
+        splits = (
+            receive_splits(rank, size) if case.op == "all_to_all_split" else gather_splits(size)
+        )
+        return [(case.op.removesuffix("_split"), num_bytes(mine) + sum(splits) * row)]
     if case.op == "send_recv":
         return [("send", num_bytes(mine)), ("recv", num_bytes(mine))]
     if case.op == "barrier":
@@ -233,7 +263,7 @@ async def test_fake_gang_conforms_as_copies_of_one_rank(rank: int, size: int) ->
     program = [
         dataclasses.replace(case, source_rank=rank) if case.op in ROOTED else case
         for case in cases(size)
-        if case.op != "send_recv"
+        if case.op != "send_recv" and case.op not in UNEVEN
     ]
 
     records = await run_cases(gang, program)

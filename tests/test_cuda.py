@@ -161,6 +161,19 @@ def test_rooted_collectives_on_the_device(gang: agang.Gang) -> None:
     assert torch.equal(gang.scatter(out, tensor.view(1, 8), 0).wait(timeout=60), expected)
 
 
+def test_uneven_blocks_on_the_device(gang: agang.Gang) -> None:
+    # One rank: its one block goes to itself (all_to_all_single with split sizes), and
+    # the uneven all-gather's repeated input is one copy (complex: pairs of reals).
+    rows = torch.arange(12, device=gang.device, dtype=torch.float32).view(6, 2)
+    out = torch.empty(6, 2, device=gang.device)
+    moved = gang.all_to_all(out, rows, output_split_sizes=[6], input_split_sizes=[6])
+    assert torch.equal(moved.wait(timeout=60), rows)
+    values = torch.randn(3, 2, device=gang.device, dtype=torch.complex64)
+    gathered = torch.empty(3, 2, device=gang.device, dtype=torch.complex64)
+    handle = gang.all_gather(gathered, values, output_split_sizes=[3])
+    assert torch.equal(handle.wait(timeout=60), values)
+
+
 def test_an_elastic_gang_reforms_onto_a_new_nccl_communicator() -> None:
     """An elastic gang of one on NCCL around an ``agang store``: a reform makes epoch 1
     on a new communicator, and both epochs' all-reduces are exact on the device (in a

@@ -79,6 +79,7 @@ COLLECTIVES = [
     "scatter",
     "send",
     "recv",
+    "exchange",
     "barrier",
 ]
 

@@ -7,6 +7,7 @@ refused call took no sequence number, so the ranks stay in step.
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from collections.abc import Callable
@@ -39,6 +40,7 @@ COLLECTIVES = [
     "scatter",
     "send",
     "recv",
+    "exchange",
     "barrier",
 ]
 
@@ -76,6 +78,10 @@ def valid_arguments(collective: str, rank: int, size: int) -> dict[str, Any]:
             return {"tensor": torch.ones(4), "destination_rank": (rank + 1) % size}
         case "recv":
             return {"tensor": torch.empty(4), "source_rank": (rank - 1) % size}
+        case "exchange":  # around the ring, both ways
+            after, before = (rank + 1) % size, (rank - 1) % size
+            sends = [(torch.ones(4), after), (torch.ones(2), before)]
+            return {"sends": sends, "recvs": [(torch.empty(4), before), (torch.empty(2), after)]}
         case "barrier":
             return {}
     raise AssertionError(collective)
@@ -166,6 +172,9 @@ TENSOR_PARAMETERS = [
     ("recv", "tensor"),
 ]
 
+# exchange's tensors are named by their place in its lists: `sends[1][0]`, `recvs[0][0]`.
+EXCHANGE_TENSORS = [("sends", 1), ("recvs", 0)]
+
 
 def bad_tensor_cases() -> list[Any]:
     cases = []
@@ -190,6 +199,29 @@ def bad_tensor_cases() -> list[Any]:
                     id=f"{collective}-{parameter}-{make_bad.__name__}",
                 )
             )
+    for (name, index), (make_bad, error) in itertools.product(EXCHANGE_TENSORS, BAD_TENSORS):
+
+        def bad_transfer(
+            gang: agang.Gang,
+            name: str = name,
+            index: int = index,
+            make_bad: Callable[[torch.Tensor], Any] = make_bad,
+        ) -> object:
+            transfers = valid_arguments("exchange", gang.rank, gang.size)[name]
+            tensor, rank = transfers[index]
+            transfers[index] = (make_bad(tensor), rank)
+            return call(gang, "exchange", **{name: transfers})
+
+        parameter = f"{name}[{index}][0]"
+        cases.append(
+            pytest.param(
+                "exchange",
+                bad_transfer,
+                error,
+                parameter,
+                id=f"exchange-{parameter}-{make_bad.__name__}",
+            )
+        )
     for make_bad, error in BAD_TENSORS:
         # One element of the outputs list is bad, the others are fine.
 
@@ -292,6 +324,140 @@ SHAPE_CASES = [
         input=torch.tensor(1.0),
     ),
 ]
+
+# Uneven blocks (SIZE = 3, rank RANK = 0; the valid even call moves 6 rows of 1).
+UNEVEN_CASES = [
+    case(
+        "all_to_all",
+        TypeError,
+        "input_split_sizes",
+        id="input-split-sizes-a-tensor",
+        input_split_sizes=torch.tensor([2, 2, 2]),
+    ),
+    case(
+        "all_to_all",
+        ValueError,
+        "input_split_sizes",
+        id="input-split-sizes-too-short",
+        input_split_sizes=[3, 3],
+    ),
+    case(
+        "all_to_all",
+        TypeError,
+        "output_split_sizes",
+        id="output-split-sizes-float",
+        output_split_sizes=[2.0, 2, 2],
+    ),
+    case(
+        "all_to_all",
+        ValueError,
+        "output_split_sizes",
+        id="output-split-sizes-negative",
+        output_split_sizes=[2, 5, -1],
+    ),
+    case(
+        "all_to_all",
+        ValueError,
+        "input",
+        id="input-rows-not-the-sum",
+        input_split_sizes=[2, 2, 1],
+        output_split_sizes=[2, 2, 2],
+    ),
+    case(
+        "all_to_all",
+        ValueError,
+        "output",
+        id="output-rows-not-the-sum",
+        input_split_sizes=[2, 2, 2],
+        output_split_sizes=[2, 2, 3],
+    ),
+    # The missing sizes mean equal blocks, of a tensor whose rows are not a multiple.
+    case(
+        "all_to_all",
+        ValueError,
+        "output",
+        id="output-not-a-multiple-without-sizes",
+        output=torch.empty(7),
+        input_split_sizes=[2, 2, 2],
+    ),
+    case(
+        "all_to_all",
+        ValueError,
+        "output_split_sizes",
+        id="block-to-itself-disagrees",
+        input_split_sizes=[1, 3, 2],
+        output_split_sizes=[2, 2, 2],
+    ),
+    case(
+        "all_to_all",
+        ValueError,
+        "output",
+        id="output-other-rows",
+        output=torch.empty(6, 2),
+        input_split_sizes=[2, 2, 2],
+        output_split_sizes=[2, 2, 2],
+    ),
+    case(
+        "all_gather",
+        ValueError,
+        "output_split_sizes",
+        id="output-split-sizes-too-long",
+        output_split_sizes=[1, 1, 1, 1],
+    ),
+    case("all_gather", TypeError, "output_split_sizes", id="sizes-a-str", output_split_sizes="1"),
+    case(
+        "all_gather",
+        ValueError,
+        "input",
+        id="input-rows-not-this-ranks-size",
+        output=torch.empty(6, 4),
+        input=torch.ones(1, 4),
+        output_split_sizes=[2, 2, 2],
+    ),
+    case(
+        "all_gather",
+        ValueError,
+        "output",
+        id="output-rows-not-the-sum",
+        output=torch.empty(5, 4),
+        input=torch.ones(2, 4),
+        output_split_sizes=[2, 2, 2],
+    ),
+    case(
+        "all_gather",
+        ValueError,
+        "output",
+        id="output-other-rows",
+        output=torch.empty(6, 3),
+        input=torch.ones(2, 4),
+        output_split_sizes=[2, 2, 2],
+    ),
+]
+
+EXCHANGE_CASES = [
+    case("exchange", ValueError, "sends", id="nothing", sends=[], recvs=()),
+    case("exchange", TypeError, "sends", id="sends-a-tensor", sends=torch.ones(4)),
+    case("exchange", TypeError, "recvs[0]", id="recvs-not-pairs", recvs=[torch.ones(4)]),
+    case("exchange", ValueError, "sends[0][1]", id="to-self", sends=[(torch.ones(4), RANK)]),
+    case("exchange", ValueError, "recvs[0][1]", id="too-big", recvs=[(torch.ones(4), SIZE)]),
+    case("exchange", TypeError, "sends[0][1]", id="rank-float", sends=[(torch.ones(4), 1.0)]),
+]
+
+
+def test_an_exchange_refuses_a_tensor_twice_and_receives_that_overlap() -> None:
+    gang = FakeWorld(SIZE)[RANK]
+    buffer, other = torch.zeros(8), torch.ones(4)
+
+    with pytest.raises(ValueError, match=re.escape("`sends[1][0]` must not be a tensor given")):
+        gang.exchange([(other, 1), (other, 2)])
+    with pytest.raises(ValueError, match=re.escape("`recvs[0][0]` must not overlap")):
+        gang.exchange([(buffer[:4], 1)], [(buffer[2:6], 2)])
+    with pytest.raises(ValueError, match=re.escape("`recvs[1][0]` must not overlap")):
+        gang.exchange([], [(buffer[:4], 1), (buffer[3:], 2)])
+    with pytest.raises(ValueError, match=re.escape("`recvs[0][0]` must not overlap")):
+        gang.exchange([(buffer, 1), (other, 2)], [(buffer[5:7], 2)])
+    assert gang.statistics().num_issued == 0
+
 
 ROOTED_SHAPE_CASES = [
     case("gather", ValueError, "output", id="output-one-row-short", output=torch.empty(2, 4)),
@@ -430,6 +596,8 @@ REDUCE_OP_CASES = [
 BAD_CALLS = [
     *bad_tensor_cases(),
     *SHAPE_CASES,
+    *UNEVEN_CASES,
+    *EXCHANGE_CASES,
     *ROOTED_SHAPE_CASES,
     *ROOT_CASES,
     *RANK_CASES,
@@ -469,7 +637,7 @@ async def test_bad_input_is_refused_before_anything_is_issued(
 # FakeGang has no peers to send to or receive from: it refuses every send and recv.
 @pytest.mark.parametrize(
     ("collective", "bad_call", "error", "parameter"),
-    [case for case in BAD_CALLS if case.values[0] not in ("send", "recv")],
+    [case for case in BAD_CALLS if case.values[0] not in ("send", "recv", "exchange")],
 )
 def test_fake_gang_refuses_the_same_input(
     collective: str,

@@ -7,7 +7,8 @@ How an op's end reaches agang:
    already done). It only finishes the op's post-processing and calls ``done``.
 2. Gloo send/recv and reduce_scatter have no future ("Work::getFuture not implemented"),
    so a waiter thread per gang and kind waits on them in issue order. A later send that
-   finishes before an earlier one is reported after it: late, never wrong.
+   finishes before an earlier one is reported after it: late, never wrong. An exchange
+   is one Work per transfer there (Gloo cannot coalesce), done once all of them are.
 3. NCCL: the future only means "enqueued", so completion goes through
    ``cuda_completion`` (an event on the gang's side stream, the gang's watcher thread).
    Every stream, event and device call goes through the backend's ``DeviceRuntime``
@@ -37,57 +38,23 @@ import torch.distributed as dist
 from agang import _exit
 from agang._backends import c10d_blame, c10d_calls, c10d_order, c10d_peers, cuda_completion
 from agang._backends.c10d_abort import Aborter
-from agang._backends.c10d_calls import all_gather_flat, all_to_all_flat, real, reduce_scatter_flat
+from agang._backends.c10d_backstop import backstop_for
+from agang._backends.c10d_calls import (
+    all_gather_flat,
+    all_reduce_options,
+    all_to_all_flat,
+    divider,
+    real,
+    reduce_scatter_flat,
+    then,
+)
 from agang._backends.c10d_children import create_groups
 from agang._backends.c10d_waiter import WorkWaiter
-from agang._backends.contract import Blamed, Checked, Done, ProgressOf, after_post
+from agang._backends.contract import Blamed, Checked, Done, ProgressOf, after_post, countdown
 from agang._backends.device_runtime import DeviceRuntime, StreamOrder, torch_runtime
 from agang._reduce_op import ReduceOp, to_c10d
 
 log = logging.getLogger("agang")
-
-# c10d's deadline sits this far behind agang's, so agang's always fires first.
-_BACKSTOP_FACTOR = 1.5
-_BACKSTOP_MARGIN = 30.0
-# Behind an op with no agang deadline, c10d's timeout must not fire either: when it does,
-# NCCL's watchdog fails the op and signals every rank to dump its flight recorder, and
-# the default group's heartbeat monitor then kills the process minutes later whatever
-# the error handling mode. So "no deadline" lifts it to what is never reached in practice.
-_NO_DEADLINE_BACKSTOP = 30 * 86400.0
-
-
-def backstop_for(timeout: float | None) -> float:
-    """The c10d timeout to use behind an agang deadline of ``timeout`` seconds (None: no
-    deadline)."""
-    if timeout is None:
-        return _NO_DEADLINE_BACKSTOP
-    return max(timeout * _BACKSTOP_FACTOR + _BACKSTOP_MARGIN, _BACKSTOP_MARGIN)
-
-
-def _all_reduce_options(op: ReduceOp, backend: str) -> tuple[dist.AllreduceOptions, bool]:
-    c10d_op, divide = to_c10d(op, backend=backend)
-    options = dist.AllreduceOptions()
-    options.reduceOp = c10d_op  # type: ignore[assignment]  # stubs want the enum's class
-    return options, divide
-
-
-def _divider(tensor: torch.Tensor, size: int) -> Callable[[], None]:
-    def divide() -> None:
-        with torch.no_grad():  # a leaf that requires grad takes results, as c10d writes them
-            tensor.div_(size)
-
-    return divide
-
-
-def _then(first: Callable[[], None], second: Callable[[], None] | None) -> Callable[[], None]:
-    if second is None:
-        return first
-
-    def both() -> None:
-        first()
-        second()
-
-    return both
 
 
 @final
@@ -147,7 +114,7 @@ class C10dBackend:
         self._world_ranks = c10d_blame.world_ranks(process_group, registered and not is_world)
         self._completion = cuda_completion.Completion(self._runtime, device, process_group, name)
         # c10d copies the options on each call, so one object per op serves every call.
-        self._all_reduce_options = {op: _all_reduce_options(op, kind) for op in ReduceOp}
+        self._all_reduce_options = {op: all_reduce_options(op, kind) for op in ReduceOp}
 
     @property
     def rank(self) -> int:
@@ -260,7 +227,7 @@ class C10dBackend:
         options, divide = self._all_reduce_options[op]
         work = self._group().allreduce([real(tensor)], options)
         if divide:
-            post = _then(_divider(tensor, self._size), post)
+            post = then(divider(tensor, self._size), post)
         self._watch(work, done, post)
 
     def start_all_gather(
@@ -283,7 +250,7 @@ class C10dBackend:
     ) -> None:
         c10d_op, divide = to_c10d(op, backend=self._kind)
         work = reduce_scatter_flat(self._group(), real(output.view(-1)), real(input), c10d_op)
-        self._watch(work, done, _divider(output, self._size) if divide else None)
+        self._watch(work, done, divider(output, self._size) if divide else None)
 
     def start_broadcast(
         self, tensor: torch.Tensor, source_rank: int, done: Done, *, to_host: bool = False
@@ -294,8 +261,29 @@ class C10dBackend:
         work = self._group().broadcast([real(tensor)], options)
         self._watch(work, done, to_host=to_host)
 
-    def start_all_to_all(self, output: torch.Tensor, input: torch.Tensor, done: Done) -> None:
-        work = all_to_all_flat(self._group(), real(output), real(input))
+    def start_all_gather_uneven(
+        self, output: torch.Tensor, input: torch.Tensor, split_sizes: list[int], done: Done
+    ) -> None:
+        group = self._group()
+        work, repeated = c10d_calls.all_gather_uneven(group, real(output), real(input), split_sizes)
+
+        def gathered(error: BaseException | None, _repeated: torch.Tensor = repeated) -> None:
+            done(error)  # holds the repeated input until the op's end
+
+        self._watch(work, gathered)
+
+    def start_all_to_all(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        done: Done,
+        *,
+        output_split_sizes: list[int] | None = None,
+        input_split_sizes: list[int] | None = None,
+    ) -> None:
+        # Split sizes count rows (dim 0), which a complex tensor's real view keeps.
+        splits = (output_split_sizes, input_split_sizes)
+        work = all_to_all_flat(self._group(), real(output), real(input), *splits)
         self._watch(work, done)
 
     # The rooted collectives: MEAN is divided on the destination only, where the sum is.
@@ -306,7 +294,7 @@ class C10dBackend:
         c10d_op, divide = to_c10d(op, backend=self._kind)
         work = c10d_calls.reduce(self._group(), tensor, destination_rank, c10d_op)
         divide = divide and self._rank == destination_rank
-        self._watch(work, done, _divider(tensor, self._size) if divide else None)
+        self._watch(work, done, divider(tensor, self._size) if divide else None)
 
     def start_gather(
         self,
@@ -337,6 +325,20 @@ class C10dBackend:
 
     def start_recv(self, tensor: torch.Tensor, source_rank: int, done: Done) -> None:
         self._watch_p2p(self._group().recv([real(tensor)], source_rank, 0), done)
+
+    def start_exchange(
+        self,
+        sends: list[tuple[torch.Tensor, int]],
+        recvs: list[tuple[torch.Tensor, int]],
+        done: Done,
+    ) -> None:
+        # NCCL: one coalesced group, one Work (batch_isend_irecv's path); Gloo cannot
+        # coalesce: one Work per transfer, the batch done once all are.
+        device = self._device if self._kind == "nccl" else None
+        works = c10d_calls.exchange(self._group(), sends, recvs, device)
+        each = countdown(len(works), done)
+        for work in works:
+            self._watch_p2p(work, each)
 
     def start_barrier(self, done: Done) -> None:
         if self._kind == "nccl":

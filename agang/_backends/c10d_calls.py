@@ -8,11 +8,46 @@ its real view (``real``); that is exact for SUM and for copies.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions
+
+from agang._reduce_op import ReduceOp, to_c10d
+
+
+def all_reduce_options(op: ReduceOp, backend: str) -> tuple[dist.AllreduceOptions, bool]:
+    """The options of an all-reduce by ``op``, and whether its result must be divided
+    by the size after (MEAN where the backend has no AVG)."""
+    c10d_op, divide = to_c10d(op, backend=backend)
+    options = dist.AllreduceOptions()
+    options.reduceOp = c10d_op  # type: ignore[assignment]  # stubs want the enum's class
+    return options, divide
+
+
+def divider(tensor: torch.Tensor, size: int) -> Callable[[], None]:
+    """A post-processing step that divides ``tensor`` by ``size`` in place."""
+
+    def divide() -> None:
+        with torch.no_grad():  # a leaf that requires grad takes results, as c10d writes them
+            tensor.div_(size)
+
+    return divide
+
+
+def then(first: Callable[[], None], second: Callable[[], None] | None) -> Callable[[], None]:
+    """``first``, then ``second`` if there is one."""
+    if second is None:
+        return first
+
+    def both() -> None:
+        first()
+        second()
+
+    return both
 
 
 def real(tensor: torch.Tensor) -> torch.Tensor:
@@ -37,11 +72,66 @@ def reduce_scatter_flat(
     return method(output, input, options)
 
 
-def all_to_all_flat(group: Any, output: torch.Tensor, input: torch.Tensor) -> Any:
+def all_to_all_flat(
+    group: Any,
+    output: torch.Tensor,
+    input: torch.Tensor,
+    output_split_sizes: list[int] | None = None,
+    input_split_sizes: list[int] | None = None,
+) -> Any:
+    """Rows of ``input`` to each rank; empty split sizes (c10d's "none") mean equal blocks."""
     options = dist.AllToAllOptions()
     options.asyncOp = True
     method = getattr(group, "all_to_all_single", None) or group.alltoall_base
-    return method(output, input, [], [], options)
+    return method(output, input, output_split_sizes or [], input_split_sizes or [], options)
+
+
+def all_gather_uneven(
+    group: Any, output: torch.Tensor, input: torch.Tensor, split_sizes: list[int]
+) -> tuple[Any, torch.Tensor]:
+    """An all-gather of blocks of ``split_sizes`` rows, as one all-to-all whose input is
+    ``input`` repeated once per rank; returns the Work, and that repeated input, which
+    must live until the op ends.
+
+    Gloo's all-gather refuses blocks of different sizes ("invalid tensor size"), and
+    its all-to-all takes split sizes. Each rank sends its rows once to every peer, as an
+    all-gather does; the cost is the local copy of ``size`` times ``input``. NCCL takes
+    the same path: one kernel, where c10d's list all-gather of uneven blocks would be
+    one broadcast per rank.
+    """
+    size = len(split_sizes)
+    repeated = input.repeat(size, *[1] * (input.dim() - 1))  # a contiguous copy
+    rows = [input.shape[0]] * size
+    return all_to_all_flat(group, output, repeated, split_sizes, rows), repeated
+
+
+def exchange(
+    group: Any,
+    sends: list[tuple[torch.Tensor, int]],
+    recvs: list[tuple[torch.Tensor, int]],
+    device: torch.device | None,
+) -> list[Any]:
+    """Every send and receive, as c10d's ``batch_isend_irecv`` issues them: with a
+    ``device`` (NCCL), inside one coalescing group, whose single Work is returned; without
+    (Gloo, which cannot coalesce), one by one, each Work returned.
+
+    If an op fails to issue inside the group, the group is still ended, so the
+    communicator is not left coalescing every later op into it; the error is raised.
+    """
+    if device is None:
+        works = [group.send([real(t)], peer, 0) for t, peer in sends]
+        return works + [group.recv([real(t)], peer, 0) for t, peer in recvs]
+    group._start_coalescing(device)
+    try:
+        for tensor, peer in sends:
+            group.send([real(tensor)], peer, 0)
+        for tensor, peer in recvs:
+            group.recv([real(tensor)], peer, 0)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            group._end_coalescing(device)
+        raise
+    return [group._end_coalescing(device)]
 
 
 # The rooted collectives. c10d takes the root's blocks as a list (one tensor per rank)

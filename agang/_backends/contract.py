@@ -79,6 +79,7 @@ Children.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Mapping
 from typing import Protocol
 
@@ -157,8 +158,26 @@ class Backend(Protocol):
     ) -> None:
         """Copies ``source_rank``'s ``tensor`` into ``tensor`` on every rank."""
 
-    def start_all_to_all(self, output: torch.Tensor, input: torch.Tensor, done: Done) -> None:
-        """Chunk j of ``input`` goes to rank j; chunk j of ``output`` comes from rank j."""
+    def start_all_gather_uneven(
+        self, output: torch.Tensor, input: torch.Tensor, split_sizes: list[int], done: Done
+    ) -> None:
+        """``output`` is every rank's ``input`` concatenated along dim 0; rank r's has
+        ``split_sizes[r]`` rows (equal lists on every rank)."""
+
+    def start_all_to_all(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        done: Done,
+        *,
+        output_split_sizes: list[int] | None = None,
+        input_split_sizes: list[int] | None = None,
+    ) -> None:
+        """Block j of ``input`` goes to rank j; block j of ``output`` comes from rank j.
+
+        Blocks are runs of rows along dim 0: equal without split sizes; with them (both
+        given, or neither), ``input_split_sizes[j]`` rows go to rank j and
+        ``output_split_sizes[j]`` come from it."""
 
     def start_reduce(
         self, tensor: torch.Tensor, destination_rank: int, op: ReduceOp, done: Done
@@ -191,6 +210,16 @@ class Backend(Protocol):
 
     def start_recv(self, tensor: torch.Tensor, source_rank: int, done: Done) -> None:
         """Receives into ``tensor``; matched with ``source_rank``'s sends in order."""
+
+    def start_exchange(
+        self,
+        sends: list[tuple[torch.Tensor, int]],
+        recvs: list[tuple[torch.Tensor, int]],
+        done: Done,
+    ) -> None:
+        """Every ``(tensor, destination_rank)`` send and ``(tensor, source_rank)``
+        receive, as one batch; ``done`` once all have ended. Matched per pair of ranks
+        and direction in order, with ``start_send`` and ``start_recv`` too."""
 
     def start_barrier(self, done: Done) -> None:
         """Finishes once every rank has started its barrier."""
@@ -260,6 +289,26 @@ def after_post(post: Callable[[], None] | None, done: Done) -> Done:
         done(error)
 
     return post_then_done
+
+
+def countdown(count: int, done: Done) -> Done:
+    """A ``done`` to call ``count`` times (from any threads) that calls ``done`` once,
+    after the last call, with the first error reported, if any."""
+    lock = threading.Lock()
+    left = count
+    first: list[BaseException] = []
+
+    def one_done(error: BaseException | None) -> None:
+        nonlocal left
+        with lock:
+            if error is not None and not first:
+                first.append(error)
+            left -= 1
+            last = left == 0
+        if last:
+            done(first[0] if first else None)
+
+    return one_done
 
 
 def report_ordered(done: Done) -> bool:

@@ -39,6 +39,14 @@ def no_peers() -> GangError:
     )
 
 
+def _not_copies(name: str, sizes: list[int], rows: int) -> GangError:
+    return GangError(
+        f"FakeGang simulates the other ranks as copies of this one, so every rank sends "
+        f"{rows} rows here, but `{name}` is {sizes}; use agang.testing.FakeWorld for "
+        f"ranks whose blocks differ."
+    )
+
+
 @final
 class FakeBackend:
     """Rank ``rank`` of ``size`` equal simulated ranks, in this process."""
@@ -114,10 +122,35 @@ class FakeBackend:
         done(None)  # the source holds what this rank holds
 
     @torch.no_grad()  # results go into tensors that may require grad
-    def start_all_to_all(self, output: torch.Tensor, input: torch.Tensor, done: Done) -> None:
-        # Rank j sends this rank its chunk number `rank`, which equals ours.
-        chunk = input.view(self._size, -1)[self._rank]
-        output.view(self._size, -1).copy_(chunk.unsqueeze(0))
+    def start_all_gather_uneven(
+        self, output: torch.Tensor, input: torch.Tensor, split_sizes: list[int], done: Done
+    ) -> None:
+        if any(n != input.shape[0] for n in split_sizes):
+            raise _not_copies("output_split_sizes", split_sizes, input.shape[0])
+        output.view(self._size, *input.shape).copy_(input.unsqueeze(0))
+        done(None)
+
+    @torch.no_grad()  # results go into tensors that may require grad
+    def start_all_to_all(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        done: Done,
+        *,
+        output_split_sizes: list[int] | None = None,
+        input_split_sizes: list[int] | None = None,
+    ) -> None:
+        # Rank j sends this rank its block number `rank`, which equals ours.
+        if output_split_sizes is None or input_split_sizes is None:
+            chunk = input.view(self._size, -1)[self._rank]
+            output.view(self._size, -1).copy_(chunk.unsqueeze(0))
+            done(None)
+            return
+        rows = input_split_sizes[self._rank]
+        if any(n != rows for n in output_split_sizes):
+            raise _not_copies("output_split_sizes", output_split_sizes, rows)
+        block = input.split_with_sizes(input_split_sizes)[self._rank]
+        output.view(self._size, *block.shape).copy_(block.unsqueeze(0))
         done(None)
 
     # The rooted collectives: the root is a copy of this rank too.
@@ -160,6 +193,14 @@ class FakeBackend:
         raise no_peers()  # FakeGang refuses the call before issuing it
 
     def start_recv(self, tensor: torch.Tensor, source_rank: int, done: Done) -> None:
+        raise no_peers()  # FakeGang refuses the call before issuing it
+
+    def start_exchange(
+        self,
+        sends: list[tuple[torch.Tensor, int]],
+        recvs: list[tuple[torch.Tensor, int]],
+        done: Done,
+    ) -> None:
         raise no_peers()  # FakeGang refuses the call before issuing it
 
     def start_barrier(self, done: Done) -> None:

@@ -129,6 +129,11 @@ class SimWork:
     def get_future(self) -> torch.futures.Future[Any]:
         return self._future
 
+    @property
+    def part(self) -> Part:
+        """The op's part on this rank."""
+        return self._part
+
     def result(self) -> Any:
         return self._part.outputs
 
@@ -159,6 +164,8 @@ class SimProcessGroup:
         self._aborted = False
         self._parts: list[Part] = []
         self.group_name = communicator.name
+        self._group: list[Part] | None = None  # the parts of an open coalescing group
+        self._group_streams: dict[tuple[int, ...], SimStream] = {}
 
     def rank(self) -> int:
         return self._rank
@@ -208,7 +215,11 @@ class SimProcessGroup:
         key: Any = None,
         ranks: list[int] | None = None,
         options: Any = None,
+        stream: SimStream | None = None,
     ) -> SimWork:
+        """Issues one rank's part of an op on ``stream`` (the communicator's own by
+        default), after the work on the caller's current stream."""
+        stream = self._stream if stream is None else stream
         device = self._device
         with device.cond:
             if self._aborted or self._error != "SUCCESS":
@@ -239,8 +250,8 @@ class SimProcessGroup:
             # The communicator's stream waits for the caller's current stream first.
             marker = SimEvent(device)
             marker.record(self._runtime.current_stream())
-            device.enqueue(self._stream, WaitFor(marker))
-            device.enqueue(self._stream, part)
+            device.enqueue(stream, WaitFor(marker))
+            device.enqueue(stream, part)
         return SimWork(part, self._runtime, device, barrier=kind == "barrier")
 
     def allreduce(self, tensors: list[torch.Tensor], options: Any = None) -> SimWork:
@@ -272,7 +283,11 @@ class SimProcessGroup:
         input_split_sizes: list[int],
         options: Any = None,
     ) -> SimWork:
-        return self._issue("all_to_all_single", input, output)
+        return self._issue(
+            "all_to_all_single",
+            (input, list(input_split_sizes)),
+            (output, list(output_split_sizes)),
+        )
 
     def reduce(self, tensors: list[torch.Tensor], options: Any = None) -> SimWork:
         return self._issue("reduce", tensors, tensors, options=options)
@@ -288,12 +303,42 @@ class SimProcessGroup:
         return self._issue("scatter", inputs, outputs, options=options)
 
     def send(self, tensors: list[torch.Tensor], destination: int, tag: int = 0) -> SimWork:
-        pair = [self._rank, destination]
-        return self._issue("send", tensors, None, key=("p2p", *pair), ranks=sorted(pair))
+        return self._point_to_point(tensors, None, [self._rank, destination])
 
     def recv(self, tensors: list[torch.Tensor], source: int, tag: int = 0) -> SimWork:
-        pair = [source, self._rank]
-        return self._issue("send", None, tensors, key=("p2p", *pair), ranks=sorted(pair))
+        return self._point_to_point(None, tensors, [source, self._rank])
+
+    def _point_to_point(self, inputs: Any, outputs: Any, pair: list[int]) -> SimWork:
+        """A send's or receive's part; matched per (source, destination) pair in order.
+        Inside a coalescing group it runs on a stream of its own per pair and direction,
+        so the group's transfers wait for their peers independently, as one NCCL group
+        does, instead of one behind another on the communicator's stream."""
+        stream = None
+        if self._group is not None:
+            stream = self._group_streams.get(tuple(pair))
+            if stream is None:
+                name = f"rank {self._rank} nccl '{self._communicator.name}' p2p {pair}"
+                stream = self._group_streams[tuple(pair)] = self._device.new_stream(
+                    self._rank, name
+                )
+        key, ranks = ("p2p", *pair), sorted(pair)
+        work = self._issue("send", inputs, outputs, key=key, ranks=ranks, stream=stream)
+        if self._group is not None:
+            self._group.append(work.part)
+        return work
+
+    def _start_coalescing(self, device: Any) -> None:
+        self._group = []
+
+    def _end_coalescing(self, device: Any) -> SimWork:
+        """One Work for the group: a part on the communicator's stream, after every
+        transfer of the group, that fails with the first of their errors."""
+        group, self._group = self._group or [], None
+        with self._device.cond:
+            for part in group:
+                self._device.enqueue(self._stream, WaitFor(part))
+        key = ("coalesced", self._rank)
+        return self._issue("coalesced", None, None, key=key, ranks=[self._rank], options=group)
 
     def barrier(self, options: Any = None) -> SimWork:
         return self._issue("barrier", None, None)

@@ -75,10 +75,32 @@ def kernel_for(kind: str, options: Any) -> Kernel:
             ranked[rank].outputs.view(-1).copy_(chunk)
 
     def all_to_all_single(parts: dict[int, Part]) -> None:
+        # Blocks of rows; no split sizes (an empty list) means equal blocks.
         ranked = _ranked(parts)
-        chunks = [p.inputs.reshape(-1).clone().chunk(len(ranked)) for p in ranked]
+        size = len(ranked)
+
+        def blocks(tensor: torch.Tensor, splits: list[int]) -> list[torch.Tensor]:
+            splits = splits or [tensor.shape[0] // size] * size
+            return list(tensor.clone().split_with_sizes(splits))
+
+        sent = [blocks(*p.inputs) for p in ranked]
+        received = [[sent[j][rank] for j in range(size)] for rank in range(size)]
         for rank, p in enumerate(ranked):
-            p.outputs.view(-1).copy_(torch.cat([chunks[j][rank] for j in range(len(ranked))]))
+            expected = [b.shape for b in blocks(*p.outputs)]
+            if [b.shape for b in received[rank]] != expected:  # NCCL: undefined; an error here
+                raise RuntimeError(
+                    f"Simulated NCCL: the split sizes of all_to_all_single disagree at "
+                    f"rank {rank}: it expects blocks {expected}, its peers send "
+                    f"{[b.shape for b in received[rank]]}."
+                )
+        for rank, p in enumerate(ranked):
+            p.outputs[0].copy_(torch.cat(received[rank]))
+
+    def coalesced(parts: dict[int, Part]) -> None:
+        # The end of a coalescing group (``options``: its transfers' parts).
+        for part in options:
+            if part.error is not None:
+                raise part.error
 
     # The rooted ops write on their root only (reduce, gather) or read from it (scatter).
 
@@ -116,5 +138,6 @@ def kernel_for(kind: str, options: Any) -> Kernel:
         "scatter": scatter,
         "send": send,
         "barrier": barrier,
+        "coalesced": coalesced,
     }
     return kernels[kind]

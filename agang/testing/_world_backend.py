@@ -7,10 +7,11 @@ Rules:
 1. Each member of a communicator counts its collectives; the k-th collective of every
    member meets the k-th of the others (as in c10d). When the last one arrives the op is
    computed from all inputs and every member's op completes.
-2. Members that disagree (another op, root, reduce op, dtype or shape) all fail with a
-   ``GangError`` naming each rank's side, where real c10d would hang or corrupt data.
-3. Point-to-point ops match per (source, destination) pair in FIFO order, apart from the
-   collectives' count, as in c10d.
+2. Members that disagree (another op, root, reduce op, dtype or shape, or, for uneven
+   all_to_all, the rows between two of them) all fail with a ``GangError`` naming each
+   rank's side, where real c10d would hang, corrupt data or end the process.
+3. Point-to-point ops (send, recv, each transfer of an exchange) match per (source,
+   destination) pair in FIFO order, apart from the collectives' count, as in c10d.
 4. Completions are never run inline on the issuing call: they are scheduled on the loop
    (asyncio ``call_soon``, trio ``run_sync_soon``) or, with ``latency``, after that many
    seconds. So awaiting, cancellation and deadlines behave as with a real backend.
@@ -33,14 +34,21 @@ import anyio
 import torch
 
 from agang import _asynclib
-from agang._backends.contract import Blamed, Checked, Done, ProgressOf, after_post
+from agang._backends.contract import (
+    Blamed,
+    Checked,
+    Done,
+    ProgressOf,
+    after_post,
+    countdown,
+)
 from agang._backends.device_runtime import StreamOrder
 from agang._blame import Progress
 from agang._engine import deadline
 from agang._errors import GangError, GangInitError
 from agang._future import Future
 from agang._reduce_op import ReduceOp
-from agang.testing._reduce import reduce_tensors
+from agang.testing._world_compute import COMPUTE, Arrival
 
 
 class Simulation:
@@ -64,15 +72,6 @@ class Simulation:
             callback()  # no loop here: synchronous callers see it done at once
 
 
-@dataclass
-class _Arrival:
-    rank: int
-    kind: str
-    key: tuple[Any, ...]  # what every member must agree on
-    args: tuple[Any, ...]
-    done: Done
-
-
 def _settle(future: Future[Any], value: Any, error: BaseException | None) -> None:
     future._finish(value, error)
 
@@ -92,7 +91,7 @@ class Communicator:
 
     world: Simulation
     size: int
-    meetings: dict[int, dict[int, _Arrival]] = field(default_factory=dict)
+    meetings: dict[int, dict[int, Arrival]] = field(default_factory=dict)
     checks: dict[int, dict[int, tuple[str, Checked]]] = field(default_factory=dict)
     # How each rank's engine says where it stands (blame), once it served it.
     progress: dict[int, ProgressOf] = field(default_factory=dict)
@@ -101,7 +100,7 @@ class Communicator:
     )
     creations: dict[int, dict[int, _Creation]] = field(default_factory=dict)
 
-    def arrive(self, index: int, arrival: _Arrival) -> None:
+    def arrive(self, index: int, arrival: Arrival) -> None:
         with self.world.lock:
             meeting = self.meetings.setdefault(index, {})
             meeting[arrival.rank] = arrival
@@ -110,7 +109,7 @@ class Communicator:
             del self.meetings[index]
         self._settle([meeting[r] for r in range(self.size)])
 
-    def _settle(self, arrivals: list[_Arrival]) -> None:
+    def _settle(self, arrivals: list[Arrival]) -> None:
         first = arrivals[0]
         if any((a.kind, a.key) != (first.kind, first.key) for a in arrivals):
             sides = "; ".join(f"rank {a.rank}: {a.kind} {a.key}" for a in arrivals)
@@ -119,7 +118,7 @@ class Communicator:
             return
         try:
             with torch.no_grad():  # results go into tensors that may require grad
-                _COMPUTE[first.kind](arrivals)
+                COMPUTE[first.kind](arrivals)
         except Exception as exc:
             self._finish_all(arrivals, exc)
             return
@@ -185,7 +184,7 @@ class Communicator:
                 backend = FakeWorldBackend(child, rank=rank, name=a.name, device=a.device)
             self.world.schedule(functools.partial(_settle, a.made, backend, None))
 
-    def _finish_all(self, arrivals: list[_Arrival], error: BaseException | None) -> None:
+    def _finish_all(self, arrivals: list[Arrival], error: BaseException | None) -> None:
         for arrival in arrivals:
             self.world.schedule(functools.partial(arrival.done, error))
 
@@ -212,82 +211,6 @@ class Communicator:
             received.copy_(sent)
         self.world.schedule(lambda: done(None))
         self.world.schedule(lambda: other_done(None))
-
-
-def _all_reduce(arrivals: list[_Arrival]) -> None:
-    op = arrivals[0].key[0]
-    result = reduce_tensors([a.args[0] for a in arrivals], op)
-    for a in arrivals:
-        a.args[0].copy_(result)
-
-
-def _all_gather(arrivals: list[_Arrival]) -> None:
-    inputs = [a.args[1].reshape(-1) for a in arrivals]
-    for a in arrivals:
-        a.args[0].view(len(arrivals), -1).copy_(torch.stack(inputs))
-
-
-def _all_gather_to_list(arrivals: list[_Arrival]) -> None:
-    inputs = [a.args[1] for a in arrivals]
-    for a in arrivals:
-        for output, value in zip(a.args[0], inputs, strict=True):
-            output.copy_(value)
-
-
-def _reduce_scatter(arrivals: list[_Arrival]) -> None:
-    op = arrivals[0].key[0]
-    size = len(arrivals)
-    for a in arrivals:
-        chunks = [b.args[1].view(size, -1)[a.rank] for b in arrivals]
-        a.args[0].view(-1).copy_(reduce_tensors(chunks, op))
-
-
-def _broadcast(arrivals: list[_Arrival]) -> None:
-    source = arrivals[arrivals[0].key[0]].args[0].clone()
-    for a in arrivals:
-        a.args[0].copy_(source)
-
-
-def _all_to_all(arrivals: list[_Arrival]) -> None:
-    size = len(arrivals)
-    inputs = [a.args[1].reshape(size, -1).clone() for a in arrivals]
-    for a in arrivals:
-        a.args[0].reshape(size, -1).copy_(torch.stack([inputs[j][a.rank] for j in range(size)]))
-
-
-def _reduce(arrivals: list[_Arrival]) -> None:
-    op, destination = arrivals[0].key[0], arrivals[0].key[1]
-    arrivals[destination].args[0].copy_(reduce_tensors([a.args[0] for a in arrivals], op))
-
-
-def _gather(arrivals: list[_Arrival]) -> None:
-    outputs = arrivals[arrivals[0].key[0]].args[0]
-    for output, a in zip(outputs, arrivals, strict=True):
-        output.copy_(a.args[1])
-
-
-def _scatter(arrivals: list[_Arrival]) -> None:
-    inputs = arrivals[arrivals[0].key[0]].args[1]
-    for a, input in zip(arrivals, inputs, strict=True):
-        a.args[0].copy_(input)
-
-
-def _nothing(arrivals: list[_Arrival]) -> None:
-    pass
-
-
-_COMPUTE: dict[str, Callable[[list[_Arrival]], None]] = {
-    "all_reduce": _all_reduce,
-    "all_gather": _all_gather,
-    "all_gather_to_list": _all_gather_to_list,
-    "reduce_scatter": _reduce_scatter,
-    "broadcast": _broadcast,
-    "all_to_all": _all_to_all,
-    "reduce": _reduce,
-    "gather": _gather,
-    "scatter": _scatter,
-    "barrier": _nothing,
-}
 
 
 def _shapes(*tensors: torch.Tensor) -> tuple[Any, ...]:
@@ -331,7 +254,7 @@ class FakeWorldBackend:
     def _arrive(self, kind: str, key: tuple[Any, ...], args: tuple[Any, ...], done: Done) -> None:
         index = self._num_collectives
         self._num_collectives += 1
-        self.communicator.arrive(index, _Arrival(self._rank, kind, key, args, done))
+        self.communicator.arrive(index, Arrival(self._rank, kind, key, args, done))
 
     def start_all_reduce(
         self,
@@ -363,8 +286,28 @@ class FakeWorldBackend:
     ) -> None:
         self._arrive("broadcast", (source_rank, *_shapes(tensor)), (tensor,), done)
 
-    def start_all_to_all(self, output: torch.Tensor, input: torch.Tensor, done: Done) -> None:
-        self._arrive("all_to_all", _shapes(output, input), (output, input), done)
+    def start_all_gather_uneven(
+        self, output: torch.Tensor, input: torch.Tensor, split_sizes: list[int], done: Done
+    ) -> None:
+        key = (tuple(split_sizes), tuple(input.shape[1:]), input.dtype)
+        self._arrive("all_gather_uneven", key, (output, input), done)
+
+    def start_all_to_all(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        done: Done,
+        *,
+        output_split_sizes: list[int] | None = None,
+        input_split_sizes: list[int] | None = None,
+    ) -> None:
+        if output_split_sizes is None or input_split_sizes is None:
+            self._arrive("all_to_all", _shapes(output, input), (output, input), done)
+            return
+        # The sizes differ by rank: only the rows' shape and dtype must agree here.
+        key = ("split", tuple(input.shape[1:]), input.dtype)
+        args = (output, input, output_split_sizes, input_split_sizes)
+        self._arrive("all_to_all", key, args, done)
 
     # The rooted collectives. Only the root holds its blocks, so the ranks agree on the
     # root and on the shape of the tensor every rank has; off the destination a reduce
@@ -398,6 +341,18 @@ class FakeWorldBackend:
 
     def start_recv(self, tensor: torch.Tensor, source_rank: int, done: Done) -> None:
         self.communicator.point_to_point("recv", (source_rank, self._rank), tensor, done)
+
+    def start_exchange(
+        self,
+        sends: list[tuple[torch.Tensor, int]],
+        recvs: list[tuple[torch.Tensor, int]],
+        done: Done,
+    ) -> None:
+        each = countdown(len(sends) + len(recvs), done)
+        for tensor, destination in sends:
+            self.communicator.point_to_point("send", (self._rank, destination), tensor, each)
+        for tensor, source in recvs:
+            self.communicator.point_to_point("recv", (source, self._rank), tensor, each)
 
     def start_barrier(self, done: Done) -> None:
         self._arrive("barrier", (), (), done)

@@ -1,0 +1,247 @@
+"""The block-moving collectives of :class:`agang.Gang` whose blocks may be uneven:
+all_gather and all_to_all (with split sizes or without), and exchange (batched sends and
+receives).
+
+They are a part of ``CollectiveGang`` (which inherits this mixin), kept apart because
+split sizes bring checks of their own: a rank checks what it can alone (its sizes'
+type, length and values, its tensors' rows, its block to itself), and the rest, every
+pair of ranks agreeing on the rows between them, is the caller's to keep (see
+``Gang.all_to_all``). The order-check fingerprint of an uneven all_to_all names the
+dtype and the shape past the first dimension, never the sizes, which differ by rank;
+an uneven all_gather's sizes are equal on every rank, so its fingerprint names them.
+exchange is not order-checked, as send and recv are not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from agang._engine.coalescer import describe
+from agang._gang_exchanges import Transfer
+from agang._handle import Handle
+from agang._rooted import _Gang
+from agang._validate import (
+    check_rank,
+    check_rows,
+    check_same_dtype,
+    check_shape,
+    check_split_sizes,
+    check_stacked_or_concatenated,
+    check_trailing_shape,
+)
+
+
+def _rows(tensor: torch.Tensor) -> str:
+    """A fingerprint's view of a tensor of rows whose number may differ by rank:
+    ``float32[*, 4]``."""
+    dims = ", ".join(["*", *(str(n) for n in tensor.shape[1:])])
+    return f"{str(tensor.dtype).removeprefix('torch.')}[{dims}]"
+
+
+def _splits(
+    given: object, tensor: torch.Tensor, size: int, *, name: str, tensor_name: str
+) -> list[int]:
+    """``given`` split sizes of ``tensor``, checked; None means equal blocks, as in c10d."""
+    if given is None:
+        if tensor.dim() == 0 or tensor.shape[0] % size:
+            raise ValueError(
+                f"`{tensor_name}` must have a first dimension that is a multiple of the gang's "
+                f"size ({size}) when `{name}` is None, but has shape {tuple(tensor.shape)} "
+                f"instead."
+            )
+        return [tensor.shape[0] // size] * size
+    sizes = check_split_sizes(given, size, name=name)
+    check_rows(tensor, sizes, name=tensor_name, sizes_name=name)
+    return sizes
+
+
+def _transfers(gang: _Gang, items: object, *, name: str) -> list[tuple[torch.Tensor, int]]:
+    """``items``, a sequence of ``(tensor, rank)`` pairs, checked: each tensor for the
+    gang, each rank another rank of the gang."""
+    if isinstance(items, str | bytes) or not isinstance(items, Sequence):
+        raise TypeError(
+            f"`{name}` must be a sequence of (tensor, rank) pairs, but is of type "
+            f"`{type(items).__name__}` instead."
+        )
+    checked = []
+    for i, item in enumerate(items):
+        if not isinstance(item, tuple | list) or len(item) != 2:
+            raise TypeError(
+                f"`{name}[{i}]` must be a (tensor, rank) pair, but is {item!r} instead."
+            )
+        tensor = gang._check_tensor(item[0], f"{name}[{i}][0]")
+        rank = check_rank(item[1], gang.size, name=f"{name}[{i}][1]", self_rank=gang.rank)
+        checked.append((tensor, rank))
+    return checked
+
+
+def _check_apart(sends: list[Transfer], recvs: list[Transfer]) -> None:
+    """No tensor is given twice, and no receive tensor overlaps another tensor.
+
+    Sends may overlap each other (slices of one buffer are only read); sweeping the
+    ranges by start, a range overlaps an earlier one iff it starts before the furthest
+    end so far, so keeping that end over all ranges and over receives finds every
+    overlap that involves a receive.
+    """
+    labelled = [(t, f"sends[{i}][0]", False) for i, (t, _) in enumerate(sends)]
+    labelled += [(t, f"recvs[{i}][0]", True) for i, (t, _) in enumerate(recvs)]
+    ranges = sorted(
+        (t.data_ptr(), t.data_ptr() + t.nbytes, label, is_recv)
+        for t, label, is_recv in labelled
+        if t.nbytes
+    )
+    seen: dict[tuple[int, int], str] = {}
+    furthest: tuple[int, str] = (-1, "")
+    furthest_recv: tuple[int, str] = (-1, "")
+    for start, end, label, is_recv in ranges:
+        if (start, end) in seen:
+            raise ValueError(
+                f"`{label}` must not be a tensor given before in the batch "
+                f"(`{seen[start, end]}`), but is."
+            )
+        seen[start, end] = label
+        other = furthest if is_recv else furthest_recv
+        if start < other[0]:
+            recv_label, other_label = (label, other[1]) if is_recv else (other[1], label)
+            raise ValueError(
+                f"`{recv_label}` must not overlap another tensor of the batch "
+                f"(`{other_label}`), but does; pass separate buffers."
+            )
+        if end > furthest[0]:
+            furthest = (end, label)
+        if is_recv and end > furthest_recv[0]:
+            furthest_recv = (end, label)
+
+
+class ExchangeCollectives:
+    """``all_gather``, ``all_to_all`` and ``exchange`` of :class:`agang.Gang`, for
+    ``CollectiveGang`` (a plain mixin, as ``agang._rooted``'s); their documentation is
+    the Gang's."""
+
+    def all_gather(
+        self: _Gang,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        *,
+        output_split_sizes: Sequence[int] | None = None,
+        timeout: float | None = None,
+    ) -> Handle[torch.Tensor]:
+        input = self._check_tensor(input, "input")
+        output = self._check_tensor(output, "output")
+        check_same_dtype(output, input)
+        tensors = [("output", output), ("input", input)]
+        backend = self._backend
+        if output_split_sizes is None:
+            check_stacked_or_concatenated(output, self.size, input.shape, name="output")
+            flat = output.view(-1)
+            return self._issue(
+                "all_gather",
+                tensors,
+                output,
+                timeout,
+                lambda done: backend.start_all_gather(flat, input, done),
+                fingerprint=f"all_gather({describe(input)})",
+            )
+        sizes = check_split_sizes(output_split_sizes, self.size, name="output_split_sizes")
+        if input.dim() == 0 or input.shape[0] != sizes[self.rank]:
+            raise ValueError(
+                f"`input` must have output_split_sizes[{self.rank}] = {sizes[self.rank]} rows "
+                f"(this rank's size), but has shape {tuple(input.shape)} instead."
+            )
+        check_trailing_shape(output, input)
+        check_rows(output, sizes, name="output", sizes_name="output_split_sizes")
+        return self._issue(
+            "all_gather",
+            tensors,
+            output,
+            timeout,
+            lambda done: backend.start_all_gather_uneven(output, input, sizes, done),
+            fingerprint=f"all_gather(output_split_sizes={sizes}, {_rows(input)})",
+        )
+
+    def all_to_all(
+        self: _Gang,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        *,
+        output_split_sizes: Sequence[int] | None = None,
+        input_split_sizes: Sequence[int] | None = None,
+        timeout: float | None = None,
+    ) -> Handle[torch.Tensor]:
+        input = self._check_tensor(input, "input")
+        output = self._check_tensor(output, "output")
+        check_same_dtype(output, input)
+        tensors = [("output", output), ("input", input)]
+        backend = self._backend
+        if output_split_sizes is None and input_split_sizes is None:
+            check_shape(output, input.shape, name="output")
+            if input.dim() == 0 or input.shape[0] % self.size:
+                raise ValueError(
+                    f"`input` must have a first dimension that is a multiple of the gang's "
+                    f"size ({self.size}), but has shape {tuple(input.shape)} instead."
+                )
+            return self._issue(
+                "all_to_all",
+                tensors,
+                output,
+                timeout,
+                lambda done: backend.start_all_to_all(output, input, done),
+                fingerprint=f"all_to_all({describe(input)})",
+            )
+        input_splits = _splits(
+            input_split_sizes, input, self.size, name="input_split_sizes", tensor_name="input"
+        )
+        output_splits = _splits(
+            output_split_sizes, output, self.size, name="output_split_sizes", tensor_name="output"
+        )
+        check_trailing_shape(output, input)
+        rank = self.rank
+        if input_splits[rank] != output_splits[rank]:
+            raise ValueError(
+                f"`output_split_sizes` must give this rank's block to itself as many rows as "
+                f"`input_split_sizes` ({input_splits[rank]} at index {rank}), but gives "
+                f"{output_splits[rank]} instead."
+            )
+        return self._issue(
+            "all_to_all",
+            tensors,
+            output,
+            timeout,
+            lambda done: backend.start_all_to_all(
+                output,
+                input,
+                done,
+                output_split_sizes=output_splits,
+                input_split_sizes=input_splits,
+            ),
+            fingerprint=f"all_to_all(split, {_rows(input)})",
+        )
+
+    def exchange(
+        self: _Gang,
+        sends: Sequence[Transfer] = (),
+        recvs: Sequence[Transfer] = (),
+        *,
+        timeout: float | None = None,
+    ) -> Handle[list[torch.Tensor]]:
+        checked_sends = _transfers(self, sends, name="sends")
+        checked_recvs = _transfers(self, recvs, name="recvs")
+        if not checked_sends and not checked_recvs:
+            raise ValueError(
+                "`sends` and `recvs` must hold at least one transfer between them, but are "
+                "both empty instead."
+            )
+        _check_apart(checked_sends, checked_recvs)
+        tensors = [(f"sends[{i}][0]", t) for i, (t, _) in enumerate(checked_sends)]
+        tensors += [(f"recvs[{i}][0]", t) for i, (t, _) in enumerate(checked_recvs)]
+        received = [t for t, _ in checked_recvs]
+        backend = self._backend
+        return self._issue(
+            "exchange",
+            tensors,
+            received,
+            timeout,
+            lambda done: backend.start_exchange(checked_sends, checked_recvs, done),
+        )
