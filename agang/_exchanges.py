@@ -78,9 +78,10 @@ def _transfers(gang: _Gang, items: object, *, name: str) -> list[tuple[torch.Ten
 
 
 def _check_apart(sends: list[Transfer], recvs: list[Transfer]) -> None:
-    """No tensor is given twice, and no receive tensor overlaps another tensor.
+    """No receive tensor overlaps another tensor of the batch.
 
-    Sends may overlap each other (slices of one buffer are only read); sweeping the
+    Sends may overlap each other, or be one tensor sent to several peers: they are
+    only read. Sweeping the
     ranges by start, a range overlaps an earlier one iff it starts before the furthest
     end so far, so keeping that end over all ranges and over receives finds every
     overlap that involves a receive.
@@ -92,16 +93,9 @@ def _check_apart(sends: list[Transfer], recvs: list[Transfer]) -> None:
         for t, label, is_recv in labelled
         if t.nbytes
     )
-    seen: dict[tuple[int, int], str] = {}
     furthest: tuple[int, str] = (-1, "")
     furthest_recv: tuple[int, str] = (-1, "")
     for start, end, label, is_recv in ranges:
-        if (start, end) in seen:
-            raise ValueError(
-                f"`{label}` must not be a tensor given before in the batch "
-                f"(`{seen[start, end]}`), but is."
-            )
-        seen[start, end] = label
         other = furthest if is_recv else furthest_recv
         if start < other[0]:
             recv_label, other_label = (label, other[1]) if is_recv else (other[1], label)

@@ -190,8 +190,8 @@ class GangExchanges(ABC):
 
         Raises:
             ValueError: There is nothing to send or receive, a rank is this one or out
-                of range, a tensor is given twice, or a receive tensor overlaps another
-                tensor of the batch.
+                of range, or a receive tensor overlaps another tensor of the batch
+                (sends may share memory: one tensor may go to several peers).
 
         Example:
             >>> after, before = (gang.rank + 1) % gang.size, (gang.rank - 1) % gang.size

@@ -302,6 +302,20 @@ async def test_exchange_matches_plain_sends_and_receives_in_order() -> None:
     assert (a.tolist(), b.tolist()) == ([1.0, 1.0], [2.0, 2.0, 2.0])
 
 
+async def test_one_tensor_may_be_sent_to_several_peers_in_one_exchange() -> None:
+    # Sends are only read: a halo or a weight block goes out to each neighbour as it is.
+    world = FakeWorld(3)
+    block = torch.arange(4.0)
+    left, right = torch.zeros(4), torch.zeros(4)
+
+    sent = world[0].exchange([(block, 1), (block, 2)])
+    got = [world[1].exchange(recvs=[(left, 0)]), world[2].exchange(recvs=[(right, 0)])]
+
+    assert await sent == []
+    assert [await handle for handle in got] == [[left], [right]]
+    assert left.tolist() == right.tolist() == block.tolist()
+
+
 async def test_fake_gang_copies_equal_blocks_and_has_no_peers_to_exchange_with() -> None:
     gang = agang.FakeGang(rank=1, size=3)
 
