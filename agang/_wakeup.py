@@ -18,16 +18,17 @@ else on the loop could run meanwhile; past the window it parks as above. Rules:
 1. Only ops of at most :data:`BRIEF_MAX_BYTES`, only when this size of op recently took
    at most :data:`BRIEF_MAX_SECONDS` (the median of its last :data:`NUM_RECENT` times,
    per power of two of bytes: a median, since a small op's times have a long tail), and
-   until at most twice that after the op's issue, never past :data:`BRIEF_MAX_SECONDS`
+   until at most three times that after the op's issue, never past :data:`BRIEF_MAX_SECONDS`
    of blocking. One slow op (a peer late) thus stops nothing; a run of them stops the
    blocking until ops are fast again.
-2. Never while another waiter is parked (ops in flight that a block would delay) nor
+2. Never while another waiter is parked on this loop (a block would delay it) nor
    while the loop has other ready work, where the loop can tell: asyncio's ready queue
    (``_ready``, CPython's loop), trio's runnable tasks. uvloop cannot tell, so there
    rule 1 alone bounds the cost.
-3. A block that ends without the op finishing (a loop-driven backend, as FakeWorld,
-   finishes nothing while its loop is blocked; or the op was slow) makes the next
-   2, 4, 8, ... up to 1,024 awaits of that size park at once; one that finishes resets it.
+3. Blocks that end without the op finishing, in a row (a loop-driven backend, as
+   FakeWorld, finishes nothing while its loop is blocked; or ops became slow), make the
+   next 1, 3, 7, ... up to 1,023 awaits of that size park at once; a block that catches
+   its op resets this. One miss alone does not: small ops' times have a long tail.
 4. It sleeps; it never spins. Spinning was measured slower here: the completion runs
    Python on the backend's thread, which needs the GIL and, on a small machine, a core.
 5. It changes nothing but timing: the await then takes the path of a future already
@@ -55,14 +56,22 @@ BRIEF_MAX_SECONDS = 1e-3
 NUM_RECENT = 8
 
 # The median of recent op times (seconds from issue to finish), and those times, by
-# ``num_bytes.bit_length()``; the number of waiters parked on any loop (rule 2). Only
-# loop threads touch them; a lost update under a race only shifts a window.
+# ``num_bytes.bit_length()``. Loop threads share them; a lost update under a race only
+# shifts a window.
 _estimates: dict[int, float] = {}
 _recent: dict[int, list[float]] = {}
-_num_parked = 0
 # Per size as above: blocks in a row that ended unfinished, and awaits left to skip.
 _num_missed: dict[int, int] = {}
 _num_to_skip: dict[int, int] = {}
+
+
+class _Parked(threading.local):
+    """The number of waiters parked on this thread's loop (rule 2)."""
+
+    count = 0
+
+
+_parked = _Parked()
 
 
 def _resolve(future: asyncio.Future[None]) -> None:
@@ -83,7 +92,6 @@ async def wait_async(future: Future[Any]) -> bool:
 
 
 async def _wait_asyncio(future: Future[Any], loop: asyncio.AbstractEventLoop) -> bool:
-    global _num_parked
     if future.done():
         await asyncio.sleep(0)
         return False
@@ -95,17 +103,16 @@ async def _wait_asyncio(future: Future[Any], loop: asyncio.AbstractEventLoop) ->
             loop.call_soon_threadsafe(_resolve, woken)
 
     future._add_done_callback(wake)
-    _num_parked += 1
+    _parked.count += 1
     try:
         await woken
     finally:
-        _num_parked -= 1
+        _parked.count -= 1
         future._remove_done_callback(wake)
     return True
 
 
 async def _wait_trio(future: Future[Any]) -> bool:
-    global _num_parked
     token = _asynclib.trio_token()
     if token is None:
         raise RuntimeError("An agang handle must be awaited from asyncio, uvloop or trio.")
@@ -122,11 +129,11 @@ async def _wait_trio(future: Future[Any]) -> bool:
             token.run_sync_soon(event.set)
 
     future._add_done_callback(wake)
-    _num_parked += 1
+    _parked.count += 1
     try:
         await event.wait()
     finally:
-        _num_parked -= 1
+        _parked.count -= 1
         future._remove_done_callback(wake)
     return True
 
@@ -142,7 +149,7 @@ def block_briefly(future: Future[Any], num_bytes: int, issued_at: float) -> bool
     Returns:
         Whether ``future`` finished while this call blocked.
     """
-    if num_bytes > BRIEF_MAX_BYTES or _num_parked:
+    if num_bytes > BRIEF_MAX_BYTES or _parked.count:
         return False
     key = num_bytes.bit_length()
     estimate = _estimates.get(key)
@@ -151,7 +158,7 @@ def block_briefly(future: Future[Any], num_bytes: int, issued_at: float) -> bool
     if _num_to_skip.get(key):
         _num_to_skip[key] -= 1
         return False
-    window = min(BRIEF_MAX_SECONDS, issued_at + 2 * estimate - time.monotonic())
+    window = min(BRIEF_MAX_SECONDS, issued_at + 3 * estimate - time.monotonic())
     if window <= 0 or not _loop_is_idle():
         return False
     # A bare lock released by the finisher, as ``Future._block`` does.
@@ -163,7 +170,7 @@ def block_briefly(future: Future[Any], num_bytes: int, issued_at: float) -> bool
         return True
     future._remove_done_callback(signal.release)
     missed = _num_missed[key] = min(_num_missed.get(key, 0) + 1, 10)
-    _num_to_skip[key] = 2**missed
+    _num_to_skip[key] = 2 ** (missed - 1) - 1
     return False
 
 

@@ -66,12 +66,18 @@ async def test_a_block_that_ends_unfinished_leaves_no_callback_and_backs_off(
     monkeypatch.setattr(_wakeup, "BRIEF_MAX_SECONDS", 0.001)
     _wakeup.record(4, 0.0005)
     future: Future[int] = Future("op")
+    key = (4).bit_length()
     assert not _wakeup.block_briefly(future, 4, issued_at=_now())
     assert future._callbacks == []
-    # The next two awaits of that size park at once (rule 3), then it tries again.
-    assert _wakeup._num_to_skip[(4).bit_length()] == 2
+    assert _wakeup._num_to_skip[key] == 0  # one miss alone changes nothing (rule 3)
     assert not _wakeup.block_briefly(future, 4, issued_at=_now())
-    assert _wakeup._num_to_skip[(4).bit_length()] == 1
+    # Two in a row: the next await of that size parks at once, without blocking.
+    assert _wakeup._num_to_skip[key] == 1
+    assert not _wakeup.block_briefly(future, 4, issued_at=_now())
+    assert (_wakeup._num_missed[key], _wakeup._num_to_skip[key]) == (2, 0)
+    # Then it blocks again; a third miss in a row skips the next three.
+    assert not _wakeup.block_briefly(future, 4, issued_at=_now())
+    assert (_wakeup._num_missed[key], _wakeup._num_to_skip[key]) == (3, 3)
 
 
 @pytest.mark.parametrize(
@@ -102,10 +108,10 @@ async def test_no_block_while_another_waiter_is_parked(monkeypatch: pytest.Monke
     async with anyio.create_task_group() as group:
         group.start_soon(_await, parked)
         await anyio.sleep(0.01)  # it parks
-        assert _wakeup._num_parked == 1
+        assert _wakeup._parked.count == 1
         assert not _wakeup.block_briefly(Future("op"), 4, issued_at=_now())
         parked._finish(None, None)
-    assert _wakeup._num_parked == 0
+    assert _wakeup._parked.count == 0
 
 
 async def test_no_block_while_the_loop_has_other_ready_work(
