@@ -21,10 +21,10 @@ else on the loop could run meanwhile; past the window it parks as above. Rules:
    until at most three times that after the op's issue, never past :data:`BRIEF_MAX_SECONDS`
    of blocking. One slow op (a peer late) thus stops nothing; a run of them stops the
    blocking until ops are fast again.
-2. Never while another waiter is parked on this loop (a block would delay it) nor
-   while the loop has other ready work, where the loop can tell: asyncio's ready queue
-   (``_ready``, CPython's loop), trio's runnable tasks. uvloop cannot tell, so there
-   rule 1 alone bounds the cost.
+2. Never while another waiter is parked on this loop (a block would delay it), nor
+   while the loop has other ready work: asyncio's ready queue (``_ready``, CPython's
+   loop), trio's runnable tasks. A loop that cannot tell (uvloop) is never blocked;
+   there the mode is ``"park"`` (measured, it gained nothing there either).
 3. Blocks that end without the op finishing, in a row (a loop-driven backend, as
    FakeWorld, finishes nothing while its loop is blocked; or ops became slow), make the
    next 1, 3, 7, ... up to 1,023 awaits of that size park at once; a block that catches
@@ -185,12 +185,12 @@ def record(num_bytes: int, seconds: float) -> None:
 
 
 def _loop_is_idle() -> bool:
-    """False when the running loop has other ready work (rule 2); True where it cannot
-    tell (uvloop)."""
+    """True when the running loop has no other ready work (rule 2); False where it
+    cannot tell (uvloop)."""
     loop = _asynclib.asyncio_loop()
     if loop is not None:
         ready = getattr(loop, "_ready", None)
-        return ready is None or not ready
+        return ready is not None and not ready
     import trio
 
     return trio.lowlevel.current_statistics().tasks_runnable == 0

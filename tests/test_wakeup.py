@@ -48,8 +48,10 @@ def _finish_soon(future: Future[Any], value: Any) -> threading.Thread:
 
 
 async def test_a_block_returns_once_another_thread_finishes_the_future(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, anyio_backend: tuple[str, dict[str, bool]]
 ) -> None:
+    if anyio_backend[1].get("use_uvloop"):
+        pytest.skip("uvloop is never blocked (rule 2)")
     _long_windows(monkeypatch)
     future: Future[int] = Future("op")
     thread = _finish_soon(future, 7)
@@ -61,8 +63,10 @@ async def test_a_block_returns_once_another_thread_finishes_the_future(
 
 
 async def test_a_block_that_ends_unfinished_leaves_no_callback_and_backs_off(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, anyio_backend: tuple[str, dict[str, bool]]
 ) -> None:
+    if anyio_backend[1].get("use_uvloop"):
+        pytest.skip("uvloop is never blocked (rule 2)")
     monkeypatch.setattr(_wakeup, "BRIEF_MAX_SECONDS", 0.001)
     _wakeup.record(4, 0.0005)
     future: Future[int] = Future("op")
@@ -118,11 +122,13 @@ async def test_no_block_while_the_loop_has_other_ready_work(
     monkeypatch: pytest.MonkeyPatch, anyio_backend: tuple[str, dict[str, bool]]
 ) -> None:
     name, options = anyio_backend
-    if options.get("use_uvloop"):
-        pytest.skip("uvloop does not say whether it has ready work (rule 2)")
     _long_windows(monkeypatch)
     ran = anyio.Event()
-    if name == "asyncio":
+    if options.get("use_uvloop"):
+        # uvloop cannot say whether it has ready work: it is never blocked (rule 2).
+        assert not _wakeup.block_briefly(Future("op"), 4, issued_at=_now())
+        ran.set()
+    elif name == "asyncio":
         asyncio.get_running_loop().call_soon(ran.set)
         assert not _wakeup.block_briefly(Future("op"), 4, issued_at=_now())
     else:
@@ -167,7 +173,7 @@ async def test_fake_world_results_are_those_of_parking() -> None:
 
 @pytest.mark.usefixtures("brief")
 async def test_fake_world_deadline_and_cancellation_are_those_of_parking(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, anyio_backend: tuple[str, dict[str, bool]]
 ) -> None:
     world = FakeWorld(2, op_timeout=0.5)
     # Small ops look fast enough to block for up to 20 ms, in vain (the loop finishes
@@ -179,7 +185,8 @@ async def test_fake_world_deadline_and_cancellation_are_those_of_parking(
     with anyio.move_on_after(0.05):
         await handle
     assert not handle.done()  # the wait was cancelled, not the op
-    assert _wakeup._num_missed == {(4).bit_length(): 1}
+    blocked = not anyio_backend[1].get("use_uvloop")  # uvloop never blocks (rule 2)
+    assert _wakeup._num_missed == ({(4).bit_length(): 1} if blocked else {})
     with pytest.raises(agang.TensorBusyError):
         world[0].all_reduce(tensor)
     with pytest.raises(agang.GangTimeoutError):
@@ -190,12 +197,21 @@ async def _gloo_rows(gang: agang.Gang) -> dict[str, Any]:
     """Small ops that Gloo's thread finishes while the loop blocks, a cancelled wait, a
     failed op and a deadline: what each rank saw."""
     report: dict[str, Any] = {"mode": gang.policy.wait_mode}
+    caught: list[bool] = []
+    block_briefly = _wakeup.block_briefly
+
+    def counting(future: Future[Any], num_bytes: int, issued_at: float) -> bool:
+        caught.append(block_briefly(future, num_bytes, issued_at))
+        return caught[-1]
+
+    _wakeup.block_briefly = counting  # this rank's process only
     sums = []
     for step in range(50):
         tensor = torch.full((4,), float(gang.rank + step))
         sums.append((await gang.all_reduce(tensor))[0].item())
     report["sums"] = sums
     report["estimated"] = bool(_wakeup._estimates)
+    report["caught"] = sum(caught)
 
     # A cancelled wait leaves the op running: rank 1 joins only after rank 0 gave up.
     tensor = torch.ones(1)
@@ -232,6 +248,8 @@ def test_gloo_results_errors_deadlines_and_cancellation(async_backend: str) -> N
         assert report["mode"] == "block_briefly"
         assert report["sums"] == [float(1 + 2 * step) for step in range(50)]
         assert report["estimated"]
+        # Gloo's thread finishes ops while the loop blocks; uvloop is never blocked.
+        assert (report["caught"] > 0) == (async_backend != "uvloop")
         assert report["after_cancel"] == 2.0
     assert reports[0]["cancelled"]
     assert reports[0]["timeout"] == "GangTimeoutError"
