@@ -12,13 +12,16 @@ Method:
     - rank 1 sleeps HOLD seconds before issuing the same N ops, so rank 0's stay
       pending that long.
 
+    Then the same with one op: its one waiter is the case where ``block_briefly``
+    blocks first (no other waiter, small ops fast so far), then parks.
+
     The loop thread's CPU over the pending stretch is what waiting costs (the waiters,
     the loop, agang's wake-up path); the rest of the process's CPU is c10d's threads
     (Gloo's TCP loop polls while ops are in flight), reported apart. The target: the
     loop thread under 2% of a core.
 
 Usage:
-    python bench/bench_pending_wait.py             # 1,000 ops held 1 s, about 15 s
+    python bench/bench_pending_wait.py             # 1,000 ops held 1 s, about 25 s
     python bench/bench_pending_wait.py --smoke     # 100 ops held 0.2 s: for tests
 
 Writes ``bench/out/pending_wait.json`` (``--out DIR`` writes it elsewhere).
@@ -76,14 +79,16 @@ class Row:
         return self.loop_cpu / self.pending
 
 
-async def _hold_pending(gang: agang.Gang, plan: Plan, rank: int) -> tuple[float, float, float]:
+async def _hold_pending(
+    gang: agang.Gang, plan: Plan, num_ops: int, rank: int
+) -> tuple[float, float, float]:
     tensor = torch.zeros(1)
     for _ in range(WARMUP_OPS):
         await gang.all_reduce(tensor)
     await gang.barrier()
     if rank != 0:
         await anyio.sleep(plan.hold)
-    tensors = [torch.zeros(1) for _ in range(plan.num_ops)]
+    tensors = [torch.zeros(1) for _ in range(num_ops)]
     handles = [gang.all_reduce(t) for t in tensors]
     first_done = anyio.Event()
     stamps: list[tuple[float, float, float]] = []
@@ -94,6 +99,13 @@ async def _hold_pending(gang: agang.Gang, plan: Plan, rank: int) -> tuple[float,
             stamps.append((time.monotonic(), time.thread_time(), time.process_time()))
             first_done.set()
 
+    if num_ops == 1:
+        # Awaited by the main task itself, with nothing else on the loop: the await
+        # that ``block_briefly`` blocks (a task group's waiter finds the main task ready).
+        start = (time.monotonic(), time.thread_time(), time.process_time())
+        await handles[0]
+        end = (time.monotonic(), time.thread_time(), time.process_time())
+        return end[0] - start[0], end[1] - start[1], end[2] - start[2]
     async with anyio.create_task_group() as group:
         for handle in handles:
             group.start_soon(await_one, handle)
@@ -115,12 +127,19 @@ def _rank_main(env: dict[str, str], plan: Plan, conn: Connection) -> None:
                 # Set on the one gang, as AGANG_WAIT_MODE would for every gang.
                 policy = dataclasses.replace(gang.policy, wait_mode=wait_mode)
                 gang._engine.policy = policy  # type: ignore[attr-defined]
-                for loop, (backend, options) in LOOPS.items():
-                    pending, loop_cpu, process_cpu = anyio.run(
-                        _hold_pending, gang, plan, rank, backend=backend, backend_options=options
-                    )
-                    other_cpu = process_cpu - loop_cpu
-                    rows.append(Row(wait_mode, loop, plan.num_ops, pending, loop_cpu, other_cpu))
+                for num_ops in (plan.num_ops, 1):
+                    for loop, (backend, options) in LOOPS.items():
+                        pending, loop_cpu, process_cpu = anyio.run(
+                            _hold_pending,
+                            gang,
+                            plan,
+                            num_ops,
+                            rank,
+                            backend=backend,
+                            backend_options=options,
+                        )
+                        other_cpu = process_cpu - loop_cpu
+                        rows.append(Row(wait_mode, loop, num_ops, pending, loop_cpu, other_cpu))
             dist.barrier()
         finally:
             gang.close_sync()
@@ -137,12 +156,16 @@ def main(argv: list[str] | None = None) -> int:
     plan = Plan(100, 0.2) if args.smoke else Plan(1000, 1.0)
     print(f"2 Gloo ranks; rank 1 holds {plan.num_ops} all-reduces back {plan.hold:g} s.\n")
     rows: list[Row] = _common.run_ranks(_rank_main, plan, timeout=300.0)[0]
-    print(f"{'wait mode':<14} {'loop':<8} {'pending':>8} {'loop CPU':>9} {'share':>7}  c10d CPU")
+    print(
+        f"{'wait mode':<14} {'loop':<8} {'ops':>5} {'pending':>8} {'loop CPU':>9} {'share':>7}"
+        "  c10d CPU"
+    )
     for row in rows:
         verdict = "PASS" if row.loop_share < TARGET else "MISS"
+        c10d_share = row.other_cpu / row.pending
         print(
-            f"{row.wait_mode:<14} {row.loop:<8} {row.pending:>7.2f}s {row.loop_cpu * 1e3:>6.1f} ms"
-            f" {row.loop_share:>6.2%}  {row.other_cpu / row.pending:>6.1%}  {verdict}"
+            f"{row.wait_mode:<14} {row.loop:<8} {row.num_ops:>5} {row.pending:>7.2f}s"
+            f" {row.loop_cpu * 1e3:>6.1f} ms {row.loop_share:>6.2%}  {c10d_share:>6.1%}  {verdict}"
             f" (loop < {TARGET:.0%} of a core)"
         )
     out: Path = args.out
