@@ -13,9 +13,10 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol, TypeVar, final
 
+from agang import _wakeup
 from agang._future import _PENDING, Future
+from agang._policy import GangPolicy
 from agang._validate import check_timeout
-from agang._wakeup import wait_async
 
 T = TypeVar("T")
 
@@ -26,6 +27,9 @@ UNNUMBERED = -1
 
 class HandleOwner(Protocol):
     """What issued a handle, told about its waiters (the engine)."""
+
+    #: The gang's policy; its ``wait_mode`` decides how an ``await`` waits.
+    policy: GangPolicy
 
     def waiting(self) -> None:
         """A waiter starts on one of its pending ops (a lost deadline check is re-armed)."""
@@ -100,10 +104,20 @@ class Handle(Future[T]):
     async def _wait_async(self) -> T:
         self._check_not_held()
         owner = self._owner
-        if owner is not None and not self.done():
+        if owner is None:
+            await _wakeup.wait_async(self)
+            return self.result()
+        brief = owner.policy.wait_mode == "block_briefly"
+        if not self.done():
             owner.waiting()
-        if await wait_async(self) and owner is not None and self._finished_at is not None:
+            if brief:
+                # Only timing changes: a finished handle takes the path below that an
+                # already finished one takes (``agang._wakeup``, rule 4).
+                _wakeup.block_briefly(self, self.num_bytes, self.issued_at)
+        if await _wakeup.wait_async(self) and self._finished_at is not None:
             owner.resumed(time.monotonic() - self._finished_at)
+        if brief and self._finished_at is not None:
+            _wakeup.record(self.num_bytes, self._finished_at - self.issued_at)
         return self.result()
 
     def wait(self, timeout: float | None = None) -> T:

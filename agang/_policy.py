@@ -16,13 +16,20 @@ WhenFull = Literal["queue", "raise", "block"]
 OnTimeout = Literal["abort", "raise"]
 #: Order checking: off, on, or on with each op's call site in its fingerprint.
 CheckOrder = bool | Literal["call_site"]
+#: How an ``await`` of a pending op waits: parked until the completion wakes the loop,
+#: or first blocking the loop's thread briefly for a small op (``agang._wakeup``).
+WaitMode = Literal["park", "block_briefly"]
 
 _WHEN_FULL = ("queue", "raise", "block")
 _ON_TIMEOUT = ("abort", "raise")
+_WAIT_MODES = ("park", "block_briefly")
 
 #: Environment variable that turns order checking on for every gang (``1``/``0``, or
 #: ``call_site``).
 CHECK_ORDER_ENV = "AGANG_CHECK_ORDER"
+#: Environment variable that sets every gang's ``wait_mode`` (``park`` or
+#: ``block_briefly``); README's "Performance" says when the latter pays.
+WAIT_MODE_ENV = "AGANG_WAIT_MODE"
 
 
 @dataclass(frozen=True)
@@ -66,6 +73,7 @@ class GangPolicy:
     on_timeout: OnTimeout = "abort"
     limits: InFlightLimits = InFlightLimits()
     check_order: CheckOrder = False
+    wait_mode: WaitMode = "park"
 
 
 def make_policy(
@@ -74,12 +82,13 @@ def make_policy(
     on_timeout: object = "abort",
     limits: object = None,
     check_order: object = None,
+    wait_mode: object = None,
     env: dict[str, str] | None = None,
 ) -> GangPolicy:
     """Checks the user's choices (naming the parameter) and bundles them.
 
-    ``check_order=None`` reads ``AGANG_CHECK_ORDER`` from ``env`` (default
-    ``os.environ``).
+    ``check_order=None`` reads ``AGANG_CHECK_ORDER``, ``wait_mode=None`` reads
+    ``AGANG_WAIT_MODE``, from ``env`` (default ``os.environ``).
     """
     timeout = check_timeout(op_timeout, name="op_timeout")
     if on_timeout not in _ON_TIMEOUT:
@@ -106,9 +115,20 @@ def make_policy(
             f"`check_order` must be a bool, 'call_site' or None, but is {check_order!r} "
             f"of type `{type(check_order).__name__}` instead."
         )
+    if wait_mode is None:
+        wait_mode = (os.environ if env is None else env).get(WAIT_MODE_ENV, "").strip() or "park"
+        name = f"`{WAIT_MODE_ENV}`"
+    else:
+        name = "`wait_mode`"
+    if wait_mode not in _WAIT_MODES:
+        raise ValueError(
+            f"{name} must be one of {', '.join(map(repr, _WAIT_MODES))}, "
+            f"but is {wait_mode!r} instead."
+        )
     return GangPolicy(
         op_timeout=timeout,
         on_timeout=on_timeout,  # type: ignore[arg-type]  # checked above
         limits=limits,
         check_order=check_order,
+        wait_mode=wait_mode,  # type: ignore[arg-type]  # checked above
     )
