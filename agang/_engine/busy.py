@@ -76,6 +76,11 @@ def acquire_one(name: str, tensor: torch.Tensor, holder: object) -> Claim:
     start = tensor.data_ptr()
     end = start + size
     with _lock:
+        if not _starts:  # nothing in flight: the usual case of awaited ops
+            _starts.append(start)
+            _ends.append(end)
+            _holders.append(holder)
+            return [(start, end)]
         index = bisect.bisect_left(_starts, end) - 1
         if index >= 0 and _ends[index] > start:
             _refuse(name, _holders[index])
@@ -114,7 +119,10 @@ def release(claim: Claim) -> None:
         return
     with _lock:
         for start, _ in claim:
-            _remove(start)
+            if _starts and _starts[-1] == start:  # the highest range (the only one, often)
+                del _starts[-1], _ends[-1], _holders[-1]
+            else:
+                _remove(start)
 
 
 def num_busy() -> int:

@@ -88,6 +88,13 @@ class Alarm:
 
     def arm(self, due: float) -> None:
         driver = current_driver()
+        # The usual case, read without the lock: armed already, no later than ``due``,
+        # on this thread's running loop (or the timer thread), which is alive since it
+        # runs this. A check that fires meanwhile re-arms for the ops left, ``due``'s
+        # among them: it was admitted before this call.
+        armed_at = self._armed_at
+        if armed_at is not None and armed_at <= due and self._driver is driver:
+            return
         with self._lock:
             if (
                 self._armed_at is not None
