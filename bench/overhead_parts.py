@@ -16,7 +16,7 @@ import torch
 import agang
 from agang._engine import busy
 from agang._engine.scheduler import Entry
-from agang._handle import Handle
+from agang._handle import issued
 
 # Part name -> per-op nanoseconds, one figure per round.
 Parts = dict[str, list[float]]
@@ -52,7 +52,7 @@ def _parts(gang: agang.FakeGang, tensor: torch.Tensor) -> dict[str, Callable[[in
     def handle(count: int) -> int:
         start = time.perf_counter_ns()
         for seq in range(count):
-            Handle(op="all_reduce", seq=seq, num_bytes=4, timeout=300.0, owner=engine)
+            issued("all_reduce", seq, 4, 300.0, engine)
         return time.perf_counter_ns() - start
 
     def deadline(count: int) -> int:

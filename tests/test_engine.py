@@ -120,3 +120,26 @@ async def test_a_failure_inside_the_start_fails_the_op_and_breaks_the_gang(how: 
     with pytest.raises(agang.GangBrokenError):
         gang.all_reduce(torch.ones(2))
     assert busy.num_busy() == 0
+
+
+async def test_an_op_issued_inside_another_ops_start_starts_after_it() -> None:
+    gang = agang.FakeGang(size=2)
+    first, second = torch.ones(1), torch.ones(1)
+    started: list[torch.Tensor] = []
+    inner: list[agang.Handle[torch.Tensor]] = []
+
+    def start(t: torch.Tensor, op: ReduceOp, done: Done) -> None:
+        started.append(t)
+        if t is first:
+            inner.append(gang.all_reduce(second))  # re-entrant: queued, not nested
+            assert started == [first]
+        done(None)
+
+    with_start(gang, start)
+    handle = gang.all_reduce(first)
+
+    assert started == [first, second]
+    assert (handle.seq, inner[0].seq) == (0, 1)
+    assert inner[0].done()
+    await handle
+    assert gang.statistics().num_completed == 2

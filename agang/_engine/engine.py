@@ -15,6 +15,11 @@ Rules:
    whichever thread frees room for it (a completion, an order check, the gate opening),
    through the backend's ``defer``, as if from the caller. A bounded gang whose policy
    is ``"raise"`` or ``"block"`` refuses, or waits, before numbering (``room``).
+   The common op (it may start at once, no order check) is numbered, claimed and
+   started on the caller's thread under that same taking of the lock, and enters the
+   core as started only if it did not end inside its start: one that did (the fake
+   backend's all do) is recorded and counted, nothing more, since no other thread can
+   see the core meanwhile (``Engine._start_now``).
 3. *A timeout is resolved once.* At the call, into seconds or None (no deadline);
    nothing below re-reads the user's value. The backend hears of every explicit
    timeout (``allow_timeout``) so that its own stays behind it.
