@@ -7,7 +7,6 @@ deadline check is armed). What each costs, not how they add up: the whole path i
 from __future__ import annotations
 
 import asyncio
-import statistics
 import time
 from collections.abc import Callable
 
@@ -121,10 +120,3 @@ def measure(rounds: int, batch: int) -> Parts:
         asyncio.run(one_round(index))
     gang.close_sync()
     return figures
-
-
-def print_table(parts: Parts) -> None:
-    print("| part | median us/op |")
-    print("| --- | --- |")
-    for name, values in parts.items():
-        print(f"| {name} | {statistics.median(values) / 1000:.2f} |")
