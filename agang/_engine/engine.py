@@ -172,9 +172,7 @@ class Engine:
         with self.lock:
             self._room.wait_or_refuse(op, num_bytes, seconds)
             seq = self._next_seq
-            handle: Handle[Any] = Handle(
-                op=op, seq=seq, num_bytes=num_bytes, timeout=seconds, owner=self
-            )
+            handle = issued(op, seq, num_bytes, seconds, self)
             claim = busy.acquire(tensors, handle)  # raises before anything is committed
             self._next_seq = seq + 1
             self._last_op = op
