@@ -25,7 +25,7 @@ import torch
 from typing_extensions import override
 
 from agang import _objects
-from agang._backends.contract import Backend, Done
+from agang._backends.contract import Backend
 from agang._backends.device_runtime import StreamOrder
 from agang._engine.coalescer import DEFAULT_BUCKET_BYTES, Coalesced, Coalescer, all_of, describe
 from agang._engine.engine import Engine
@@ -54,9 +54,12 @@ from agang._validate import (
     check_stacked_or_concatenated,
     check_tensor,
     check_tensor_list,
+    is_usual_tensor,
+    supported_dtypes,
 )
 
 _CLOSE_SECONDS = 5.0  # how long ``close`` waits for the backend's release at most
+_SUM = ReduceOp.SUM  # an enum member's lookup costs per call
 
 
 class CollectiveGang(RootedCollectives, ExchangeCollectives, Gang):
@@ -70,6 +73,7 @@ class CollectiveGang(RootedCollectives, ExchangeCollectives, Gang):
     def __init__(self, backend: Backend, policy: GangPolicy) -> None:
         self._backend = backend
         self._device = backend.device
+        self._dtypes = supported_dtypes(backend.kind)
         self._engine = Engine(backend, policy)
         self._coalescer = Coalescer(self._engine, backend)
         self._lanes = Lanes(self._engine.lock)
@@ -130,6 +134,8 @@ class CollectiveGang(RootedCollectives, ExchangeCollectives, Gang):
         )
 
     def _check_tensor(self, tensor: object, name: str) -> torch.Tensor:
+        if is_usual_tensor(tensor, self._device, self._dtypes):  # at once, no message made
+            return tensor
         return check_tensor(tensor, name=name, device=self._device, backend=self._backend.kind)
 
     def _issue(
@@ -155,7 +161,7 @@ class CollectiveGang(RootedCollectives, ExchangeCollectives, Gang):
         self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *, timeout: float | None = None
     ) -> Handle[torch.Tensor]:
         tensor = self._check_tensor(tensor, "tensor")
-        if op is not ReduceOp.SUM:  # SUM is valid for every dtype a backend takes
+        if op is not _SUM:  # SUM is valid for every dtype a backend takes
             op = check_reduce_op(op)
             check_reduce_dtype(tensor, op, name="tensor")
         engine = self._engine
@@ -166,18 +172,17 @@ class CollectiveGang(RootedCollectives, ExchangeCollectives, Gang):
             if scope is not None:
                 return coalescer.hold(scope, tensor, op, seconds)
             coalescer.flush()
-        start_all_reduce = self._backend.start_all_reduce
-
-        def start(done: Done) -> None:
-            start_all_reduce(tensor, op, done)
-
+        backend = self._backend
         return engine.issue(
             "all_reduce",
             [("tensor", tensor)],
             tensor,
             seconds,
-            start,
-            fingerprint=f"all_reduce({op.name}, {describe(tensor)})",
+            lambda done: backend.start_all_reduce(tensor, op, done),
+            # Built only when compared: most gangs never check order.
+            fingerprint=f"all_reduce({op.name}, {describe(tensor)})"
+            if engine.checks_order
+            else None,
         )
 
     @override

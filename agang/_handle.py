@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, Protocol, TypeVar, final
 
 from agang import _wakeup
-from agang._future import _PENDING, Future
+from agang._future import _DONE, _PENDING, Future
 from agang._policy import GangPolicy
 from agang._validate import check_timeout
 
@@ -62,6 +62,11 @@ class Handle(Future[T]):
         timeout: float | None,
         owner: HandleOwner | None = None,
     ) -> None:
+        self._set_up(op, seq, num_bytes, timeout, owner)
+
+    def _set_up(
+        self, op: str, seq: int, num_bytes: int, timeout: float | None, owner: HandleOwner | None
+    ) -> None:
         # Future's state, set here rather than through ``super().__init__``: a handle is
         # made for every op, and the call costs a measurable share of issuing one.
         self.what = op
@@ -84,6 +89,14 @@ class Handle(Future[T]):
         # Why waiting now would never end (the op is held in an open coalesce scope).
         self._hold: str | None = None
         self._owner = owner
+
+    def _finish_unseen(self, value: Any, now: float) -> None:
+        """Finishes, at ``now``, a handle not returned yet (its op ended inside the call
+        that issues it): nobody waits on it and it has no callbacks, so the future's
+        lock and wake-ups have nothing to guard."""
+        self._value = value
+        self._finished_at = now
+        self._state = _DONE
 
     def __str__(self) -> str:
         if self.seq == UNNUMBERED:
@@ -152,6 +165,19 @@ class Handle(Future[T]):
         hold = self._hold
         if hold is not None and not self.done():
             raise RuntimeError(hold)
+
+
+def issued(
+    op: str, seq: int, num_bytes: int, timeout: float | None, owner: HandleOwner | None
+) -> Handle[Any]:
+    """``Handle(op=op, seq=seq, ...)`` for the engine, which makes one per op: the same
+    handle, without the keyword call (half the cost of making one)."""
+    handle: Handle[Any] = _new_object(Handle)
+    handle._set_up(op, seq, num_bytes, timeout, owner)
+    return handle
+
+
+_new_object = object.__new__
 
 
 def finish_all(outcomes: Iterable[tuple[Handle[Any], Any]], error: BaseException | None) -> None:

@@ -11,7 +11,7 @@ import itertools
 import math
 import operator
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 
@@ -33,6 +33,7 @@ _GLOO_DTYPES = frozenset(
     }
 )
 _NCCL_DTYPES = _GLOO_DTYPES | {torch.float8_e4m3fn, torch.float8_e5m2}
+_STRIDED = torch.strided
 
 
 def supported_dtypes(backend: str) -> frozenset[torch.dtype]:
@@ -136,6 +137,21 @@ def check_tensor(
             f"but has dtype {tensor.dtype} instead."
         )
     return tensor
+
+
+def is_usual_tensor(
+    tensor: object, device: torch.device, dtypes: frozenset[torch.dtype]
+) -> TypeGuard[torch.Tensor]:
+    """Whether ``tensor`` passes :func:`check_tensor` (``dtypes``: the backend's), in one
+    expression: the usual tensor costs no more. Any other goes to :func:`check_tensor`,
+    which names its first fault."""
+    return (
+        isinstance(tensor, torch.Tensor)
+        and tensor.layout is _STRIDED
+        and tensor.device == device
+        and tensor.is_contiguous()
+        and tensor.dtype in dtypes
+    )
 
 
 def check_reduce_dtype(tensor: torch.Tensor, op: ReduceOp, *, name: str) -> None:

@@ -3,7 +3,7 @@ table and writes its JSON, says in one line that it drew no plot, and writes non
 
 Each plotting bench runs in its smallest mode (``--smoke``) in a subprocess whose
 ``sitecustomize`` makes ``import matplotlib`` fail; its files go to a temporary ``--out``
-directory, never to bench/out. The three start together (most of their time is start-up,
+directory, never to bench/out. The four start together (most of their time is start-up,
 spent waiting), and each test checks its own.
 """
 
@@ -70,6 +70,7 @@ BENCHES = {
     "bench_latency.py": (["--smoke", "--sizes", "4"], "Targets (median ratio", "latency.json"),
     "bench_training.py": (["--smoke"], "| mode | median step |", "training.json"),
     "bench_scheduler.py": (["--smoke"], "1. Coalescing: 64 all_reduces", "scheduler.json"),
+    "bench_overhead.py": (["--smoke", "--profile", "10"], "| loop | stage |", "overhead.json"),
 }
 
 

@@ -194,3 +194,44 @@ def test_bytes_in_flight_balance_after_every_kind_of_finish() -> None:
     scheduler.finish(1, seconds=0.0, outcome="ok")
     scheduler.finish(2, seconds=0.0, outcome="ok")
     assert (scheduler.bytes_in_flight, scheduler.bytes_started, scheduler.num_started) == (0, 0, 0)
+
+
+def test_an_op_may_start_at_once_only_with_nothing_ahead_and_room() -> None:
+    scheduler = Scheduler(max_ops=2, max_bytes=100)
+    assert scheduler.may_start(10**6)  # nothing started: even a huge op runs, alone
+    scheduler.admit_started(entry(0, num_bytes=60))
+    assert (scheduler.num_started, scheduler.bytes_started, scheduler.num_in_flight) == (1, 60, 1)
+    assert scheduler.may_start(40)
+    assert not scheduler.may_start(41)  # bytes
+    scheduler.admit_started(entry(1, num_bytes=1))
+    assert not scheduler.may_start(0)  # ops
+    scheduler.finish(0, seconds=0.0, outcome="ok")
+    assert scheduler.may_start(0)
+    scheduler.admit(entry(2, ready=False))
+    assert not scheduler.may_start(0)  # one queued ahead
+
+
+def test_an_op_that_never_entered_is_still_recorded() -> None:
+    scheduler = Scheduler(max_ops=2, max_bytes=100)
+    scheduler.record(7, "all_reduce", 4, 0.002, "ok")
+    assert [r.describe() for r in scheduler.recent()] == ["all_reduce seq=7 4 B 2.0 ms ok"]
+    assert scheduler.num_in_flight == 0
+
+
+def test_deadlines_out_of_issue_order_come_due_in_time_order() -> None:
+    scheduler = Scheduler(max_ops=10, max_bytes=10**9)
+    for seq, deadline in enumerate([2.0, 4.0, 1.0, 4.0, 3.0, 6.0]):
+        scheduler.admit(entry(seq, deadline=deadline))
+    assert scheduler.next_deadline() == 1.0
+    assert [e.seq for e in scheduler.due(4.0)] == [2, 0, 4, 1, 3]
+    assert scheduler.next_deadline() == 6.0
+
+
+def test_deadlines_of_ops_finished_out_of_order_cost_memory_per_op_in_flight() -> None:
+    scheduler = Scheduler(max_ops=10**6, max_bytes=10**12)
+    scheduler.admit(entry(0, deadline=1.0))  # a straggler: all later ops finish first
+    for seq in range(1, 10_000):
+        scheduler.admit(entry(seq, deadline=1.0 + seq))
+        scheduler.finish(seq, seconds=0.0, outcome="ok")
+    assert len(scheduler._timeline) + len(scheduler._deadlines) <= 2 + 64 + 1
+    assert [e.seq for e in scheduler.due(10.0**6)] == [0]

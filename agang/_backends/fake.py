@@ -19,16 +19,19 @@ from agang._backends.device_runtime import StreamOrder
 from agang._errors import GangError
 from agang._reduce_op import ReduceOp
 
+_SUM, _PRODUCT = ReduceOp.SUM, ReduceOp.PRODUCT  # an enum member's lookup costs per op
+_BOOL = torch.bool
+
 
 def _repeat_reduce(tensor: torch.Tensor, op: ReduceOp, size: int) -> None:
-    """Reduces, in place, ``size`` copies of ``tensor``."""
-    if size == 1 or op in (ReduceOp.MEAN, ReduceOp.MIN, ReduceOp.MAX):
+    """Reduces, in place, ``size`` copies of ``tensor``: SUM multiplies, PRODUCT raises
+    to the power, MEAN, MIN and MAX leave it, and so does either on booleans (or / and
+    of equal values)."""
+    if size == 1 or (op is not _SUM and op is not _PRODUCT) or tensor.dtype == _BOOL:
         return
-    if tensor.dtype == torch.bool:
-        return  # or / and of equal booleans
-    if op is ReduceOp.SUM:
+    if op is _SUM:
         tensor.mul_(size)
-    elif op is ReduceOp.PRODUCT:
+    else:
         tensor.pow_(size)
 
 

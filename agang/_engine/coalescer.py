@@ -9,7 +9,6 @@ which reduces them; it never calls back into the gang.
 from __future__ import annotations
 
 import contextlib
-import functools
 import threading
 from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -274,7 +273,7 @@ class Coalescer:
             def post() -> None:
                 self._buffers.unpack(packed, tensors)  # the backend is done with the buffer
 
-        done = OpEnd(engine, handle, tensors, functools.partial(busy.release_all, claims))
+        done = OpEnd(engine, handle, tensors, busy.release_all, claims)
         start_all_reduce = self._backend.start_all_reduce
 
         def start(done: Done) -> None:

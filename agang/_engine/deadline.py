@@ -35,6 +35,9 @@ from agang import _asynclib, _exit
 log = logging.getLogger("agang")
 
 
+_running_loop = asyncio._get_running_loop
+
+
 def current_driver() -> object:
     """The running asyncio loop of this thread, or None for the timer thread."""
     return _asynclib.asyncio_loop()
@@ -87,7 +90,14 @@ class Alarm:
         self._cancel: Cancel | None = None
 
     def arm(self, due: float) -> None:
-        driver = current_driver()
+        driver = _running_loop()  # current_driver(), without two calls: arming is per op
+        # The usual case, read without the lock: armed already, no later than ``due``,
+        # on this thread's running loop (or the timer thread), which is alive since it
+        # runs this. A check that fires meanwhile re-arms for the ops left, ``due``'s
+        # among them: it was admitted before this call.
+        armed_at = self._armed_at
+        if armed_at is not None and armed_at <= due and self._driver is driver:
+            return
         with self._lock:
             if (
                 self._armed_at is not None

@@ -15,6 +15,11 @@ Rules:
    whichever thread frees room for it (a completion, an order check, the gate opening),
    through the backend's ``defer``, as if from the caller. A bounded gang whose policy
    is ``"raise"`` or ``"block"`` refuses, or waits, before numbering (``room``).
+   The common op (it may start at once, no order check) is numbered, claimed and
+   started on the caller's thread under that same taking of the lock, and enters the
+   core as started only if it did not end inside its start: one that did (the fake
+   backend's all do) is recorded and counted, nothing more, since no other thread can
+   see the core meanwhile (``Engine._start_now``).
 3. *A timeout is resolved once.* At the call, into seconds or None (no deadline);
    nothing below re-reads the user's value. The backend hears of every explicit
    timeout (``allow_timeout``) so that its own stays behind it.
@@ -61,26 +66,28 @@ import torch
 from agang import _fork
 from agang._backends.contract import Backend, Done
 from agang._blame import Progress, State
-from agang._engine import busy, deadline, reports
+from agang._engine import busy, deadline, ending, reports
 from agang._engine.call_site import call_site
 from agang._engine.expiry import Expiry
 from agang._engine.ops import OpEnd, SecondPhase, Start, start_guarded
 from agang._engine.room import Room
 from agang._engine.scheduler import Entry, Scheduler
 from agang._errors import (
-    CollectiveError,
     GangBrokenError,
     GangClosedError,
     GangInheritedError,
-    GangTimeoutError,
     OpContext,
 )
-from agang._handle import Handle
+from agang._handle import Handle, issued
 from agang._policy import GangPolicy
 from agang._statistics import Counters, GangStatistics
 from agang._validate import check_timeout
 
 log = logging.getLogger("agang")
+
+
+def _started() -> None:
+    """The ``start`` of an entry the engine started at once, never called."""
 
 
 class Engine:
@@ -99,9 +106,16 @@ class Engine:
         #: What broke the gang, or None while it is not broken.
         self.broken: BaseException | None = None
         self.lock = threading.RLock()
+        # Read per op, so kept as plain attributes: whether fingerprints are compared
+        # (callers build one only then; rule 8), and whether the in-flight bounds must be
+        # judged before an op is numbered (rule 2).
+        self.checks_order = policy.check_order is not False
+        self._judges_room = policy.limits.when_full != "queue"
         self._next_seq = 0
         self._next_check = 0
         self._draining = False
+        self._inline: OpEnd | None = None  # the op ``_start_now`` is starting, on
+        self._inline_thread = 0  # this thread
         self._scheduler = Scheduler(policy.limits.max_ops, policy.limits.max_bytes)
         self._room = Room(
             self.lock, self._scheduler.is_full, self.check_usable, policy.limits, self.name
@@ -158,9 +172,7 @@ class Engine:
         with self.lock:
             self._room.wait_or_refuse(op, num_bytes, seconds)
             seq = self._next_seq
-            handle: Handle[Any] = Handle(
-                op=op, seq=seq, num_bytes=num_bytes, timeout=seconds, owner=self
-            )
+            handle = issued(op, seq, num_bytes, seconds, self)
             claim = busy.acquire(tensors, handle)  # raises before anything is committed
             self._next_seq = seq + 1
             self._last_op = op
@@ -179,11 +191,92 @@ class Engine:
         fingerprint: str | None = None,
     ) -> Handle[Any]:
         """Numbers, admits and (room permitting) starts one backend op; its handle
-        finishes with ``output``."""
-        handle, claim = self.new_handle(op, seconds, tensors)
-        done = OpEnd(self, handle, output, functools.partial(busy.release, claim))
-        self.admit(handle, start, done, fingerprint=fingerprint)
+        finishes with ``output``.
+
+        The common op (nothing queued ahead of it, no order check) is numbered, claimed,
+        admitted and started under one taking of the lock, on the caller's thread, with
+        no deferred start made for it; any other goes through :meth:`admit`.
+        """
+        if self.closed or self.broken is not None:
+            self.check_usable()
+        one = len(tensors) == 1
+        if one:
+            name, tensor = tensors[0]
+            num_bytes = tensor.nbytes  # contiguous (checked): numel * element_size
+        else:
+            num_bytes = sum(t.numel() * t.element_size() for _, t in tensors)
+        checked = fingerprint is not None and self.checks_order
+        with self.lock:
+            if self._judges_room:
+                self._room.wait_or_refuse(op, num_bytes, seconds)
+            seq = self._next_seq
+            handle = issued(op, seq, num_bytes, seconds, self)
+            # Raises before anything is committed (rule 1).
+            claim = busy.acquire_one(name, tensor, handle) if one else busy.acquire(tensors, handle)
+            self._next_seq = seq + 1
+            self._last_op = op
+            counters = self._counters
+            counters.num_issued += 1
+            counters.bytes_issued += num_bytes
+            done = OpEnd(self, handle, output, busy.release, claim)
+            if checked or self._draining or not self._scheduler.may_start(num_bytes):
+                due = None if seconds is None else handle.issued_at + seconds
+                self._admit_locked(handle, start, done, due, fingerprint, False)
+            else:
+                due = self._start_now(handle, start, done)
+        if due is not None:
+            self._alarm.arm(due)
         return handle
+
+    def _start_now(self, handle: Handle[Any], start: Start, done: OpEnd) -> float | None:
+        """Starts an op that may start (nothing ahead of it) on the caller's thread, with
+        the lock held; returns its deadline to arm, or None.
+
+        The op enters the core only if it did not end inside its start. One that did
+        (the fake backend's all do) never waited on anything, and other threads wait
+        for the lock meanwhile, so nobody can tell: it is only recorded and counted,
+        and its handle, not returned yet, finished without waking anyone.
+        """
+        self._inline = done
+        self._inline_thread = threading.get_ident()
+        self._draining = True  # ops admitted meanwhile (re-entrant calls) wait for it
+        try:
+            start(done)
+        except Exception as exc:  # as ``start_guarded``: the op's error
+            done(exc)
+        finally:
+            self._draining = False
+            self._inline = None
+        due = None
+        if not done.ended_inline:  # still running: into the core, as started
+            due = self._enter_started(handle, done)
+        elif done.inline_error is None and not self._ordered_early:
+            now = time.monotonic()
+            seconds = now - handle.issued_at
+            self._scheduler.record(handle.seq, handle.op, handle.num_bytes, seconds, "ok")
+            self._counters.completed(handle.op, seconds)
+            handle._finish_unseen(done.output, now)
+        else:  # a failure, or ordered first: the general end, as if reported later
+            self._enter_started(handle, done)
+            self.complete(handle, done.output, done.inline_error)
+        if self._scheduler.num_queued:
+            self._drain()
+        return due
+
+    def _enter_started(self, handle: Handle[Any], done: OpEnd) -> float | None:
+        """Enters into the core an op started by :meth:`_start_now`; its deadline."""
+        seconds = handle.timeout
+        issued_at = handle.issued_at
+        due = None if seconds is None else issued_at + seconds
+        entry = Entry(handle.seq, handle.op, handle.num_bytes, issued_at, due, _started)
+        entry.item = (handle, done)
+        self._scheduler.admit_started(entry)
+        return due
+
+    def ends_inline(self, done: OpEnd) -> bool:
+        """Whether ``done`` is called inside its op's start on the thread that started it
+        (:meth:`_start_now`), which then takes the end once the start returns."""
+        return self._inline is done and threading.get_ident() == self._inline_thread
 
     async def wait_for_room(self, num_bytes: int) -> None:
         await self._room.wait(num_bytes)
@@ -202,7 +295,22 @@ class Engine:
         ``done`` ends the op; it is also how a never-started op is abandoned.
         """
         due = None if handle.timeout is None else handle.issued_at + handle.timeout
-        checked = fingerprint is not None and self.policy.check_order is not False
+        with self.lock:
+            self._admit_locked(handle, start, done, due, fingerprint, holds_gate)
+        if due is not None:
+            self._alarm.arm(due)
+
+    def _admit_locked(
+        self,
+        handle: Handle[Any],
+        start: Start,
+        done: Done,
+        due: float | None,
+        fingerprint: str | None,
+        holds_gate: bool,
+    ) -> None:
+        """:meth:`admit` once the lock is taken, but for the deadline's arming."""
+        checked = fingerprint is not None and self.checks_order
         entry = Entry(
             seq=handle.seq,
             op=handle.op,
@@ -214,18 +322,15 @@ class Engine:
             ready=not checked,
             holds_gate=holds_gate,
         )
-        with self.lock:
-            self._scheduler.admit(entry)
-            if checked:
-                assert fingerprint is not None
-                if self.policy.check_order == "call_site":
-                    fingerprint = f"{fingerprint} at {call_site()}"
-                index = entry.check_index = self._next_check
-                self._next_check += 1
-                self._check_order(entry, index, fingerprint)
-            self._drain()
-        if due is not None:
-            self._alarm.arm(due)
+        self._scheduler.admit(entry)
+        if checked:
+            assert fingerprint is not None
+            if self.policy.check_order == "call_site":
+                fingerprint = f"{fingerprint} at {call_site()}"
+            index = entry.check_index = self._next_check
+            self._next_check += 1
+            self._check_order(entry, index, fingerprint)
+        self._drain()
 
     def _drain(self) -> None:
         """Starts every op the core lets start, in order; re-entrant calls return."""
@@ -307,56 +412,12 @@ class Engine:
         )
         return handle
 
-    # Completion (rule 4).
+    # Completion (rules 4 and 10), failure (6) and closing (7): ``ending``'s.
 
-    def complete(self, handle: Handle[Any], value: Any, error: BaseException | None) -> None:
-        """The backend op behind ``handle`` has ended (its tensors are free)."""
-        now = time.monotonic()
-        # A handle that already failed (its deadline passed) records as timed out.
-        timed_out = isinstance(handle._error, GangTimeoutError)
-        outcome = "timed out" if timed_out else ("ok" if error is None else "failed")
-        with self.lock:
-            self._scheduler.finish(handle.seq, seconds=now - handle.issued_at, outcome=outcome)
-            room_waiters = self._room.wake()
-            if self._ordered_early and handle.seq in self._ordered_early:
-                self._ordered_early.discard(handle.seq)
-                if error is None:
-                    self._counters.completed(handle.op, now - handle.issued_at)
-        for waiter in room_waiters:
-            waiter._finish(None, None)
-        if error is None:
-
-            def count_completed() -> None:
-                with self.lock:
-                    self._counters.completed(handle.op, time.monotonic() - handle.issued_at)
-
-            handle._finish(value, None, then=count_completed)
-        else:
-            if isinstance(error, GangBrokenError | GangClosedError | CollectiveError):
-                wrapped: BaseException = error
-            else:
-                context = self.context(handle.op, handle.seq, handle.timeout)
-                explained = f"{context.describe()} failed: {error}{self.backend.explain(error)}"
-                wrapped = CollectiveError(explained, context)
-                wrapped.__cause__ = error
-
-            def count_failed_and_break() -> None:
-                with self.lock:
-                    self._counters.num_failed += 1
-                self.break_gang(wrapped)
-
-            # Broken before the waiters wake: their next call must be refused (rule 6).
-            finished = handle._finish(None, wrapped, then=count_failed_and_break)
-            if not finished and not isinstance(error, GangBrokenError | GangClosedError):
-                # Timed out (on_timeout="raise"), then failed in c10d: unusable all the same.
-                self.break_gang(wrapped)
-        self._drain()
-
-    def ordered(self, handle: Handle[Any], value: Any) -> None:
-        """The op behind ``handle`` is ordered on the caller's stream (rule 10)."""
-        with self.lock:
-            self._ordered_early.add(handle.seq)
-        handle._finish(value, None)
+    complete = ending.complete
+    ordered = ending.ordered
+    break_gang = ending.break_gang
+    mark_closed = ending.mark_closed
 
     def count_coalesced(self, num_members: int) -> None:
         with self.lock:
@@ -392,61 +453,7 @@ class Engine:
                 state=state,
             )
 
-    # Failure and lifecycle (rules 6 and 7).
-
-    def _take_pending(self) -> tuple[list[Any], list[tuple[Handle[Any], Done]]]:
-        """The pending handles, room waiters and never-started ops (now dropped); the caller
-        holds the lock, has marked the gang broken or closed, and fails them unlocked."""
-        items = [entry.item for entry in self._scheduler.entries.values()]
-        dropped = [entry.item for entry in self._scheduler.drop_queued()]
-        pending: list[Any] = [handle for handle, _ in items if not handle._settled()]
-        self._counters.num_failed += len(pending)
-        self._ops_left_in_backend = any(e.started for e in self._scheduler.entries.values())
-        pending.extend(self._room.wake())  # they fail with the others, and re-check
-        return pending, dropped
-
-    def break_gang(self, cause: BaseException) -> None:
-        """Marks the gang broken by ``cause``, fails what is pending, aborts the backend."""
-
-        def abandoned(what: object) -> BaseException:
-            error = GangBrokenError(
-                f"{what} on gang '{self.name}' was abandoned: the gang broke on an earlier "
-                f"failure: {cause}",
-                cause,
-            )
-            error.__cause__ = cause
-            return error
-
-        with self.lock:
-            if self.broken is not None or self.closed:
-                return
-            self.broken = cause
-            pending, dropped = self._take_pending()
-        log.error("Gang '%s' (rank %d) is broken: %s", self.name, self.rank, cause)
-        for future in pending:
-            future._finish(None, abandoned(future))
-        for handle, abandon in dropped:
-            abandon(abandoned(handle))  # releases their tensors; nothing was started
-        try:
-            # A woken waiter may have closed it meanwhile: backends cope with abort after release.
-            self.backend.abort()
-        except Exception:
-            log.exception("Aborting the communicator of gang '%s' failed.", self.name)
-
-    def mark_closed(self) -> bool:
-        """Closes the gang at once, failing pending waiters (rule 7); False if closed."""
-        with self.lock:
-            if self.closed:
-                return False
-            self.closed = True
-            pending, dropped = self._take_pending()
-        for future in pending:
-            future._finish(
-                None, GangClosedError(f"{future} was pending when gang '{self.name}' was closed.")
-            )
-        for handle, abandon in dropped:
-            abandon(GangClosedError(f"{handle} was pending when gang '{self.name}' was closed."))
-        return True
+    # Lifecycle (rule 7).
 
     def release(self) -> None:
         """Frees the backend once the gang is closed; off the loop, may block briefly."""

@@ -40,29 +40,56 @@ class OpEnd:
     until the call.
     """
 
-    __slots__ = ("_engine", "_handle", "_output", "_release", "_released")
+    __slots__ = (
+        "_claim",
+        "_engine",
+        "_handle",
+        "_output",
+        "_release",
+        "_released",
+        "ended_inline",
+        "inline_error",
+    )
 
     def __init__(
         self,
         engine: Engine,
         handle: Handle[Any],
         output: Any,
-        release: Callable[[], None],
+        release: Callable[[Any], None],
+        claim: Any,
     ) -> None:
         self._engine = engine
         self._handle = handle
         self._output = output
+        # ``release(claim)`` frees the op's tensors (``busy``): a function and its
+        # argument rather than a partial, one object less per op.
         self._release = release
+        self._claim = claim
         self._released = False
+        #: Ended inside its start on the starting thread, with this error (None: success).
+        self.ended_inline = False
+        self.inline_error: BaseException | None = None
+
+    @property
+    def output(self) -> Any:
+        return self._output
 
     def __call__(self, error: BaseException | None) -> None:
         if not self._released:
             self._released = True
-            self._release()
-        self._engine.complete(self._handle, self._output, error)
+            self._release(self._claim)
+        engine = self._engine
+        if engine.ends_inline(self):
+            # Inside its start, on the thread that started it: the engine takes the end
+            # from there once the start returns (``Engine._start_now``).
+            self.ended_inline = True
+            self.inline_error = error
+            return
+        engine.complete(self._handle, self._output, error)
 
     def ordered(self) -> None:
         if not self._released:
             self._released = True
-            self._release()
+            self._release(self._claim)
         self._engine.ordered(self._handle, self._output)

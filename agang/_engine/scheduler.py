@@ -16,14 +16,18 @@ Rules:
 3. An op leaves the core once, when it finishes (with any outcome, started or not).
    Finishing a started op frees its room; finishing a queued one (the gang broke or
    closed) only removes it.
-4. Deadlines sit in one heap ordered by time, with lazy deletion: ``due(now)`` pops the
-   ops whose deadline has passed and that are still in flight, each at most once. The
-   heap is compacted whenever it holds more than twice the ops in flight (plus a
-   floor), so finished ops' deadlines cost O(in flight) memory, not O(ops issued
-   within one deadline).
+4. Deadlines sit in a *timeline*, a queue of entries in deadline order, with lazy
+   deletion: an op whose deadline is no earlier than the last one's (every op with the
+   gang's default timeout: issue times only grow) is appended, O(1); any other goes to
+   a heap ordered by time. ``due(now)`` pops the ops whose deadline has passed and that
+   are still in flight, each at most once, from both. Finished ops leave the timeline's
+   front as they finish (in order, the usual case, one pop each); both are compacted
+   whenever they hold more than twice the ops in flight (plus a floor), so finished
+   ops' deadlines cost O(in flight) memory, not O(ops issued within one deadline).
    ``next_deadline()`` is the single time the driver's one timer must fire at.
 5. The flight recorder keeps the last ``history`` finished ops, oldest first, so a
    timeout can show what this rank completed last, next to what it still has in flight.
+   It keeps plain tuples; ``recent()`` makes them records, when a timeout asks.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from typing import Any
 _COMPACT_FLOOR = 64
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Entry:
     """One admitted op, as the core sees it."""
 
@@ -54,6 +58,10 @@ class Entry:
     holds_gate: bool = False
     started: bool = False
     expired: bool = False
+
+
+def _deadline_of(entry: Entry) -> float:
+    return entry.deadline if entry.deadline is not None else float("inf")
 
 
 @dataclass(frozen=True)
@@ -84,8 +92,10 @@ class Scheduler:
     bytes_in_flight: int = 0
     _queue: collections.deque[Entry] = field(default_factory=collections.deque)
     _gate_holder: int | None = None
+    _timeline: collections.deque[Entry] = field(default_factory=collections.deque)
     _deadlines: list[tuple[float, int]] = field(default_factory=list)
-    _recent: collections.deque[Record] = field(init=False)
+    # (seq, op, num_bytes, seconds, outcome): Record's fields, made a Record when read.
+    _recent: collections.deque[tuple[int, str, int, float, str]] = field(init=False)
 
     def __post_init__(self) -> None:
         self._recent = collections.deque(maxlen=self.history)
@@ -117,13 +127,47 @@ class Scheduler:
         )
 
     def admit(self, entry: Entry) -> None:
-        if entry.seq in self.entries:
-            raise ValueError(f"seq {entry.seq} is already in flight")
-        self.entries[entry.seq] = entry
-        self.bytes_in_flight += entry.num_bytes
+        """Queues ``entry``; ``take_next`` hands it back when it may start."""
+        self._register(entry)
         self._queue.append(entry)
-        if entry.deadline is not None:
-            heapq.heappush(self._deadlines, (entry.deadline, entry.seq))
+
+    def may_start(self, num_bytes: int) -> bool:
+        """Whether an op of ``num_bytes`` admitted now would start at once (rule 2): none
+        queued ahead of it, the gate open, room."""
+        if self._queue or self._gate_holder is not None:
+            return False
+        if self.num_started == 0:
+            return True
+        return self.num_started < self.max_ops and self.bytes_started + num_bytes <= self.max_bytes
+
+    def admit_started(self, entry: Entry) -> None:
+        """Admits an op the driver has started already, as ``may_start`` allowed."""
+        self._register(entry)
+        entry.started = True
+        self.num_started += 1
+        self.bytes_started += entry.num_bytes
+        if entry.holds_gate:
+            self._gate_holder = entry.seq
+
+    def record(self, seq: int, op: str, num_bytes: int, seconds: float, outcome: str) -> None:
+        """Records an op that never entered the core: the driver started it as
+        ``may_start`` allowed and it ended before the driver let go (rule 5)."""
+        self._recent.append((seq, op, num_bytes, seconds, outcome))
+
+    def _register(self, entry: Entry) -> None:
+        seq = entry.seq
+        entries = self.entries
+        if seq in entries:
+            raise ValueError(f"seq {seq} is already in flight")
+        entries[seq] = entry
+        self.bytes_in_flight += entry.num_bytes
+        deadline = entry.deadline
+        if deadline is not None:
+            timeline = self._timeline
+            if not timeline or timeline[-1].deadline <= deadline:  # type: ignore[operator]
+                timeline.append(entry)
+            else:
+                heapq.heappush(self._deadlines, (deadline, seq))
 
     def set_ready(self, seq: int) -> None:
         entry = self.entries.get(seq)
@@ -172,8 +216,15 @@ class Scheduler:
             self._queue.remove(entry)
         if self._gate_holder == seq:
             self._gate_holder = None
-        self._recent.append(Record(seq, entry.op, entry.num_bytes, seconds, outcome))
-        if len(self._deadlines) > 2 * len(self.entries) + _COMPACT_FLOOR:
+        self._recent.append((seq, entry.op, entry.num_bytes, seconds, outcome))
+        timeline = self._timeline
+        if timeline:
+            while timeline and timeline[0].seq not in self.entries:  # in order: one pop
+                timeline.popleft()
+            limit = 2 * len(self.entries) + _COMPACT_FLOOR
+            if len(timeline) > limit or len(self._deadlines) > limit:
+                self._compact_deadlines()
+        elif len(self._deadlines) > 2 * len(self.entries) + _COMPACT_FLOOR:
             self._compact_deadlines()
         return entry
 
@@ -185,12 +236,17 @@ class Scheduler:
         return dropped
 
     def recent(self) -> list[Record]:
-        return list(self._recent)
+        return [Record(*fields) for fields in self._recent]
 
     # Deadlines (rule 4).
 
+    def _pending(self, entry: Entry) -> bool:
+        """Whether ``entry``'s deadline is still to be watched: in flight, not expired."""
+        return self.entries.get(entry.seq) is entry and not entry.expired
+
     def _compact_deadlines(self) -> None:
         """Drops the deadlines of ops no longer in flight (rule 4); amortized O(1)."""
+        self._timeline = collections.deque(e for e in self._timeline if self._pending(e))
         live = []
         for deadline, seq in self._deadlines:
             entry = self.entries.get(seq)
@@ -200,23 +256,37 @@ class Scheduler:
         self._deadlines = live
 
     def next_deadline(self) -> float | None:
+        timeline = self._timeline
+        while timeline and not self._pending(timeline[0]):
+            timeline.popleft()
+        first = timeline[0].deadline if timeline else None
         while self._deadlines:
             deadline, seq = self._deadlines[0]
             entry = self.entries.get(seq)
             if entry is not None and not entry.expired:
-                return deadline
+                return deadline if first is None or deadline < first else first
             heapq.heappop(self._deadlines)
-        return None
+        return first
 
     def due(self, now: float) -> list[Entry]:
-        """Pops the ops whose deadline is at or before ``now``, marked expired."""
+        """Pops the ops whose deadline is at or before ``now``, marked expired, in
+        deadline order."""
         late = []
+        timeline = self._timeline
+        while timeline and timeline[0].deadline <= now:  # type: ignore[operator]
+            entry = timeline.popleft()
+            if self._pending(entry):
+                late.append(entry)
+        from_heap = []
         while self._deadlines and self._deadlines[0][0] <= now:
             _, seq = heapq.heappop(self._deadlines)
-            entry = self.entries.get(seq)
-            if entry is not None and not entry.expired:
-                entry.expired = True
-                late.append(entry)
+            found = self.entries.get(seq)
+            if found is not None and not found.expired:
+                from_heap.append(found)
+        if from_heap:  # an entry is in the timeline or the heap, never both
+            late = sorted(late + from_heap, key=_deadline_of)
+        for entry in late:
+            entry.expired = True
         return late
 
     def describe_in_flight(self, now: float, *, skip: int | None = None) -> list[str]:
