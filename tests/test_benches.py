@@ -162,3 +162,18 @@ def _scheduler_document(tmp_path: Path) -> Path:
     source = tmp_path / "scheduler.json"
     source.write_text(json.dumps(document))
     return source
+
+
+def test_bench_pending_wait_measures_every_mode_and_loop(tmp_path: Path) -> None:
+    # It draws no plot: its table and JSON are all it writes.
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    result = _run([str(BENCH / "bench_pending_wait.py"), "--smoke", "--out", str(tmp_path)],
+                  env, 120)  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = json.loads((tmp_path / "pending_wait.json").read_text())["rows"]
+    modes = {(row["wait_mode"], row["loop"]) for row in rows}
+    assert modes == {(mode, loop) for mode in ("park", "block_briefly")
+                     for loop in ("asyncio", "uvloop", "trio")}  # fmt: skip
+    assert {row["num_ops"] for row in rows} == {100, 1}
+    assert all(row["pending"] > 0 and row["loop_cpu"] >= 0 for row in rows)
+    assert "(loop < 2% of a core)" in result.stdout
