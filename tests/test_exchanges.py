@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import agang
+from agang._engine import busy
 from agang.testing import FakeWorld, SimulatedNccl, run_world
 
 pytestmark = pytest.mark.anyio
@@ -286,6 +287,24 @@ async def test_an_exchange_holds_its_tensors_until_it_ends() -> None:
     statistics = world[0].statistics()
     assert (statistics.num_issued, statistics.num_completed) == (1, 1)
     assert (first.op, first.num_bytes) == ("exchange", 32)
+
+
+async def test_sends_that_overlap_hold_all_their_memory() -> None:
+    # Two sends that share part of one buffer: the whole span is busy, not only the
+    # first send's part (a claim once kept the first and dropped the overlapping one).
+    world = FakeWorld(3, op_timeout=None)
+    buffer = torch.arange(8.0)
+    sent = world[0].exchange([(buffer[:4], 1), (buffer[2:], 2)])
+
+    for part in (buffer[:2], buffer[3:5], buffer[6:]):
+        with pytest.raises(agang.TensorBusyError):
+            world[0].broadcast(part)
+
+    got = [world[1].exchange(recvs=[(torch.zeros(4), 0)]), world[2].exchange(
+        recvs=[(torch.zeros(6), 0)])]  # fmt: skip
+    await sent
+    assert [(await h)[0].tolist() for h in got] == [[0.0, 1, 2, 3], [2.0, 3, 4, 5, 6, 7]]
+    assert busy.num_busy() == 0
 
 
 async def test_exchange_matches_plain_sends_and_receives_in_order() -> None:

@@ -58,9 +58,8 @@ def acquire(tensors: Sequence[tuple[str, torch.Tensor]], holder: object) -> Clai
             index = bisect.bisect_left(_starts, end) - 1
             if index >= 0 and _ends[index] > start:
                 _refuse(name, _holders[index])
-            if any(s < end and start < e for s, e in claim):
-                continue  # the same memory twice in one op (an in-place op): one range
             claim.append((start, end))
+        claim = _union(claim)  # one op may name memory twice (in place; one send to two)
         for start, end in claim:
             index = bisect.bisect_left(_starts, start)
             _starts.insert(index, start)
@@ -93,6 +92,17 @@ def acquire_one(name: str, tensor: torch.Tensor, holder: object) -> Claim:
     finally:
         _give()
     return [(start, end)]
+
+
+def _union(ranges: Claim) -> Claim:
+    """``ranges`` merged where they overlap: one op's tensors may share memory."""
+    merged: Claim = []
+    for start, end in sorted(ranges):
+        if merged and start < merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
 
 
 def release_all(claims: Sequence[Claim]) -> None:
