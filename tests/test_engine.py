@@ -143,3 +143,32 @@ async def test_an_op_issued_inside_another_ops_start_starts_after_it() -> None:
     assert inner[0].done()
     await handle
     assert gang.statistics().num_completed == 2
+
+
+async def test_an_ops_tensors_live_until_their_claim_is_released() -> None:
+    # A backend may drop its references before it reports the end (FakeWorld moves the
+    # data when the last rank arrives and reports later, on the loop). The claim on the
+    # memory lasts until the report, so the memory must too: freed, it could go to a new
+    # tensor, which the stale claim would refuse (seen as a flaky TensorBusyError).
+    import gc
+    import weakref
+
+    from agang.testing import FakeWorld
+
+    world = FakeWorld(2, op_timeout=30.0)
+    outputs = [torch.zeros(2, 3) for _ in world]
+    inputs = [torch.full((3,), float(rank)) for rank in range(2)]
+    alive = weakref.ref(inputs[0])
+    handles = [gang.all_gather(outputs[gang.rank], inputs[gang.rank]) for gang in world]
+    del inputs
+    gc.collect()
+
+    assert not handles[0].done()  # the data moved; the report waits for the loop
+    assert alive() is not None
+    assert busy.num_busy() > 0
+    for handle in handles:
+        await handle
+    gc.collect()
+    assert alive() is None
+    assert busy.num_busy() == 0
+    assert outputs[1].tolist() == [[0.0] * 3, [1.0] * 3]

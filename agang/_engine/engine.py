@@ -218,7 +218,7 @@ class Engine:
             counters = self._counters
             counters.num_issued += 1
             counters.bytes_issued += num_bytes
-            done = OpEnd(self, handle, output, busy.release, claim)
+            done = OpEnd(self, handle, output, busy.release, claim, tensors)
             if checked or self._draining or not self._scheduler.may_start(num_bytes):
                 due = None if seconds is None else handle.issued_at + seconds
                 self._admit_locked(handle, start, done, due, fingerprint, False)

@@ -44,6 +44,7 @@ class OpEnd:
         "_claim",
         "_engine",
         "_handle",
+        "_keep",
         "_output",
         "_release",
         "_released",
@@ -58,6 +59,7 @@ class OpEnd:
         output: Any,
         release: Callable[[Any], None],
         claim: Any,
+        keep: object = None,
     ) -> None:
         self._engine = engine
         self._handle = handle
@@ -66,6 +68,11 @@ class OpEnd:
         # argument rather than a partial, one object less per op.
         self._release = release
         self._claim = claim
+        # The op's tensors, alive until the claim on their memory is released: a
+        # backend may drop its own references before it calls ``done`` (FakeWorld
+        # finishes later, on the loop), and memory freed while still claimed could be
+        # handed to a new tensor that the stale claim then refuses.
+        self._keep = keep
         self._released = False
         #: Ended inside its start on the starting thread, with this error (None: success).
         self.ended_inline = False
@@ -79,6 +86,7 @@ class OpEnd:
         if not self._released:
             self._released = True
             self._release(self._claim)
+            self._keep = None
         engine = self._engine
         if engine.ends_inline(self):
             # Inside its start, on the thread that started it: the engine takes the end
@@ -92,4 +100,5 @@ class OpEnd:
         if not self._released:
             self._released = True
             self._release(self._claim)
+            self._keep = None
         self._engine.ordered(self._handle, self._output)
