@@ -10,8 +10,10 @@ the event loop.
 
 ``--check-ddp`` then trains the same model, data and seed with torch's
 DistributedDataParallel and checks that every step's loss and the final parameters match.
-It also compares the two runs' median step times, each leaving out its first 10 steps:
-the run that goes first (agang's) would otherwise pay the process's one-time costs.
+The two train in turns, one DDP step after each agang step, so that both see the
+machine in the same state (run one after the other, whichever ran second was 5-10%
+faster here), and their median step times are compared, each leaving out its first 10
+steps (one-time costs).
 """
 
 from __future__ import annotations
@@ -100,14 +102,17 @@ def progress(args: argparse.Namespace, rank: int, label: str) -> tqdm[int]:
     return tqdm(range(args.steps), desc=label, disable=rank != 0 or args.no_progress, leave=False)
 
 
-async def train_with_agang(args: argparse.Namespace, gang: agang.Gang) -> Run:
+async def train_with_agang(
+    args: argparse.Namespace, gang: agang.Gang, alongside: DdpRun | None = None
+) -> Run:
+    """Trains with agang; ``alongside``, when given, takes one DDP step after each
+    agang step (untimed here), so both runs see the machine in the same state."""
     model = make_model(args, gang.rank, gang.device)
     sync = agang.GradientSync(model, gang, bucket_bytes=int(args.bucket_mb * 2**20))
     await sync.ready()
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     losses, hidden, steps = [], [], []
-    started = time.perf_counter()
-    bar = progress(args, gang.rank, "agang")
+    bar = progress(args, gang.rank, "agang" if alongside is None else "agang and DDP")
     for step in bar:
         step_started = time.perf_counter()
         x, y = batch(args, gang.rank, step, gang.device)
@@ -122,32 +127,40 @@ async def train_with_agang(args: argparse.Namespace, gang: agang.Gang) -> Run:
         if last is not None:
             hidden.append(last.hidden_share)
         bar.set_postfix(loss=f"{losses[-1]:.4f}")
-    seconds = time.perf_counter() - started
+        if alongside is not None:
+            alongside.step(step)
     sync.remove()
-    return Run(losses, [p.detach().cpu() for p in model.parameters()], seconds, hidden, steps)
+    return Run(losses, [p.detach().cpu() for p in model.parameters()], sum(steps), hidden, steps)
 
 
-def train_with_ddp(args: argparse.Namespace, rank: int, device: torch.device) -> Run:
-    model = make_model(args, rank, device)
-    ddp = torch.nn.parallel.DistributedDataParallel(
-        model,
-        device_ids=[device.index] if device.type == "cuda" else None,
-        bucket_cap_mb=args.bucket_mb,
-    )
-    optimizer = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
-    losses, steps = [], []
-    started = time.perf_counter()
-    for step in progress(args, rank, "DDP"):
+class DdpRun:
+    """The same training with torch's DistributedDataParallel, one step at a time."""
+
+    def __init__(self, args: argparse.Namespace, rank: int, device: torch.device) -> None:
+        self.args, self.rank, self.device = args, rank, device
+        self.model = make_model(args, rank, device)
+        self.ddp = torch.nn.parallel.DistributedDataParallel(
+            self.model,
+            device_ids=[device.index] if device.type == "cuda" else None,
+            bucket_cap_mb=args.bucket_mb,
+        )
+        self.optimizer = torch.optim.SGD(self.ddp.parameters(), lr=args.lr, momentum=0.9)
+        self.losses: list[float] = []
+        self.steps: list[float] = []
+
+    def step(self, step: int) -> None:
         step_started = time.perf_counter()
-        x, y = batch(args, rank, step, device)
-        loss = torch.nn.functional.mse_loss(ddp(x), y)
+        x, y = batch(self.args, self.rank, step, self.device)
+        loss = torch.nn.functional.mse_loss(self.ddp(x), y)
         loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-        steps.append(time.perf_counter() - step_started)
-    seconds = time.perf_counter() - started
-    return Run(losses, [p.detach().cpu() for p in model.parameters()], seconds, [], steps)
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        self.losses.append(loss.item())
+        self.steps.append(time.perf_counter() - step_started)
+
+    def run(self) -> Run:
+        parameters = [p.detach().cpu() for p in self.model.parameters()]
+        return Run(self.losses, parameters, sum(self.steps), [], self.steps)
 
 
 def compare(ours: Run, theirs: Run, *, tolerance: float = 1e-4) -> str | None:
@@ -182,7 +195,9 @@ async def main(argv: list[str] | None = None, say: Callable[[str], None] = print
         env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     gang = await agang.init(env=env, in_process=False if args.check_ddp else None)
     try:
-        run = await train_with_agang(args, gang)
+        # With --check-ddp, DDP trains alongside, a step after each of agang's.
+        ddp = DdpRun(args, gang.rank, gang.device) if args.check_ddp else None
+        run = await train_with_agang(args, gang, ddp)
         total = torch.tensor([run.losses[-1]], device=gang.device)
         final_loss = (await gang.all_reduce(total, agang.ReduceOp.MEAN)).item()
         if gang.rank == 0:
@@ -193,9 +208,9 @@ async def main(argv: list[str] | None = None, say: Callable[[str], None] = print
                 f"backward: {100 * hidden:.0f}%; final loss {final_loss:.5f} "
                 f"(first {run.losses[0]:.5f})"
             )
-        if not args.check_ddp:
+        if ddp is None:
             return 0
-        reference = train_with_ddp(args, gang.rank, gang.device)
+        reference = ddp.run()
         mismatch = compare(run, reference)
         verdict = torch.tensor([0 if mismatch is None else 1], device=gang.device)
         await gang.all_reduce(verdict, agang.ReduceOp.MAX)
