@@ -11,9 +11,10 @@ the event loop.
 ``--check-ddp`` then trains the same model, data and seed with torch's
 DistributedDataParallel and checks that every step's loss and the final parameters match.
 The two train in turns, one DDP step after each agang step, so that both see the
-machine in the same state (run one after the other, whichever ran second was 5-10%
-faster here), and their median step times are compared, each leaving out its first 10
-steps (one-time costs).
+machine in the same state (run one after the other, agang's run, going first, measured
+1.10-1.17x DDP's step here while ``bench/bench_training.py``, which takes turns, gave
+1.08x), and their median step times are compared, each leaving out its first 10 steps
+(one-time costs).
 """
 
 from __future__ import annotations
