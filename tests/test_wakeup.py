@@ -205,6 +205,9 @@ async def _gloo_rows(gang: agang.Gang) -> dict[str, Any]:
         return caught[-1]
 
     _wakeup.block_briefly = counting  # this rank's process only
+    # A loaded test machine may take more than the 1 ms cap per small op, and then
+    # nothing would block: a cap of 50 ms keeps the check on catching, not on speed.
+    _wakeup.BRIEF_MAX_SECONDS = 0.05
     sums = []
     for step in range(50):
         tensor = torch.full((4,), float(gang.rank + step))
