@@ -59,6 +59,25 @@ def error_of(call: Callable[[], Any]) -> str:
     return "no error"
 
 
+async def blame_answered(gang: agang.Gang) -> list[bool]:
+    """Asks ``gang``'s peers, as a deadline's blame does, where they stand on op 0;
+    whether each answered."""
+    import threading
+
+    import anyio
+
+    answers: list[bool] = []
+    reported = threading.Event()
+
+    def report(peers: Any, note: str) -> None:
+        answers.extend(answer is not None for answer in (peers or {None: None}).values())
+        reported.set()
+
+    gang._backend.start_blame(0, report)  # type: ignore[attr-defined]
+    await anyio.to_thread.run_sync(reported.wait, 5.0)
+    return answers
+
+
 async def _mesh_to_gangs(root: agang.Gang, rank: int) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -80,9 +99,14 @@ async def _mesh_to_gangs(root: agang.Gang, rank: int) -> dict[str, Any]:
     }
     await implicit.tp.all_reduce(torch.ones(1))
     report["made"] = counter.made()
-    # (c) Closing agang's wrappers leaves the mesh's groups to the mesh.
-    for gang in (gangs.dp, gangs.tp, implicit.tp):
+    # (c) Closing agang's wrappers leaves the mesh's groups to the mesh. The tp group is
+    # wrapped twice: with one wrapper closed on every rank, the other still answers a
+    # peer's blame (closing one once stopped the answers for both: "no answer").
+    for gang in (gangs.dp, gangs.tp):
         await gang.close()
+    await implicit.tp.all_reduce(torch.ones(1))  # every rank has closed them
+    report["blame_answered"] = await blame_answered(implicit.tp)
+    await implicit.tp.close()
     total = torch.tensor([float(rank)])
     dist.all_reduce(total, group=mesh.get_group("tp"))
     from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -169,6 +193,7 @@ def test_device_mesh_round_trip_on_gloo() -> None:
         assert got["root_is_root"]
         assert got["fakes"] == [1, 1, 1]
         assert got["made"] == (0, 0)
+        assert got["blame_answered"] == [True]  # the one peer in tp
         # (c) The mesh's groups still work after agang's wrappers closed, and none went.
         tp_sum = float(2 * (rank - rank % 2) + 1)
         assert got["after_close"] == (tp_sum, [2.0 * (rank // 2), 2.0 * (rank // 2) + 1], (0, 0))

@@ -110,6 +110,7 @@ class C10dBackend:
         self._aborter = Aborter()
         self._runtime: DeviceRuntime = torch_runtime() if runtime is None else runtime
         self._registered = registered
+        self._progress: ProgressOf | None = None  # what this gang answers blames with
         self._owned = owned
         self._world_ranks = c10d_blame.world_ranks(process_group, registered and not is_world)
         self._completion = cuda_completion.Completion(self._runtime, device, process_group, name)
@@ -372,6 +373,7 @@ class C10dBackend:
 
     def serve_progress(self, progress: ProgressOf) -> None:
         if self._registered:
+            self._progress = progress
             c10d_blame.serve(self._group_name, self._rank, progress)
 
     def start_blame(self, seq: int, report: Blamed) -> None:
@@ -423,6 +425,7 @@ class C10dBackend:
         if self._registered:
             c10d_blame.unserve(
                 self._group_name,
+                self._progress,
                 world=self._is_world,
                 hosts_store=self._is_world and c10d_blame.hosts_store,
             )

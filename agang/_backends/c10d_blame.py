@@ -12,7 +12,9 @@ Rules:
 2. *A question* names the gang (c10d's group name: the same on every rank), the op's
    sequence number and a key to answer under; the responder appends one line there:
    its rank in that gang and its ``Progress``. A question about a gang this process
-   does not serve (closed, or never made) gets no answer.
+   does not serve (closed, or never made) gets no answer. Two live gangs over one group
+   (a ``DeviceMesh`` wrapped twice) share its name: the one served last answers, with
+   its own op numbers, and closing either leaves the other answering.
 3. *Asking* pushes one question per peer, then polls the answer key until every peer
    has answered or ``ASK_SECONDS`` passed. A timer bounds the whole by ``BLAME_BOUND``
    whatever the store does (a stopped store host holds a store call for the store's
@@ -61,7 +63,8 @@ class _Responder:
     def __init__(self, store: Any, world_rank: int) -> None:
         self.token = f"{os.getpid()}.{next(_tokens)}"
         self.world_rank = world_rank
-        self.served: dict[str, tuple[int, ProgressOf]] = {}
+        # Per group name, every live gang over it, the last served answering (rule 2).
+        self.served: dict[str, list[tuple[int, ProgressOf]]] = {}
         self._client = store.clone()  # its own connection: a blocking pop holds it
         self._client.set_timeout(timedelta(days=365))
         self.thread = start_thread(self._serve, name="blame responder")
@@ -98,9 +101,9 @@ class _Responder:
         group, seq, reply = question.split(" ", 2)
         with _lock:
             served = self.served.get(group)
-        if served is None:
-            return
-        rank, progress = served
+            if not served:
+                return
+            rank, progress = served[-1]
         assert self._client is not None
         self._client.append(reply, f"{rank} {progress(int(seq)).to_text()}\n")
 
@@ -123,18 +126,24 @@ def serve(group_name: str, rank: int, progress: ProgressOf) -> None:
             except Exception:
                 log.debug("agang: peers cannot ask this rank (no store clone).", exc_info=True)
                 return
-        _responder.served[group_name] = (rank, progress)
+        _responder.served.setdefault(group_name, []).append((rank, progress))
 
 
-def unserve(group_name: str, *, world: bool, hosts_store: bool) -> None:
-    """Stops answering for ``group_name``; the world's release stops the responder, and
-    the store's host stops every rank's (rule 4)."""
+def unserve(
+    group_name: str, progress: ProgressOf | None, *, world: bool, hosts_store: bool
+) -> None:
+    """Stops answering for the gang over ``group_name`` that serves ``progress``; the
+    world's release stops the responder, and the store's host stops every rank's
+    (rule 4)."""
     global _responder
     with _lock:
         responder = _responder
         if responder is None:
             return
-        responder.served.pop(group_name, None)
+        served = responder.served.get(group_name, [])
+        served[:] = [entry for entry in served if entry[1] is not progress]
+        if not served:
+            responder.served.pop(group_name, None)
         if not world and responder.served:
             return
         _responder = None
