@@ -155,7 +155,7 @@ def block_briefly(future: Future[Any], num_bytes: int, issued_at: float) -> bool
     estimate = _estimates.get(key)
     if estimate is None or estimate > BRIEF_MAX_SECONDS:
         return False
-    if _num_to_skip.get(key):
+    if _num_to_skip.get(key, 0) > 0:  # > 0: two loop threads racing here may go below
         _num_to_skip[key] -= 1
         return False
     window = min(BRIEF_MAX_SECONDS, issued_at + 3 * estimate - time.monotonic())
