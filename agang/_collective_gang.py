@@ -58,7 +58,10 @@ from agang._validate import (
     supported_dtypes,
 )
 
-_CLOSE_SECONDS = 5.0  # how long ``close`` waits for the backend's release at most
+# How long ``close`` waits for the backend's release at most: on NCCL the release's
+# abort waits until this rank's device reached the gang's queued kernels
+# (``c10d_abort`` rule 1); past this, close returns and the release ends on its thread.
+_CLOSE_SECONDS = 5.0
 _SUM = ReduceOp.SUM  # an enum member's lookup costs per call
 
 

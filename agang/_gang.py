@@ -391,7 +391,12 @@ class Gang(GangExchanges, ABC):
     async def close(self) -> None:
         """Releases the gang; pending waiters get :class:`~agang.GangClosedError`.
 
-        Idempotent. Closing a gang also closes the sub-gangs made from it.
+        Idempotent. Closing a gang also closes the sub-gangs made from it. With work
+        still running, close aborts the gang's communicator. On NCCL that abort returns
+        only once this rank's GPU has reached the gang's queued kernels, so close waits
+        for the device to get past the work queued ahead of them (a peer that never
+        comes is not waited for), but at most 5 seconds: past that it returns with the
+        gang closed, and the release ends on its own thread once the device got there.
         """
 
     @abstractmethod

@@ -8,8 +8,6 @@ last rank's device late, mark a stream's end, compute a reference. The checks
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -81,24 +79,8 @@ class SimulatedHarness:
         return gangs
 
     def stall(self, seconds: float) -> StallEnd:
-        release = self._sim.hold(self.size - 1)
-        released = threading.Event()
-        ended: list[float] = []
-
-        def end() -> None:
-            release()
-            ended.append(time.monotonic())
-            released.set()
-
-        timer = threading.Timer(seconds, end)
-        timer.daemon = True
-        timer.start()
-
-        def ended_at() -> float | None:
-            released.wait(seconds + 5.0)
-            return ended[0] if ended else None
-
-        return ended_at
+        stall = self._sim.stall(self.size - 1, seconds)  # counts from when the device starts it
+        return lambda: stall.wait(seconds + 5.0)
 
     def mark(self, gang: Gang) -> Any:
         return self._sim.record_event(gang.rank)

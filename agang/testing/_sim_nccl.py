@@ -12,7 +12,7 @@ import torch
 from agang._backends.c10d import C10dBackend
 from agang._policy import OnTimeout, make_policy
 from agang._process_group_gang import ProcessGroupGang
-from agang.testing._sim_nccl_device import SimDevice, SimEvent, SimStream
+from agang.testing._sim_nccl_device import SimDevice, SimEvent, SimStream, Stall
 from agang.testing._sim_nccl_group import Communicator, SimProcessGroup, SimRuntime
 
 
@@ -31,6 +31,10 @@ class SimulatedNccl:
     - Work behaves like NCCL's: done at enqueue, ``wait()`` orders the current stream
       without blocking (a raw barrier's ``wait()`` blocks), ``is_completed()`` never
       raises, errors are in ``exception()``; ``abort()`` makes pending kernels exit.
+    - ``abort()`` (and ``shutdown()``) of a group blocks until the rank's device has
+      reached the group's pending kernels, as NCCL's does: behind the rank's own long
+      kernel (:meth:`stall`) it waits for the device to get past it; behind a peer that
+      never comes it does not wait.
 
     Tensors are CPU tensors: the gangs' device is ``cpu``. All ranks run in this process,
     typically as tasks of one event loop. Lanes and sub-gangs are not simulated: call
@@ -92,7 +96,8 @@ class SimulatedNccl:
 
     def pause(self, rank: int) -> None:
         """Stops ``rank``'s device: none of its kernels runs (its peers' collectives
-        with it wait) until :meth:`resume`."""
+        with it wait) until :meth:`resume`. An abort on ``rank`` itself with kernels
+        pending waits for the resume too (its device never reaches them before)."""
         self._device.pause(self._check_rank(rank))
 
     def resume(self, rank: int) -> None:
@@ -135,6 +140,16 @@ class SimulatedNccl:
         is called: stands in for long device work queued there, such as compute."""
         runtime = self._runtimes[self._check_rank(rank)]
         return self._device.hold(runtime.current_stream())
+
+    def stall(self, rank: int, seconds: float) -> Stall:
+        """Queues on ``rank``'s current stream (of this thread) a kernel that keeps it
+        busy for ``seconds`` from when the device starts it, as ``torch.cuda._sleep``
+        does on a GPU: the rank's own long device work. Its ``wait(timeout)`` blocks
+        until the device got past it and returns that moment (``time.monotonic()``)."""
+        if not seconds >= 0:
+            raise ValueError(f"`seconds` must be >= 0, but is {seconds!r} instead.")
+        runtime = self._runtimes[self._check_rank(rank)]
+        return self._device.stall(runtime.current_stream(), seconds)
 
     def record_event(self, rank: int) -> SimEvent:
         """An event at the end of ``rank``'s current stream (of this thread): its

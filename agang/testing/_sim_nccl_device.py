@@ -10,8 +10,12 @@ The rules it keeps, NCCL's and CUDA's:
    while one of those ranks is paused. It reads its inputs and writes its outputs *when
    it runs*: a read before the device got there sees the old data.
 3. A failed collective (``fail_next``) and an aborted communicator's kernels exit without
-   writing outputs; their Work then holds the error. A c10d watchdog timeout fails every
+   writing outputs, each when it reaches the head of its stream (a kernel cannot exit
+   before it starts); their Work then holds the error. A c10d watchdog timeout fails every
    pending op of the communicator on that rank and aborts it there.
+4. A stall (``Stall``, ``torch.cuda._sleep`` on a GPU) keeps its stream busy for its
+   seconds from when it reaches the head of the stream, not from when it was queued:
+   it stands in for a rank's own long kernel.
 """
 
 from __future__ import annotations
@@ -81,6 +85,25 @@ class WaitFor:
         self.marker = marker
 
 
+class Stall:
+    """A kernel that keeps its stream busy for ``seconds`` once it starts (rule 4)."""
+
+    def __init__(self, device: SimDevice, seconds: float) -> None:
+        self.seconds = seconds
+        self.until: float | None = None  # set when it reaches the head of its stream
+        self.ended_at: float | None = None
+        self._device = device
+
+    def wait(self, timeout: float | None = None) -> float | None:
+        """Blocks until the device got past the stall, at most ``timeout`` seconds;
+        returns that moment (``time.monotonic()``), or None if it has not yet."""
+        with self._device.cond:
+            self._device.cond.wait_for(
+                lambda: self.ended_at is not None or self._device.closed, timeout
+            )
+            return self.ended_at
+
+
 class Part:
     """One rank's kernel of a collective. ``done`` once it has run or exited."""
 
@@ -136,6 +159,7 @@ class SimDevice:
         self.watchdog_timeout = watchdog_timeout
         self._failures: deque[str] = deque()
         self._pending: list[Part] = []
+        self._wake_at: float | None = None  # when the next running stall ends
         _devices.add(self)
         _exit.start_daemon(self._run, name="agang-sim-nccl-device")
 
@@ -174,6 +198,12 @@ class SimDevice:
                 part.error = error
                 self.cond.notify_all()
 
+    def stall(self, stream: SimStream, seconds: float) -> Stall:
+        """Queues a kernel keeping ``stream`` busy for ``seconds`` once it starts."""
+        stall = Stall(self, seconds)
+        self.enqueue(stream, stall)
+        return stall
+
     def hold(self, stream: SimStream) -> Callable[[], None]:
         """Holds ``stream`` at its current end until the returned function is called."""
         gate = SimEvent(self)
@@ -200,7 +230,11 @@ class SimDevice:
                 if self._step():
                     self.cond.notify_all()
                     continue
-                self.cond.wait(self._watchdog())
+                wait = self._watchdog()
+                if self._wake_at is not None:
+                    left = max(self._wake_at - time.monotonic(), 0.0)
+                    wait = left if wait is None else min(wait, left)
+                self.cond.wait(wait)
 
     def _watchdog(self) -> float | None:
         """Fails the ops past their c10d timeout (rule 3); the wait until the next one."""
@@ -220,6 +254,7 @@ class SimDevice:
 
     def _step(self) -> bool:
         progress = False
+        self._wake_at = None
         for stream in self.streams:
             while stream.items and stream.rank not in self.paused:
                 if not self._advance(stream, stream.items[0]):
@@ -234,6 +269,16 @@ class SimDevice:
         elif isinstance(item, WaitFor):
             if not item.marker.done:
                 return False
+        elif isinstance(item, Stall):
+            now = time.monotonic()
+            if item.until is None:
+                item.until = now + item.seconds
+            if now < item.until:
+                self._wake_at = (
+                    item.until if self._wake_at is None else min(self._wake_at, item.until)
+                )
+                return False
+            item.ended_at = now
         elif isinstance(item, HostFn):
             try:
                 item.fn()
