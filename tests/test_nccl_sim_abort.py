@@ -74,7 +74,7 @@ async def test_abort_waits_for_the_ranks_own_stall_but_not_for_a_late_peer(
 
     started = time.monotonic()
     await anyio.to_thread.run_sync(groups[0].abort)
-    assert time.monotonic() - started < STALL / 10  # the late peer is not waited for
+    assert time.monotonic() - started < STALL / 6  # the late peer is not waited for
     assert works[0].is_completed()
     assert works[0].exception() is not None
 
@@ -125,7 +125,7 @@ async def test_a_deadline_behind_the_ranks_own_stall_fires_on_time_and_close_wai
         lag, failed_after = await max_loop_lag(expect_timeouts)
         assert max(failed_after) < STALL / 3  # ~0.1 s, where waiting for the stall is 3 s
         assert stall.wait(0) is None  # the device is still in the stall
-        assert lag < STALL / 15
+        assert lag < STALL / 6
 
         async def close_both() -> float:
             await gangs[0].close()
@@ -135,8 +135,8 @@ async def test_a_deadline_behind_the_ranks_own_stall_fires_on_time_and_close_wai
         lag, closed = await max_loop_lag(close_both)
         ended = stall.wait(0)
         assert ended is not None, "close returned before the stalled device got past it"
-        assert closed - ended < STALL / 10
-        assert lag < STALL / 15
+        assert closed - ended < STALL / 3  # waiting out the 5 s bound: 2 s after
+        assert lag < STALL / 6
 
 
 async def test_close_behind_a_stall_longer_than_its_bound_returns_at_the_bound(
@@ -158,7 +158,7 @@ async def test_close_behind_a_stall_longer_than_its_bound_returns_at_the_bound(
         await gangs[0].close()  # rank 0's op is never issued; its close is quick
         started = time.monotonic()
         await gangs[1].close()
-        assert time.monotonic() - started < STALL / 10  # at the bound, not the stall's end
+        assert time.monotonic() - started < STALL / 6  # at the bound, not the stall's end
         assert gangs[1].closed
         assert stall.wait(0) is None
         with pytest.raises(agang.GangError):
