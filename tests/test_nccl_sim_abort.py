@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from collections.abc import AsyncIterator
 
 import anyio
 import pytest
@@ -22,6 +21,7 @@ import torch
 
 import agang
 from agang import _collective_gang
+from agang._selfcheck.checks import max_loop_lag
 from agang.testing import SimulatedNccl
 
 pytestmark = pytest.mark.anyio
@@ -35,29 +35,6 @@ async def sim() -> AsyncIterator[SimulatedNccl]:
     simulation = SimulatedNccl(2, watchdog_timeout=20.0)
     yield simulation
     simulation.close()
-
-
-async def max_loop_lag(work: Callable[[], Awaitable[Any]]) -> tuple[float, Any]:
-    """Runs ``work()`` while a ticker measures how late the loop ran it; returns the
-    largest lag and ``work``'s result."""
-    lag = 0.0
-    finished = anyio.Event()
-    result: list[Any] = []
-
-    async def ticker() -> None:
-        nonlocal lag
-        while not finished.is_set():
-            before = time.perf_counter()
-            await anyio.sleep(0.01)
-            lag = max(lag, time.perf_counter() - before - 0.01)
-
-    async with anyio.create_task_group() as tasks:
-        tasks.start_soon(ticker)
-        try:
-            result.append(await work())
-        finally:
-            finished.set()
-    return lag, result[0]
 
 
 async def test_abort_waits_for_the_ranks_own_stall_but_not_for_a_late_peer(

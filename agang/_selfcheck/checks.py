@@ -110,9 +110,12 @@ async def completion(h: Harness) -> tuple[Result, str]:
     return ("PASS" if ran and correct else "FAIL"), figure
 
 
-async def _max_loop_lag(work: Callable[[], Awaitable[Any]]) -> float:
+async def max_loop_lag(work: Callable[[], Awaitable[Any]]) -> tuple[float, Any]:
+    """Runs ``work()`` while a ticker measures how late the loop ran it; returns the
+    largest lag and ``work``'s result."""
     lag = 0.0
     finished = anyio.Event()
+    result: list[Any] = []
 
     async def ticker() -> None:
         nonlocal lag
@@ -124,10 +127,10 @@ async def _max_loop_lag(work: Callable[[], Awaitable[Any]]) -> float:
     async with anyio.create_task_group() as tasks:
         tasks.start_soon(ticker)
         try:
-            await work()
+            result.append(await work())
         finally:
             finished.set()
-    return lag
+    return lag, result[0]
 
 
 async def barrier(h: Harness) -> tuple[Result, str]:
@@ -136,7 +139,7 @@ async def barrier(h: Harness) -> tuple[Result, str]:
     late = 2.0
     h.stall(late)
     started = time.monotonic()
-    lag = await _max_loop_lag(lambda: each(gangs, lambda i, g: g.barrier()))
+    lag, _ = await max_loop_lag(lambda: each(gangs, lambda i, g: g.barrier()))
     took = time.monotonic() - started
     figure = (
         f"loop lag at most {lag * 1e3:.0f} ms in a {took:.1f} s barrier (a peer {late:.0f} s late)"
