@@ -21,7 +21,7 @@ import torch
 from agang._engine.coalescer import describe
 from agang._gang_exchanges import Transfer
 from agang._handle import Handle
-from agang._rooted import _Gang
+from agang._rooted import IssuingGang
 from agang._validate import (
     check_rank,
     check_rows,
@@ -57,7 +57,7 @@ def _splits(
     return sizes
 
 
-def _transfers(gang: _Gang, items: object, *, name: str) -> list[tuple[torch.Tensor, int]]:
+def _transfers(gang: IssuingGang, items: object, *, name: str) -> list[tuple[torch.Tensor, int]]:
     """``items``, a sequence of ``(tensor, rank)`` pairs, checked: each tensor for the
     gang, each rank another rank of the gang."""
     if isinstance(items, str | bytes) or not isinstance(items, Sequence):
@@ -115,7 +115,7 @@ class ExchangeCollectives:
     the Gang's."""
 
     def all_gather(
-        self: _Gang,
+        self: IssuingGang,
         output: torch.Tensor,
         input: torch.Tensor,
         *,
@@ -156,7 +156,7 @@ class ExchangeCollectives:
         )
 
     def all_to_all(
-        self: _Gang,
+        self: IssuingGang,
         output: torch.Tensor,
         input: torch.Tensor,
         *,
@@ -214,7 +214,7 @@ class ExchangeCollectives:
         )
 
     def exchange(
-        self: _Gang,
+        self: IssuingGang,
         sends: Sequence[Transfer] = (),
         recvs: Sequence[Transfer] = (),
         *,

@@ -40,8 +40,9 @@ def blocks(tensor: torch.Tensor, size: int, part: Sequence[int]) -> list[torch.T
     return list(tensor.view(size, *part).unbind(0))
 
 
-class _Gang(Protocol):
-    """What the mixin uses of ``CollectiveGang``: its ranks, backend and issue path."""
+class IssuingGang(Protocol):
+    """What the collective mixins (this one and ``agang._exchanges``'s) use of
+    ``CollectiveGang``: its ranks, backend and issue path."""
 
     _backend: Backend
 
@@ -68,7 +69,7 @@ class _Gang(Protocol):
 
 
 def _root_tensor(
-    gang: _Gang, tensor: torch.Tensor | None, block: torch.Tensor, *, is_root: bool, name: str
+    gang: IssuingGang, tensor: torch.Tensor | None, block: torch.Tensor, *, is_root: bool, name: str
 ) -> tuple[torch.Tensor | None, list[torch.Tensor] | None]:
     """The root-only ``tensor`` (gather's output, scatter's input), checked, and views
     of its per-rank blocks shaped like ``block``; (None, None) off the root."""
@@ -89,7 +90,7 @@ class RootedCollectives:
     under ``CollectiveGang``); their documentation is the Gang's."""
 
     def reduce(
-        self: _Gang,
+        self: IssuingGang,
         tensor: torch.Tensor,
         destination_rank: int,
         op: ReduceOp = ReduceOp.SUM,
@@ -112,7 +113,7 @@ class RootedCollectives:
         )
 
     def gather(
-        self: _Gang,
+        self: IssuingGang,
         output: torch.Tensor | None,
         input: torch.Tensor,
         destination_rank: int,
@@ -136,7 +137,7 @@ class RootedCollectives:
         )
 
     def scatter(
-        self: _Gang,
+        self: IssuingGang,
         output: torch.Tensor,
         input: torch.Tensor | None,
         source_rank: int,

@@ -50,7 +50,15 @@ from agang._backends.c10d_calls import (
 )
 from agang._backends.c10d_children import create_groups
 from agang._backends.c10d_waiter import WorkWaiter
-from agang._backends.contract import Blamed, Checked, Done, ProgressOf, after_post, countdown
+from agang._backends.contract import (
+    Blamed,
+    Checked,
+    Done,
+    ProgressOf,
+    after_post,
+    countdown,
+    holding,
+)
 from agang._backends.device_runtime import DeviceRuntime, StreamOrder, torch_runtime
 from agang._reduce_op import ReduceOp, to_c10d
 
@@ -267,11 +275,7 @@ class C10dBackend:
     ) -> None:
         group = self._group()
         work, repeated = c10d_calls.all_gather_uneven(group, real(output), real(input), split_sizes)
-
-        def gathered(error: BaseException | None, _repeated: torch.Tensor = repeated) -> None:
-            done(error)  # holds the repeated input until the op's end
-
-        self._watch(work, gathered)
+        self._watch(work, holding(done, repeated))
 
     def start_all_to_all(
         self,
@@ -345,12 +349,8 @@ class C10dBackend:
         if self._kind == "nccl":
             # Rule 4. The one-element tensor lives until the op's end: ``done`` holds it.
             token = torch.zeros(1, device=self._device)
-
-            def barrier_done(error: BaseException | None, _token: torch.Tensor = token) -> None:
-                done(error)
-
             options, _ = self._all_reduce_options[ReduceOp.SUM]
-            self._watch(self._group().allreduce([token], options), barrier_done)
+            self._watch(self._group().allreduce([token], options), holding(done, token))
             return
         self._watch(self._group().barrier(dist.BarrierOptions()), done)
 

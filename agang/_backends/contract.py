@@ -311,6 +311,16 @@ def countdown(count: int, done: Done) -> Done:
     return one_done
 
 
+def holding(done: Done, *held: object) -> Done:
+    """``done``, keeping ``held`` (tensors the backend made for the op: a token, a copy
+    of the input) alive until it runs, as c10d needs its tensors until the op ends."""
+
+    def done_holding(error: BaseException | None, _held: tuple[object, ...] = held) -> None:
+        done(error)
+
+    return done_holding
+
+
 def report_ordered(done: Done) -> bool:
     """Tells the engine an op is ordered on the caller's stream, before it ran (see
     "Ordered before done"); False if ``done`` cannot take it (then report ``done``)."""
