@@ -106,6 +106,9 @@ async def _mesh_to_gangs(root: agang.Gang, rank: int) -> dict[str, Any]:
         await gang.close()
     await implicit.tp.all_reduce(torch.ones(1))  # every rank has closed them
     report["blame_answered"] = await blame_answered(implicit.tp)
+    # Both ranks have asked before either stops answering (closing first made a slower
+    # peer's question go unanswered: CI saw [False]).
+    await implicit.tp.all_reduce(torch.ones(1))
     await implicit.tp.close()
     total = torch.tensor([float(rank)])
     dist.all_reduce(total, group=mesh.get_group("tp"))
