@@ -3,7 +3,11 @@ of many nodes (``tests/netns.py``) take the ``netns`` fixture."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
+
+from agang._engine import busy
 
 
 @pytest.fixture(
@@ -24,3 +28,16 @@ def netns() -> None:
 
     require_netns()
     clean_leftovers()
+
+
+@pytest.fixture(autouse=True)
+def no_memory_left_busy() -> Iterator[None]:
+    """Fails a test that ends with memory still held by one of its ops (a gang left open
+    with an op pending): the claim is process-wide and would make a later test, run by
+    the same worker, fail in its stead."""
+    before = busy.num_busy()
+    yield
+    left = busy.num_busy() - before
+    assert left <= 0, (
+        f"the test left {left} busy range(s) behind: close the gangs whose ops it left pending"
+    )

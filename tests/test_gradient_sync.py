@@ -213,6 +213,7 @@ def test_a_forward_pass_before_the_broadcast_raises() -> None:
     agang.GradientSync(model, world[0])  # rank 1 has not joined the broadcast yet
     with pytest.raises(RuntimeError, match=r"await sync.ready\(\)"):
         model(torch.ones(1, 6))
+    world[0].close_sync()  # ends the broadcast left pending, and frees its buffer
 
 
 def test_the_synchronous_api_from_plain_threads() -> None:
