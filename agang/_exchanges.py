@@ -4,12 +4,14 @@ receives).
 
 They are a part of ``CollectiveGang`` (which inherits this mixin), kept apart because
 split sizes bring checks of their own: a rank checks what it can alone (its sizes'
-type, length and values, its tensors' rows, its block to itself), and the rest, every
-pair of ranks agreeing on the rows between them, is the caller's to keep (see
-``Gang.all_to_all``). The order-check fingerprint of an uneven all_to_all names the
-dtype and the shape past the first dimension, never the sizes, which differ by rank;
-an uneven all_gather's sizes are equal on every rank, so its fingerprint names them.
-exchange is not order-checked, as send and recv are not.
+type, length and values, its tensors' rows, its block to itself). The rest, every pair
+of ranks agreeing on the rows between them, is the caller's to keep (see
+``Gang.all_to_all``), or the order check's where it is on: the fingerprint of an uneven
+all_to_all names the dtype and the shape past the first dimension on its first line,
+and this rank's sizes on a second, which the check compares pair by pair
+(``agang._flows``), so sizes that disagree fail the op on every rank before any row
+moves. An uneven all_gather's sizes are equal on every rank, so its fingerprint names
+them. exchange is not order-checked, as send and recv are not.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
+from agang import _flows as flows
 from agang._engine.coalescer import describe
 from agang._gang_exchanges import Transfer
 from agang._handle import Handle
@@ -210,7 +213,11 @@ class ExchangeCollectives:
                 output_split_sizes=output_splits,
                 input_split_sizes=input_splits,
             ),
-            fingerprint=f"all_to_all(split, {_rows(input)})",
+            fingerprint=flows.with_flows(
+                f"all_to_all(split, {_rows(input)})", input_splits, output_splits
+            )
+            if self.policy.check_order
+            else None,
         )
 
     def exchange(

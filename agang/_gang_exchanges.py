@@ -113,7 +113,10 @@ class GangExchanges(ABC):
         the per-expert counts, then the tokens). A peer that never calls is what any
         collective's deadline catches: :class:`agang.GangTimeoutError`. The order
         check compares the dtype, the shape past the first dimension, and whether
-        split sizes were given: pass them on every rank or on none.
+        split sizes were given (pass them on every rank or on none), and with split
+        sizes it checks every pair of ranks too: sizes that disagree fail the op on
+        every rank with :class:`agang.CollectiveMismatchError` naming the pairs,
+        before any row moves.
 
         Args:
             output: Receives the blocks, in rank order.

@@ -23,6 +23,7 @@ from agang._backends.contract import Backend
 from agang._engine.coalescer import describe
 from agang._engine.ops import Start
 from agang._handle import Handle
+from agang._policy import GangPolicy
 from agang._reduce_op import ReduceOp
 from agang._validate import (
     check_rank,
@@ -51,6 +52,9 @@ class IssuingGang(Protocol):
 
     @property
     def size(self) -> int: ...
+
+    @property
+    def policy(self) -> GangPolicy: ...
 
     def _check_tensor(self, tensor: object, name: str) -> torch.Tensor:
         """``tensor``, checked for this gang's device and backend."""

@@ -181,6 +181,37 @@ def test_the_patterns_and_a_missed_deadline_on_gloo() -> None:
     assert 0.9 < elapsed < 10.0
 
 
+async def _checked_gloo_program(gang: agang.Gang) -> dict[str, Any]:
+    """The patterns on an order-checked gang, then sizes that disagree: rank 1 sends
+    rank 0 two rows where rank 0 expects one (unchecked, Gloo kills rank 0: SIGABRT)."""
+    report = await patterns(gang)
+    sends = [[1, 1, 1], [2, 1, 1], [1, 1, 1]][gang.rank]
+    receives = [1, 1, 1]
+    output = torch.full((3,), -1.0)
+    try:
+        await gang.all_to_all(
+            output,
+            torch.ones(sum(sends)),
+            output_split_sizes=receives,
+            input_split_sizes=sends,
+        )
+    except agang.CollectiveMismatchError as error:
+        report["mismatch"] = str(error)
+    report["output"] = output.tolist()
+    return report
+
+
+@pytest.mark.gloo
+def test_an_order_checked_gloo_gang_fails_disagreeing_split_sizes_on_every_rank() -> None:
+    results = run_world(_checked_gloo_program, 3, init_options={"check_order": True})
+
+    check_patterns(results)  # sizes that agree pass the check
+    for result in results:
+        assert "rank 1 sends 2 rows to rank 0, which expects 1" in result["mismatch"]
+        assert "Nothing was started" in result["mismatch"]
+        assert result["output"] == [-1.0] * 3
+
+
 # What the ranks must agree on.
 
 
@@ -218,6 +249,36 @@ async def test_the_fingerprint_names_the_rows_but_not_the_split_sizes() -> None:
             await handle
         assert "all_to_all(split, float32[*, 1])" in str(info.value)
         assert "all_to_all(split, float32[*, 2])" in str(info.value)
+
+
+async def test_an_order_checked_gang_fails_disagreeing_split_sizes_before_any_row_moves() -> None:
+    world = FakeWorld(2, check_order="call_site")
+    outputs = [torch.zeros(3), torch.zeros(4)]
+    # Rank 0 expects 2 rows from rank 1, which sends it 1.
+    handles = [
+        world[rank].all_to_all(
+            outputs[rank],
+            torch.ones(3),
+            output_split_sizes=[[1, 2], [2, 2]][rank],
+            input_split_sizes=[1, 2],
+        )
+        for rank in range(2)
+    ]
+
+    for rank, handle in enumerate(handles):
+        with pytest.raises(agang.CollectiveMismatchError) as info:
+            await handle
+        message = str(info.value)
+        assert "split sizes disagree at collective #0" in message
+        assert "rank 1 sends 1 rows to rank 0, which expects 2" in message
+        assert "Nothing was started" in message
+        assert "test_exchanges.py" in message  # the call site, on the op's line
+        assert info.value.fingerprints[rank].endswith(
+            ["sends 1,2 receives 1,2", "sends 1,2 receives 2,2"][rank]
+        )
+        assert outputs[rank].eq(0).all()  # no row arrived
+        with pytest.raises(agang.GangBrokenError):
+            world[rank].all_reduce(torch.ones(1))
 
 
 PAIR_SPLITS = [[2, 1], [1, 1]]  # rank 0 sends 2 rows to itself and 1 to rank 1

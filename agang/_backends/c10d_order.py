@@ -1,8 +1,9 @@
 """Order checks on c10d: fingerprints compared on a side Gloo group.
 
 Rules:
-1. Each rank's 8-byte digest of its fingerprint is gathered on a side Gloo group (so a
-   check never queues behind the ops it guards); only on a mismatch are the
+1. Each rank's 8-byte digest of its fingerprint's op, and its balance of split sizes
+   (``agang._flows``: 0 for an op without them), are gathered on a side Gloo group (so
+   a check never queues behind the ops it guards); only on a mismatch are the
    fingerprints' texts exchanged, through the store, on a thread.
 2. The exchange polls the store (``check``), never a blocking ``get``: a blocking get
    holds the store client's lock while it waits, so two exchanges at once (two
@@ -22,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from agang import _flows as flows
 from agang._backends.contract import Checked
 from agang._offload import start_thread
 
@@ -45,9 +47,12 @@ def start_order_check(
 
     ``give_up`` says the gang no longer waits (it broke or closed).
     """
-    digest = hashlib.blake2b(fingerprint.encode(), digest_size=8).digest()
-    mine = torch.tensor([int.from_bytes(digest, "little", signed=True)])
-    gathered = torch.empty(size, dtype=torch.int64)
+    op, _ = flows.split(fingerprint)
+    digest = hashlib.blake2b(op.encode(), digest_size=8).digest()
+    mine = torch.tensor(
+        [int.from_bytes(digest, "little", signed=True), flows.balance(rank, fingerprint)]
+    )
+    gathered = torch.empty(2 * size, dtype=torch.int64)
     work = all_gather_flat(gathered, mine, group=order_group, async_op=True)
 
     def on_gathered(future: Any) -> None:
@@ -56,10 +61,14 @@ def start_order_check(
         except Exception as exc:
             checked(None, exc)
             return
-        digests = gathered.tolist()
-        if len(set(digests)) == 1:
+        values = gathered.tolist()
+        ops, balances = values[0::2], values[1::2]
+        if len(set(ops)) == 1 and flows.balanced(balances):
             checked(None, None)
             return
+        # Ranks of one op share one text, but where split sizes are in play: those
+        # differ by rank, so every rank's own text is fetched.
+        digests = list(range(size)) if any(balances) else ops
         prefix = f"agang/order/{name}/{index}"
         _ = start_thread(
             lambda: _exchange(prefix, rank, fingerprint, digests, checked, give_up),

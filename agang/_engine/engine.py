@@ -63,6 +63,7 @@ from typing import Any
 
 import torch
 
+from agang import _flows as flows
 from agang import _fork
 from agang._backends.contract import Backend, Done
 from agang._blame import Progress, State
@@ -326,7 +327,7 @@ class Engine:
         if checked:
             assert fingerprint is not None
             if self.policy.check_order == "call_site":
-                fingerprint = f"{fingerprint} at {call_site()}"
+                fingerprint = flows.at_call_site(fingerprint, call_site())
             index = entry.check_index = self._next_check
             self._next_check += 1
             self._check_order(entry, index, fingerprint)

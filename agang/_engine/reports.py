@@ -6,6 +6,7 @@ Pure: plain data in, an error out. Each message names the gang, rank, op and seq
 
 from __future__ import annotations
 
+from agang import _flows as flows
 from agang._blame import Progress, verdict
 from agang._errors import CollectiveMismatchError, GangTimeoutError, OpContext
 
@@ -13,14 +14,24 @@ from agang._errors import CollectiveMismatchError, GangTimeoutError, OpContext
 def mismatch(
     context: OpContext, index: int, fingerprints: dict[int, str]
 ) -> CollectiveMismatchError:
-    """The ranks issued different collectives at this gang's ``index``-th order check."""
+    """The ranks issued different collectives at this gang's ``index``-th order check,
+    or the same uneven one with split sizes that disagree (``agang._flows``)."""
     groups: dict[str, list[int]] = {}
     for rank, fingerprint in sorted(fingerprints.items()):
-        groups.setdefault(fingerprint, []).append(rank)
-    sides = "; ".join(f"ranks {ranks} issued {fp}" for fp, ranks in groups.items())
+        groups.setdefault(flows.split(fingerprint)[0], []).append(rank)
+    if len(groups) == 1:
+        (op,) = groups
+        what = (
+            f"the ranks' split sizes disagree at collective #{index} of this gang, "
+            f"{op}: {'; '.join(flows.disagreements(fingerprints))}"
+        )
+    else:
+        sides = "; ".join(f"ranks {ranks} issued {fp}" for fp, ranks in groups.items())
+        what = (
+            f"the ranks issued different collectives at collective #{index} of this gang: {sides}"
+        )
     return CollectiveMismatchError(
-        f"{context.describe()}: the ranks issued different collectives at collective "
-        f"#{index} of this gang: {sides}. Nothing was started; the gang is now broken.",
+        f"{context.describe()}: {what}. Nothing was started; the gang is now broken.",
         context,
         fingerprints,
     )

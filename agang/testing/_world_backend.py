@@ -34,6 +34,7 @@ import anyio
 import torch
 
 from agang import _asynclib
+from agang import _flows as flows
 from agang._backends.contract import (
     Blamed,
     Checked,
@@ -133,7 +134,7 @@ class Communicator:
                 return
             del self.checks[index]
         fingerprints = {r: fp for r, (fp, _) in meeting.items()}
-        agree = len(set(fingerprints.values())) == 1
+        agree = flows.agree(fingerprints)
         for _, report in meeting.values():
             self.world.schedule(functools.partial(report, None if agree else fingerprints, None))
 

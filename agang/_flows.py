@@ -1,0 +1,123 @@
+"""Split sizes in the order check: whether every pair of ranks agrees on the rows that
+an uneven all_to_all moves between them.
+
+Such an op's split sizes differ by rank, so its fingerprint cannot name them, and c10d
+does not compare them: on Gloo a receiver that expects more rows than its peer sends
+keeps stale rows, and one that expects fewer is killed (SIGABRT). With order checking
+on, each rank's sizes travel beside its fingerprint, and the op starts nowhere unless
+every pair agrees.
+
+Rules:
+1. *Text.* The fingerprint of such an op is two lines: the op (compared across ranks
+   as any fingerprint is) and this rank's flows, ``sends 2,1,0 receives 2,0,3`` (rows to,
+   and rows from, each rank of the gang). The call site, when checked, goes on the first
+   line.
+2. *Balance.* A rank adds a 64-bit hash of every (source, destination, rows) it sends
+   and subtracts one of every (source, destination, rows) it expects to receive. Over
+   all ranks the hashes cancel exactly when every pair agrees; a disagreement leaves a
+   sum that is zero by a chance of 2**-64. So a check on c10d gathers two integers per
+   rank (digest and balance), whatever the gang's size, and never a matrix.
+3. *Report.* On a disagreement the ranks' texts are exchanged, as for any mismatch,
+   and the report names every pair that disagrees, from those texts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+_SEPARATOR = "\n"
+_MASK = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class Flows:
+    """The rows an uneven op of one rank sends to, and expects from, each rank."""
+
+    sends: tuple[int, ...]
+    receives: tuple[int, ...]
+
+    def to_text(self) -> str:
+        return f"sends {_join(self.sends)} receives {_join(self.receives)}"
+
+
+def _join(rows: Sequence[int]) -> str:
+    return ",".join(str(n) for n in rows)
+
+
+def with_flows(fingerprint: str, sends: Sequence[int], receives: Sequence[int]) -> str:
+    """``fingerprint`` with this rank's flows on a second line (rule 1)."""
+    return f"{fingerprint}{_SEPARATOR}{Flows(tuple(sends), tuple(receives)).to_text()}"
+
+
+def at_call_site(fingerprint: str, site: str) -> str:
+    """``fingerprint`` with the call site on its first line (rule 1)."""
+    op, separator, flows = fingerprint.partition(_SEPARATOR)
+    return f"{op} at {site}{separator}{flows}"
+
+
+def split(text: str) -> tuple[str, Flows | None]:
+    """A fingerprint's op line, and its flows where it has them."""
+    op, _, flows = text.partition(_SEPARATOR)
+    if not flows:
+        return op, None
+    _, sends, _, receives = flows.split(" ")
+    return op, Flows(_parse(sends), _parse(receives))
+
+
+def _parse(rows: str) -> tuple[int, ...]:
+    return tuple(int(n) for n in rows.split(",")) if rows else ()
+
+
+def _hash(source: int, destination: int, rows: int) -> int:
+    digest = hashlib.blake2b(f"{source} {destination} {rows}".encode(), digest_size=8)
+    return int.from_bytes(digest.digest(), "little")
+
+
+def balance(rank: int, text: str) -> int:
+    """This rank's share of the balance (rule 2), as a signed 64-bit integer; 0 for a
+    fingerprint without flows."""
+    _, flows = split(text)
+    if flows is None:
+        return 0
+    total = sum(_hash(rank, peer, rows) for peer, rows in enumerate(flows.sends))
+    total -= sum(_hash(peer, rank, rows) for peer, rows in enumerate(flows.receives))
+    return signed(total)
+
+
+def signed(value: int) -> int:
+    """``value`` modulo 2**64, as a signed 64-bit integer (what an int64 tensor holds)."""
+    value &= _MASK
+    return value - (1 << 64) if value >> 63 else value
+
+
+def balanced(balances: Sequence[int]) -> bool:
+    """Whether the ranks' balances cancel: every pair agrees (rule 2)."""
+    return sum(balances) & _MASK == 0
+
+
+def disagreements(texts: Mapping[int, str]) -> list[str]:
+    """Every pair of ranks whose flows disagree, in words (rule 3): the ranks' texts
+    must have the same op line."""
+    flows = {rank: split(text)[1] for rank, text in texts.items()}
+    found = []
+    for source, mine in sorted(flows.items()):
+        for destination, theirs in sorted(flows.items()):
+            if mine is None or theirs is None:
+                continue
+            sent = mine.sends[destination] if destination < len(mine.sends) else None
+            expected = theirs.receives[source] if source < len(theirs.receives) else None
+            if sent != expected:
+                found.append(
+                    f"rank {source} sends {sent} rows to rank {destination}, which expects "
+                    f"{expected}"
+                )
+    return found
+
+
+def agree(texts: Mapping[int, str]) -> bool:
+    """Whether every rank's fingerprint has the same op line and their flows agree
+    (checked directly, where all texts are at hand)."""
+    ops = {split(text)[0] for text in texts.values()}
+    return len(ops) == 1 and not disagreements(texts)

@@ -1,0 +1,82 @@
+"""The split-size check's arithmetic (``agang._flows``): balances cancel exactly when
+every pair of ranks agrees, and the report names each pair that does not."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from agang import _flows as flows
+
+OP = "all_to_all(split, float32[*, 4])"
+
+# rows[i][j]: the rows rank i sends to rank j, as every rank agrees.
+matrices = st.integers(1, 6).flatmap(
+    lambda size: st.lists(
+        st.lists(st.integers(0, 1000), min_size=size, max_size=size),
+        min_size=size,
+        max_size=size,
+    )
+)
+
+
+def texts(sends: list[list[int]], receives: list[list[int]]) -> dict[int, str]:
+    return {rank: flows.with_flows(OP, sends[rank], receives[rank]) for rank in range(len(sends))}
+
+
+def transposed(rows: list[list[int]]) -> list[list[int]]:
+    return [list(column) for column in zip(*rows, strict=True)]
+
+
+@given(matrices)
+def test_sizes_that_agree_balance_to_zero(rows: list[list[int]]) -> None:
+    fingerprints = texts(rows, transposed(rows))
+
+    assert flows.balanced([flows.balance(rank, text) for rank, text in fingerprints.items()])
+    assert flows.disagreements(fingerprints) == []
+    assert flows.agree(fingerprints)
+
+
+@given(matrices, st.data())
+def test_any_one_disagreement_unbalances_and_is_named(
+    rows: list[list[int]], data: st.DataObject
+) -> None:
+    size = len(rows)
+    receives = transposed(rows)
+    source = data.draw(st.integers(0, size - 1))
+    destination = data.draw(st.integers(0, size - 1))
+    expected = data.draw(st.integers(0, 1000).filter(lambda n: n != rows[source][destination]))
+    receives[destination][source] = expected
+    fingerprints = texts(rows, receives)
+
+    balances = [flows.balance(rank, text) for rank, text in fingerprints.items()]
+    assert all(-(2**63) <= value < 2**63 for value in balances)  # what an int64 holds
+    assert not flows.balanced(balances)
+    assert flows.disagreements(fingerprints) == [
+        f"rank {source} sends {rows[source][destination]} rows to rank {destination}, "
+        f"which expects {expected}"
+    ]
+    assert not flows.agree(fingerprints)
+
+
+def test_a_fingerprint_without_sizes_balances_to_nothing_and_compares_whole() -> None:
+    assert flows.balance(3, "all_reduce(SUM, float32[4])") == 0
+    assert flows.split("all_reduce(SUM, float32[4])") == ("all_reduce(SUM, float32[4])", None)
+    assert not flows.agree({0: "all_reduce(SUM, float32[4])", 1: "barrier()"})
+
+
+def test_the_call_site_goes_on_the_op_line_and_the_sizes_survive() -> None:
+    text = flows.at_call_site(flows.with_flows(OP, [2, 0], [1, 3]), "train.py:12")
+
+    assert flows.split(text) == (f"{OP} at train.py:12", flows.Flows((2, 0), (1, 3)))
+    assert flows.at_call_site("barrier()", "train.py:9") == "barrier() at train.py:9"
+
+
+def test_ranks_of_different_ops_never_agree_even_with_sizes_that_do() -> None:
+    fingerprints = {
+        0: flows.with_flows(OP, [1, 1], [1, 1]),
+        1: flows.with_flows("all_to_all(split, float32[*, 8])", [1, 1], [1, 1]),
+    }
+
+    assert flows.disagreements(fingerprints) == []
+    assert not flows.agree(fingerprints)
