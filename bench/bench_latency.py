@@ -26,10 +26,12 @@ Method:
     loop runs twice: with the default ``wait_mode="park"`` and, suffixed ``brief``, with
     ``"block_briefly"`` (``agang._wakeup``). ``agang wait()`` blocks a plain thread in
     ``Handle.wait()``: agang's issue and completion with no loop to wake, the least any
-    way of waking a loop could cost on top of agang. The table gives each median as a
-    ratio to the raw blocking median and to the floor, and the difference from the floor
-    in microseconds; targets are checked per loop (4 B: 1.25x on asyncio and uvloop,
-    1.4x on trio; 1.05x from 256 KiB up on all three).
+    way of waking a loop could cost on top of agang. ``c10d cb+wait`` is raw c10d with a
+    no-op Python callback on the Work's future before a blocking wait: what learning of
+    completion in Python costs by itself, against ``c10d async+wait``. The table gives
+    each median as a ratio to the raw blocking median and to the floor, and the
+    difference from the floor in microseconds; targets are checked per loop (4 B: 1.25x
+    on asyncio and uvloop, 1.4x on trio; 1.05x from 256 KiB up on all three).
 
 Usage:
     python bench/bench_latency.py                 # full run, about 4 minutes
@@ -123,6 +125,25 @@ def _c10d_async_wait(gang: agang.Gang, tensor: torch.Tensor, count: int) -> list
     return samples
 
 
+def _c10d_callback_and_wait(gang: agang.Gang, tensor: torch.Tensor, count: int) -> list[float]:
+    """Raw c10d with a Python callback on its Work's future that does nothing, and a
+    blocking ``wait()``: what a Python completion costs in itself on Gloo (c10d's
+    thread takes the GIL to run it, as the waiter wakes), whatever the callback does.
+    Every design that learns of completion in Python, agang's included, pays it."""
+    samples = []
+    for _ in range(count):
+        start = time.perf_counter()
+        work = dist.all_reduce(tensor, async_op=True)
+        work.get_future().add_done_callback(_ignore)
+        work.wait()
+        samples.append(time.perf_counter() - start)
+    return samples
+
+
+def _ignore(_: object) -> None:
+    pass
+
+
 def _agang_blocking_wait(gang: agang.Gang, tensor: torch.Tensor, count: int) -> list[float]:
     """agang without any loop: ``Handle.wait()`` blocks the thread on a lock that the
     completion releases. What agang's own issue and completion cost, with no wake-up."""
@@ -191,6 +212,7 @@ LOOPS: dict[str, tuple[str, dict[str, Any]]] = {
 MODES: dict[str, BatchRunner] = {
     BASELINE: _c10d_blocking,
     "c10d async+wait": _c10d_async_wait,
+    "c10d cb+wait": _c10d_callback_and_wait,
     FLOOR: _raw_on_asyncio,
     "agang wait()": _agang_blocking_wait,
 }

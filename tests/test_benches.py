@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -86,7 +87,8 @@ class Run:
 def bench_runs(
     without_matplotlib: dict[str, str], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[dict[str, Run]]:
-    """Every plotting bench, started at once; killed at the end if still running."""
+    """Every plotting bench, started at once; killed with its ranks at the end if still
+    running (a test selected alone leaves the others unread)."""
     runs = {}
     for script, (args, _, _) in BENCHES.items():
         out = tmp_path_factory.mktemp(script.removesuffix(".py"))
@@ -97,12 +99,15 @@ def bench_runs(
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            start_new_session=True,  # its ranks join its group: killed with it
         )
         runs[script] = Run(process, out)
     yield runs
     for run in runs.values():
         if run.process.poll() is None:
-            run.process.kill()
+            # The bench's ranks hold its pipes open: end the whole group, not the parent
+            # alone (which would leave them running, and communicate() waiting on them).
+            os.killpg(run.process.pid, signal.SIGKILL)
             run.process.communicate()
 
 
