@@ -37,6 +37,9 @@ Rules:
    ``ready()`` (or the first forward) on the caller's current stream, never on an agang
    thread's; and where the gang reports ops once ordered (stream-ordered mode),
    ``wait()`` and that copy first make the caller's current stream wait for the ops.
+8. ``MEAN`` is DDP's: each gradient is multiplied by ``1 / size`` as it is copied into
+   (or, already there, in) its bucket, and the buckets are summed. The division costs no
+   pass of its own, and none after the all-reduce, where it would delay the step's end.
 """
 
 from __future__ import annotations
@@ -171,7 +174,10 @@ class GradientSync:
         self._order: StreamOrder | None = (
             gang.stream_order() if isinstance(gang, CollectiveGang) else None
         )
-        self._op = check_reduce_op(op)
+        op = check_reduce_op(op)
+        # MEAN divides while copying into the bucket, then sums (rule 8).
+        self._scale = 1.0 / gang.size if op is ReduceOp.MEAN and gang.size > 1 else None
+        self._op = ReduceOp.SUM if op is ReduceOp.MEAN else op
         self._bucket_bytes = check_positive_int(bucket_bytes, name="bucket_bytes")
         self._first_bucket_bytes = min(
             check_positive_int(first_bucket_bytes, name="first_bucket_bytes"), self._bucket_bytes
@@ -348,9 +354,8 @@ class GradientSync:
         bucket, position = self._where[id(param)]
         view = bucket.views[position]
         grad = param.grad
-        if grad is not None and grad.data_ptr() != view.data_ptr():
-            view.copy_(grad)
-            param.grad = view
+        if grad is not None:
+            self._take(param, grad, view)
         with self._lock:
             if position in bucket.ready:
                 raise RuntimeError(
@@ -401,8 +406,20 @@ class GradientSync:
             handles = [b.handle for b in self._buckets if b.handle is not None]
         return handles
 
-    @staticmethod
-    def _fill_missing(bucket: _Bucket) -> None:
+    def _take(self, param: torch.Tensor, grad: torch.Tensor, view: torch.Tensor) -> None:
+        """Puts ``param``'s gradient into its bucket's ``view``, scaled for MEAN (rules 2
+        and 8), and points ``.grad`` at the view."""
+        scale = self._scale
+        if grad.data_ptr() != view.data_ptr():
+            if scale is None:
+                view.copy_(grad)
+            else:
+                torch.mul(grad, scale, out=view)
+            param.grad = view
+        elif scale is not None:
+            view.mul_(scale)
+
+    def _fill_missing(self, bucket: _Bucket) -> None:
         for position, (param, view) in enumerate(zip(bucket.params, bucket.views, strict=True)):
             if position in bucket.ready:
                 continue
@@ -412,11 +429,11 @@ class GradientSync:
             grad = param.grad
             if grad is None:
                 view.zero_()
-            elif grad.data_ptr() != view.data_ptr():
-                view.copy_(grad)
+                param.grad = view
+            else:
+                self._take(param, grad, view)
             bucket.ready.add(position)
             bucket.num_pending -= 1
-            param.grad = view
 
     def _end_step(self, handles: list[Handle[torch.Tensor]], started: float) -> None:
         finished = time.monotonic()

@@ -81,15 +81,21 @@ async def measure(payload: dict[str, Any]) -> dict[str, Any]:
     x = torch.randn(payload["batch"], payload["inputs"], generator=generator)
     y = torch.randn(payload["batch"], payload["outputs"], generator=generator)
     times: dict[str, list[float]] = {m: [] for m in MODES}
+    # Per mode and step: forward + backward (agang's hooks and issues, DDP's reducer and
+    # its wait for the last bucket are inside), then the rest (agang's wait, the naive
+    # all-reduces, the optimizer).
+    phases: dict[str, list[tuple[float, float]]] = {m: [] for m in MODES}
     timeline: dict[str, Any] = {}
 
-    async def step(mode: str) -> float:
+    async def step(mode: str) -> tuple[float, float]:
+        """The step's seconds, and those of its forward + backward."""
         await gang.barrier()  # both ranks start the step together
         started = time.perf_counter()
         backward_started = time.monotonic()
         loss = torch.nn.functional.mse_loss(runners[mode](x), y)
         loss.backward()
         backward_finished = time.monotonic()
+        backward_seconds = time.perf_counter() - started
         if mode == "agang":
             await sync.wait()
         elif mode == "naive":
@@ -108,7 +114,7 @@ async def measure(payload: dict[str, Any]) -> dict[str, Any]:
                 buckets=[(b.index, b.num_bytes, b.issued_at, b.finished_at) for b in last.buckets],
                 hidden_share=last.hidden_share,
             )
-        return seconds
+        return seconds, backward_seconds
 
     for _ in range(payload["warmup"]):
         for mode in MODES:
@@ -116,11 +122,14 @@ async def measure(payload: dict[str, Any]) -> dict[str, Any]:
     hidden = []
     for _ in range(payload["steps"]):
         for mode in MODES:
-            times[mode].append(await step(mode))
+            seconds, backward_seconds = await step(mode)
+            times[mode].append(seconds)
+            phases[mode].append((backward_seconds, seconds - backward_seconds))
         hidden.append(timeline["hidden_share"])
     await gang.close()
     return {
         "times": times,
+        "phases": phases,
         "timeline": timeline,
         "hidden": hidden,
         "num_buckets": sync.num_buckets,
@@ -181,13 +190,16 @@ def report(payload: dict[str, Any], result: dict[str, Any]) -> None:
         f"per rank; buckets of {payload['bucket_mb']:g} MiB: agang {result['num_buckets']}; "
         f"{payload['steps']} steps per mode"
     )
-    print("| mode | median step | p90 step | vs DDP |")
-    print("| --- | --- | --- | --- |")
+    print("| mode | median step | p90 step | vs DDP | forward+backward | then |")
+    print("| --- | --- | --- | --- | --- | --- |")
     for mode in MODES:
+        backward = statistics.median(b for b, _ in result["phases"][mode])
+        rest = statistics.median(r for _, r in result["phases"][mode])
         print(
             f"| {mode} | {format_seconds(medians[mode])} | "
             f"{format_seconds(percentile(times[mode], 90))} | "
-            f"{medians[mode] / medians['ddp']:.2f}x |"
+            f"{medians[mode] / medians['ddp']:.2f}x | {format_seconds(backward)} | "
+            f"{format_seconds(rest)} |"
         )
     hidden = statistics.median(result["hidden"])
     print(

@@ -2,7 +2,8 @@
 
 The reference for FakeWorld is the plain average of the ranks' gradients; on Gloo, the
 trainer example runs with ``--check-ddp`` on 2 ranks, which compares every step's loss
-and the final parameters with torch's DistributedDataParallel.
+and the final parameters with torch's DistributedDataParallel, and 3 ranks compare
+their gradients with DDP's bit for bit.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import pytest
 import torch
 
 import agang
-from agang.testing import FakeWorld
+from agang.testing import FakeWorld, run_world
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -273,6 +274,42 @@ def test_the_trainer_matches_ddp_on_two_gloo_ranks(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "DDP check passed: 25 losses and all parameters match" in done.stdout
+
+
+async def _mean_against_ddp(gang: agang.Gang) -> list[bool]:
+    """Four steps of GradientSync and of DDP from the same start, on the same data and
+    buckets (the defaults: one here); whether each step's gradients but the first are
+    bit-equal. DDP lays its buckets out anew after its first step, in the order the
+    gradients came (GradientSync's from the start), and the layout decides the order in
+    which Gloo adds each element."""
+    synced, reference = make_model(seed=0), make_model(seed=0)
+    sync = agang.GradientSync(synced, gang)
+    await sync.ready()
+    ddp = torch.nn.parallel.DistributedDataParallel(reference)
+    equal = []
+    for step in range(4):
+        x = data(gang.rank, step)
+        synced(x).pow(3).sum().backward()
+        await sync.wait()
+        ddp(x).pow(3).sum().backward()
+        if step:
+            equal += [
+                torch.equal(a.grad, b.grad)  # type: ignore[arg-type]
+                for a, b in zip(synced.parameters(), reference.parameters(), strict=True)
+            ]
+        synced.zero_grad()
+        ddp.zero_grad()
+    return equal
+
+
+@pytest.mark.gloo
+def test_the_mean_is_ddps_to_the_bit_on_three_gloo_ranks() -> None:
+    # With 3 ranks, (a + b + c) / 3 and DDP's a/3 + b/3 + c/3 round differently: each
+    # gradient is divided as it enters its bucket, as DDP does.
+    results = run_world(_mean_against_ddp, 3)
+
+    for equal in results:
+        assert equal == [True] * 18
 
 
 def test_buckets_are_ddps() -> None:
