@@ -409,6 +409,12 @@ class GradientSync:
     def _take(self, param: torch.Tensor, grad: torch.Tensor, view: torch.Tensor) -> None:
         """Puts ``param``'s gradient into its bucket's ``view``, scaled for MEAN (rules 2
         and 8), and points ``.grad`` at the view."""
+        if grad.layout != torch.strided:
+            raise TypeError(
+                f"GradientSync reduces dense gradients only, but a parameter of shape "
+                f"{tuple(param.shape)} got a {grad.layout} one (an embedding with "
+                f"sparse=True?); use a dense gradient, or reduce this one yourself."
+            )
         scale = self._scale
         if grad.data_ptr() != view.data_ptr():
             if scale is None:

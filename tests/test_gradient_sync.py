@@ -208,6 +208,17 @@ async def test_misuse_raises_clear_errors() -> None:
     sync.remove()
 
 
+def test_a_sparse_gradient_is_refused_by_name() -> None:
+    world = FakeWorld(1)
+    model = torch.nn.Embedding(5, 2, sparse=True)
+    sync = agang.GradientSync(model, world[0])
+    sync.ready_sync(timeout=30)
+
+    with pytest.raises(TypeError, match=r"dense gradients only.*shape \(5, 2\).*sparse_coo"):
+        model(torch.tensor([1, 3])).sum().backward()
+    world[0].close_sync()
+
+
 def test_a_forward_pass_before_the_broadcast_raises() -> None:
     world = FakeWorld(2)
     model = make_model()
