@@ -17,8 +17,9 @@ Rules:
    all ranks the hashes cancel exactly when every pair agrees; a disagreement leaves a
    sum that is zero by a chance of 2**-64. So a check on c10d gathers two integers per
    rank (digest and balance), whatever the gang's size, and never a matrix.
-3. *Report.* On a disagreement the ranks' texts are exchanged, as for any mismatch,
-   and the report names every pair that disagrees, from those texts.
+3. *Report.* On a disagreement every rank's sizes are gathered (on c10d, once more on
+   the order check's side group, never through the store, whose traffic would grow with
+   the gang's size squared), and the report names every pair that disagrees.
 """
 
 from __future__ import annotations

@@ -197,6 +197,7 @@ async def _checked_gloo_program(gang: agang.Gang) -> dict[str, Any]:
         )
     except agang.CollectiveMismatchError as error:
         report["mismatch"] = str(error)
+        report["fingerprints"] = error.fingerprints
     report["output"] = output.tolist()
     return report
 
@@ -210,6 +211,12 @@ def test_an_order_checked_gloo_gang_fails_disagreeing_split_sizes_on_every_rank(
         assert "rank 1 sends 2 rows to rank 0, which expects 1" in result["mismatch"]
         assert "Nothing was started" in result["mismatch"]
         assert result["output"] == [-1.0] * 3
+        # Every rank's own sizes, gathered on the side group (no store traffic).
+        assert result["fingerprints"] == {
+            0: "all_to_all(split, float32[*])\nsends 1,1,1 receives 1,1,1",
+            1: "all_to_all(split, float32[*])\nsends 2,1,1 receives 1,1,1",
+            2: "all_to_all(split, float32[*])\nsends 1,1,1 receives 1,1,1",
+        }
 
 
 # What the ranks must agree on.

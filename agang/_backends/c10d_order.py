@@ -3,12 +3,15 @@
 Rules:
 1. Each rank's 8-byte digest of its fingerprint's op, and its balance of split sizes
    (``agang._flows``: 0 for an op without them), are gathered on a side Gloo group (so
-   a check never queues behind the ops it guards); only on a mismatch are the
-   fingerprints' texts exchanged, through the store, on a thread.
+   a check never queues behind the ops it guards); only where the ops differ are their
+   texts exchanged, through the store, on a thread, one per distinct op.
 2. The exchange polls the store (``check``), never a blocking ``get``: a blocking get
    holds the store client's lock while it waits, so two exchanges at once (two
    mismatched positions, or two gangs) could deadlock across ranks.
-3. Which ranks never reached a check, when a deadline passes in it, is the blame's to
+3. When only the split sizes disagree (same op, balances that do not cancel), every
+   rank's sizes are gathered once more on the side group, never through the store: a
+   store would carry the gang's size squared of texts.
+4. Which ranks never reached a check, when a deadline passes in it, is the blame's to
    say (``c10d_blame``): a rank that has not issued the op has not reached its check.
 """
 
@@ -43,7 +46,7 @@ def start_order_check(
     checked: Checked,
     give_up: Callable[[], bool],
 ) -> None:
-    """Compares the ``index``-th fingerprint across ranks (rules 1 and 2).
+    """Compares the ``index``-th fingerprint across ranks (rules 1 to 3).
 
     ``give_up`` says the gang no longer waits (it broke or closed).
     """
@@ -63,19 +66,50 @@ def start_order_check(
             return
         values = gathered.tolist()
         ops, balances = values[0::2], values[1::2]
-        if len(set(ops)) == 1 and flows.balanced(balances):
+        if len(set(ops)) > 1:
+            prefix = f"agang/order/{name}/{index}"
+            _ = start_thread(
+                lambda: _exchange(prefix, rank, op, ops, checked, give_up),
+                name=f"order mismatch on '{name}'",
+            )
+        elif not flows.balanced(balances):
+            _ = start_thread(
+                lambda: _gather_flows(order_group, size, fingerprint, checked, give_up),
+                name=f"split sizes mismatch on '{name}'",
+            )
+        else:
             checked(None, None)
-            return
-        # Ranks of one op share one text, but where split sizes are in play: those
-        # differ by rank, so every rank's own text is fetched.
-        digests = list(range(size)) if any(balances) else ops
-        prefix = f"agang/order/{name}/{index}"
-        _ = start_thread(
-            lambda: _exchange(prefix, rank, fingerprint, digests, checked, give_up),
-            name=f"order mismatch on '{name}'",
-        )
 
     work.get_future().add_done_callback(on_gathered)
+
+
+def _gather_flows(
+    order_group: dist.ProcessGroup,
+    size: int,
+    fingerprint: str,
+    checked: Checked,
+    give_up: Callable[[], bool],
+) -> None:
+    """Every rank's split sizes, gathered on the side group (rule 3): every rank saw the
+    same balances, so every rank takes this path, and no store carries the gang's
+    size squared of texts."""
+    op, mine = flows.split(fingerprint)
+    try:
+        if mine is None:  # the same op line without sizes: a digest collision
+            raise RuntimeError(f"the order check's balance of `{op}` is off but it has no sizes")
+        rows = torch.tensor([*mine.sends, *mine.receives], dtype=torch.int64)
+        gathered = torch.empty(size * rows.numel(), dtype=torch.int64)
+        work = all_gather_flat(gathered, rows, group=order_group, async_op=True)
+        while not work.is_completed():  # polled, as the store is (rule 2): give_up ends it
+            if give_up():
+                return
+            time.sleep(0.002)
+        work.wait()
+        every = gathered.view(size, -1).tolist()
+    except Exception as exc:
+        checked(None, exc)
+        return
+    checked({r: flows.with_flows(op, row[:size], row[size:]) for r, row in enumerate(every)}, None)
 
 
 def _exchange(
