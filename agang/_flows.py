@@ -17,15 +17,18 @@ Rules:
    all ranks the hashes cancel exactly when every pair agrees; a disagreement leaves a
    sum that is zero by a chance of 2**-64. So a check on c10d gathers two integers per
    rank (digest and balance), whatever the gang's size, and never a matrix.
-3. *Report.* On a disagreement every rank's sizes are gathered (on c10d, once more on
-   the order check's side group, never through the store, whose traffic would grow with
-   the gang's size squared), and the report names every pair that disagrees.
+3. *Report.* On a disagreement the report names the pairs that disagree, from the
+   ranks' texts: all of them where every text is at hand (``FakeWorld``); on c10d, rank
+   0 reads every rank's and passes on those of the ranks in the first
+   :data:`MAX_NAMED` disagreeing pairs (``named``), so the store carries a number of
+   texts that grows with the gang's size, not its square.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
+import itertools
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 _SEPARATOR = "\n"
@@ -98,11 +101,12 @@ def balanced(balances: Sequence[int]) -> bool:
     return sum(balances) & _MASK == 0
 
 
-def disagreements(texts: Mapping[int, str]) -> list[str]:
-    """Every pair of ranks whose flows disagree, in words (rule 3): the ranks' texts
-    must have the same op line."""
+def _disagreeing(
+    texts: Mapping[int, str],
+) -> Iterator[tuple[int, int, int | None, int | None]]:
+    """(source, destination, rows sent, rows expected) of every pair whose flows
+    disagree, in rank order."""
     flows = {rank: split(text)[1] for rank, text in texts.items()}
-    found = []
     for source, mine in sorted(flows.items()):
         for destination, theirs in sorted(flows.items()):
             if mine is None or theirs is None:
@@ -110,11 +114,29 @@ def disagreements(texts: Mapping[int, str]) -> list[str]:
             sent = mine.sends[destination] if destination < len(mine.sends) else None
             expected = theirs.receives[source] if source < len(theirs.receives) else None
             if sent != expected:
-                found.append(
-                    f"rank {source} sends {sent} rows to rank {destination}, which expects "
-                    f"{expected}"
-                )
-    return found
+                yield source, destination, sent, expected
+
+
+def disagreements(texts: Mapping[int, str]) -> list[str]:
+    """Every pair of ranks whose flows disagree, in words (rule 3): the ranks' texts
+    must have the same op line."""
+    return [
+        f"rank {source} sends {sent} rows to rank {destination}, which expects {expected}"
+        for source, destination, sent, expected in _disagreeing(texts)
+    ]
+
+
+#: How many disagreeing pairs a report names at most.
+MAX_NAMED = 8
+
+
+def named(texts: Mapping[int, str]) -> dict[int, str]:
+    """The texts of the ranks in the first :data:`MAX_NAMED` disagreeing pairs (rule 3):
+    enough for the report, whatever the gang's size."""
+    ranks: set[int] = set()
+    for source, destination, _, _ in itertools.islice(_disagreeing(texts), MAX_NAMED):
+        ranks.update((source, destination))
+    return {rank: texts[rank] for rank in sorted(ranks)}
 
 
 def agree(texts: Mapping[int, str]) -> bool:

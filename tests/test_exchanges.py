@@ -188,16 +188,20 @@ async def _checked_gloo_program(gang: agang.Gang) -> dict[str, Any]:
     sends = [[1, 1, 1], [2, 1, 1], [1, 1, 1]][gang.rank]
     receives = [1, 1, 1]
     output = torch.full((3,), -1.0)
+    handle = gang.all_to_all(
+        output, torch.ones(sum(sends)), output_split_sizes=receives, input_split_sizes=sends
+    )
+    # Issued before the mismatch is known: its check is in flight beside the report's.
+    later = gang.all_reduce(torch.ones(1))
     try:
-        await gang.all_to_all(
-            output,
-            torch.ones(sum(sends)),
-            output_split_sizes=receives,
-            input_split_sizes=sends,
-        )
+        await handle
     except agang.CollectiveMismatchError as error:
         report["mismatch"] = str(error)
         report["fingerprints"] = error.fingerprints
+    try:
+        await later
+    except agang.GangError as error:
+        report["later"] = type(error).__name__
     report["output"] = output.tolist()
     return report
 
@@ -211,11 +215,11 @@ def test_an_order_checked_gloo_gang_fails_disagreeing_split_sizes_on_every_rank(
         assert "rank 1 sends 2 rows to rank 0, which expects 1" in result["mismatch"]
         assert "Nothing was started" in result["mismatch"]
         assert result["output"] == [-1.0] * 3
-        # Every rank's own sizes, gathered on the side group (no store traffic).
+        assert result["later"] == "GangBrokenError"
+        # The sizes of the ranks in the disagreeing pair, each its own, as rank 0 read them.
         assert result["fingerprints"] == {
             0: "all_to_all(split, float32[*])\nsends 1,1,1 receives 1,1,1",
             1: "all_to_all(split, float32[*])\nsends 2,1,1 receives 1,1,1",
-            2: "all_to_all(split, float32[*])\nsends 1,1,1 receives 1,1,1",
         }
 
 

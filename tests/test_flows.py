@@ -80,3 +80,25 @@ def test_ranks_of_different_ops_never_agree_even_with_sizes_that_do() -> None:
 
     assert flows.disagreements(fingerprints) == []
     assert not flows.agree(fingerprints)
+
+
+def test_a_report_names_a_bounded_number_of_pairs_whatever_the_gangs_size() -> None:
+    from agang._engine import reports
+    from agang._errors import OpContext
+
+    size = 40
+    # Every rank expects one row more from each peer than the peer sends.
+    fingerprints = {
+        rank: flows.with_flows(OP, [1] * size, [2 if peer != rank else 1 for peer in range(size)])
+        for rank in range(size)
+    }
+
+    kept = flows.named(fingerprints)
+    context = OpContext(gang="root", rank=0, size=size, op="all_to_all", seq=3, timeout=None)
+    message = str(reports.mismatch(context, 3, kept))
+
+    assert len(kept) <= 2 * flows.MAX_NAMED
+    assert all(kept[rank] == fingerprints[rank] for rank in kept)
+    assert "rank 0 sends 1 rows to rank 1, which expects 2" in message
+    assert message.count("rows to rank") == flows.MAX_NAMED
+    assert "; ..." in message

@@ -8,9 +8,12 @@ Rules:
 2. The exchange polls the store (``check``), never a blocking ``get``: a blocking get
    holds the store client's lock while it waits, so two exchanges at once (two
    mismatched positions, or two gangs) could deadlock across ranks.
-3. When only the split sizes disagree (same op, balances that do not cancel), every
-   rank's sizes are gathered once more on the side group, never through the store: a
-   store would carry the gang's size squared of texts.
+3. When only the split sizes disagree (same op, balances that do not cancel), the
+   ranks' texts differ, and every rank fetching every other's would make the store
+   carry the gang's size squared of them. So rank 0 alone reads them all and posts the
+   texts of the ranks in the first disagreeing pairs (``agang._flows.named``), which the
+   others read. Never a collective on the side group: a later op's check may already be
+   in flight there, on some ranks and not others.
 4. Which ranks never reached a check, when a deadline passes in it, is the blame's to
    say (``c10d_blame``): a rank that has not issued the op has not reached its check.
 """
@@ -18,6 +21,7 @@ Rules:
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -73,8 +77,9 @@ def start_order_check(
                 name=f"order mismatch on '{name}'",
             )
         elif not flows.balanced(balances):
+            prefix = f"agang/order/{name}/{index}"
             _ = start_thread(
-                lambda: _gather_flows(order_group, size, fingerprint, checked, give_up),
+                lambda: _exchange_flows(prefix, rank, size, fingerprint, checked, give_up),
                 name=f"split sizes mismatch on '{name}'",
             )
         else:
@@ -83,33 +88,37 @@ def start_order_check(
     work.get_future().add_done_callback(on_gathered)
 
 
-def _gather_flows(
-    order_group: dist.ProcessGroup,
+def _exchange_flows(
+    prefix: str,
+    rank: int,
     size: int,
     fingerprint: str,
     checked: Checked,
     give_up: Callable[[], bool],
 ) -> None:
-    """Every rank's split sizes, gathered on the side group (rule 3): every rank saw the
-    same balances, so every rank takes this path, and no store carries the gang's
-    size squared of texts."""
-    op, mine = flows.split(fingerprint)
+    """Only the split sizes disagree (rule 3): every rank posts its text; rank 0 reads
+    them all and posts those of the ranks in the first disagreeing pairs; the others
+    read that one report."""
     try:
-        if mine is None:  # the same op line without sizes: a digest collision
-            raise RuntimeError(f"the order check's balance of `{op}` is off but it has no sizes")
-        rows = torch.tensor([*mine.sends, *mine.receives], dtype=torch.int64)
-        gathered = torch.empty(size * rows.numel(), dtype=torch.int64)
-        work = all_gather_flat(gathered, rows, group=order_group, async_op=True)
-        while not work.is_completed():  # polled, as the store is (rule 2): give_up ends it
-            if give_up():
+        store = dist.distributed_c10d._get_default_store()
+        store.set(f"{prefix}/{rank}", fingerprint)
+        report = f"{prefix}/report"
+        if rank == 0:
+            texts = {0: fingerprint}
+            for peer in range(1, size):
+                if not _await_key(store, f"{prefix}/{peer}", give_up):
+                    return  # the gang broke or closed meanwhile: nobody is waiting
+                texts[peer] = store.get(f"{prefix}/{peer}").decode()
+            named = flows.named(texts)
+            store.set(report, json.dumps(named))
+        else:
+            if not _await_key(store, report, give_up):
                 return
-            time.sleep(0.002)
-        work.wait()
-        every = gathered.view(size, -1).tolist()
+            named = {int(r): text for r, text in json.loads(store.get(report)).items()}
     except Exception as exc:
         checked(None, exc)
         return
-    checked({r: flows.with_flows(op, row[:size], row[size:]) for r, row in enumerate(every)}, None)
+    checked(named, None)
 
 
 def _exchange(

@@ -21,9 +21,12 @@ def mismatch(
         groups.setdefault(flows.split(fingerprint)[0], []).append(rank)
     if len(groups) == 1:
         (op,) = groups
+        pairs = flows.disagreements(fingerprints)
+        listed = "; ".join(pairs[: flows.MAX_NAMED]) + (
+            "; ..." if len(pairs) > flows.MAX_NAMED else ""
+        )
         what = (
-            f"the ranks' split sizes disagree at collective #{index} of this gang, "
-            f"{op}: {'; '.join(flows.disagreements(fingerprints))}"
+            f"the ranks' split sizes disagree at collective #{index} of this gang, {op}: {listed}"
         )
     else:
         sides = "; ".join(f"ranks {ranks} issued {fp}" for fp, ranks in groups.items())
