@@ -370,6 +370,28 @@ def _c10d_barrier() -> None:
 C10d = Callable[..., Awaitable[Any]]
 
 
+async def _out_of_place(
+    case: Case,
+    handle: agang.Handle[Any],
+    output: torch.Tensor | None,
+    input: torch.Tensor,
+    original: torch.Tensor,
+    c10d: C10d,
+    *compare: Any,
+) -> Record:
+    """The record of an out-of-place op: ``handle`` awaited, then what raw c10d gives
+    (``c10d(*compare)``, from clones of the inputs)."""
+    result = await handle
+    return Record(
+        case=case,
+        result=result,
+        c10d=await c10d(*compare),
+        awaited_as_documented=result is output,
+        input_unchanged=torch.equal(input, original),
+        handles=[_metadata(handle)],
+    )
+
+
 async def _all_reduce(gang: agang.Gang, case: Case, tensor: torch.Tensor, c10d: C10d) -> Record:
     assert case.reduce_op is not None
     original = tensor.clone()
@@ -389,14 +411,8 @@ async def _reduce_scatter(gang: agang.Gang, case: Case, input: torch.Tensor, c10
     original = input.clone()
     output = _blank(input[0])
     handle = gang.reduce_scatter(output, input, case.reduce_op)
-    result = await handle
-    return Record(
-        case=case,
-        result=result,
-        c10d=await c10d(_c10d_reduce_scatter, original, case.reduce_op),
-        awaited_as_documented=result is output,
-        input_unchanged=torch.equal(input, original),
-        handles=[_metadata(handle)],
+    return await _out_of_place(
+        case, handle, output, input, original, c10d, _c10d_reduce_scatter, original, case.reduce_op
     )
 
 
@@ -404,14 +420,8 @@ async def _all_gather(gang: agang.Gang, case: Case, input: torch.Tensor, c10d: C
     original = input.clone()
     output = _blank(input, (gang.size, *input.shape))
     handle = gang.all_gather(output, input)
-    result = await handle
-    return Record(
-        case=case,
-        result=result,
-        c10d=await c10d(_c10d_all_gather, original),
-        awaited_as_documented=result is output,
-        input_unchanged=torch.equal(input, original),
-        handles=[_metadata(handle)],
+    return await _out_of_place(
+        case, handle, output, input, original, c10d, _c10d_all_gather, original
     )
 
 
@@ -467,14 +477,8 @@ async def _gather(gang: agang.Gang, case: Case, input: torch.Tensor, c10d: C10d)
     original, root = input.clone(), case.source_rank
     output = _blank(input, (gang.size, *input.shape)) if gang.rank == root else None
     handle = gang.gather(output, input, root)
-    result = await handle
-    return Record(
-        case=case,
-        result=result,
-        c10d=await c10d(_c10d_gather, original, root),
-        awaited_as_documented=result is output,
-        input_unchanged=torch.equal(input, original),
-        handles=[_metadata(handle)],
+    return await _out_of_place(
+        case, handle, output, input, original, c10d, _c10d_gather, original, root
     )
 
 
@@ -484,14 +488,8 @@ async def _scatter(gang: agang.Gang, case: Case, input: torch.Tensor, c10d: C10d
     original, root = input.clone(), case.source_rank
     output = _blank(input[0])
     handle = gang.scatter(output, input if gang.rank == root else None, root)
-    result = await handle
-    return Record(
-        case=case,
-        result=result,
-        c10d=await c10d(_c10d_scatter, original, root),
-        awaited_as_documented=result is output,
-        input_unchanged=torch.equal(input, original),
-        handles=[_metadata(handle)],
+    return await _out_of_place(
+        case, handle, output, input, original, c10d, _c10d_scatter, original, root
     )
 
 
@@ -499,14 +497,8 @@ async def _all_to_all(gang: agang.Gang, case: Case, input: torch.Tensor, c10d: C
     original = input.clone()
     output = _blank(input)
     handle = gang.all_to_all(output, input)
-    result = await handle
-    return Record(
-        case=case,
-        result=result,
-        c10d=await c10d(_c10d_all_to_all, original),
-        awaited_as_documented=result is output,
-        input_unchanged=torch.equal(input, original),
-        handles=[_metadata(handle)],
+    return await _out_of_place(
+        case, handle, output, input, original, c10d, _c10d_all_to_all, original
     )
 
 
@@ -517,14 +509,8 @@ async def _all_to_all_split(
     receives, sends = receive_splits(gang.rank, gang.size), send_splits(gang.rank, gang.size)
     output = _blank(input, (sum(receives), *input.shape[1:]))
     handle = gang.all_to_all(output, input, output_split_sizes=receives, input_split_sizes=sends)
-    result = await handle
-    return Record(
-        case=case,
-        result=result,
-        c10d=await c10d(_c10d_all_to_all_split, original),
-        awaited_as_documented=result is output,
-        input_unchanged=torch.equal(input, original),
-        handles=[_metadata(handle)],
+    return await _out_of_place(
+        case, handle, output, input, original, c10d, _c10d_all_to_all_split, original
     )
 
 
@@ -534,14 +520,8 @@ async def _all_gather_split(
     original, sizes = input.clone(), gather_splits(gang.size)
     output = _blank(input, (sum(sizes), *input.shape[1:]))
     handle = gang.all_gather(output, input, output_split_sizes=sizes)
-    result = await handle
-    return Record(
-        case=case,
-        result=result,
-        c10d=await c10d(_c10d_all_gather_split, original),
-        awaited_as_documented=result is output,
-        input_unchanged=torch.equal(input, original),
-        handles=[_metadata(handle)],
+    return await _out_of_place(
+        case, handle, output, input, original, c10d, _c10d_all_gather_split, original
     )
 
 
