@@ -29,7 +29,7 @@ from agang._backends.contract import Backend
 from agang._backends.device_runtime import StreamOrder
 from agang._engine.coalescer import DEFAULT_BUCKET_BYTES, Coalesced, Coalescer, all_of, describe
 from agang._engine.engine import Engine
-from agang._engine.ops import Start
+from agang._engine.ops import Fingerprint, Start
 from agang._exchanges import ExchangeCollectives
 from agang._gang import Gang
 from agang._handle import Handle
@@ -149,7 +149,7 @@ class CollectiveGang(RootedCollectives, ExchangeCollectives, Gang):
         timeout: float | None,
         start: Start,
         *,
-        fingerprint: str | None = None,
+        fingerprint: Fingerprint | None = None,
     ) -> Handle[Any]:
         engine = self._engine
         seconds = engine.default_seconds if timeout is None else engine.resolve_timeout(timeout)
@@ -182,10 +182,7 @@ class CollectiveGang(RootedCollectives, ExchangeCollectives, Gang):
             tensor,
             seconds,
             lambda done: backend.start_all_reduce(tensor, op, done),
-            # Built only when compared: most gangs never check order.
-            fingerprint=f"all_reduce({op.name}, {describe(tensor)})"
-            if engine.checks_order
-            else None,
+            fingerprint=lambda: f"all_reduce({op.name}, {describe(tensor)})",
         )
 
     @override
@@ -261,7 +258,7 @@ class CollectiveGang(RootedCollectives, ExchangeCollectives, Gang):
             checked,
             timeout,
             lambda done: backend.start_all_gather_to_list(checked, input, done),
-            fingerprint=f"all_gather_to_list({describe(input)})",
+            fingerprint=lambda: f"all_gather_to_list({describe(input)})",
         )
 
     @override
@@ -287,7 +284,7 @@ class CollectiveGang(RootedCollectives, ExchangeCollectives, Gang):
             output,
             timeout,
             lambda done: backend.start_reduce_scatter(output, flat, op, done),
-            fingerprint=f"reduce_scatter({op.name}, {describe(input)})",
+            fingerprint=lambda: f"reduce_scatter({op.name}, {describe(input)})",
         )
 
     @override
@@ -303,7 +300,7 @@ class CollectiveGang(RootedCollectives, ExchangeCollectives, Gang):
             tensor,
             timeout,
             lambda done: backend.start_broadcast(tensor, source_rank, done),
-            fingerprint=f"broadcast(source_rank={source_rank}, {describe(tensor)})",
+            fingerprint=lambda: f"broadcast(source_rank={source_rank}, {describe(tensor)})",
         )
 
     @override

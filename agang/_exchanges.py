@@ -139,7 +139,7 @@ class ExchangeCollectives:
                 output,
                 timeout,
                 lambda done: backend.start_all_gather(flat, input, done),
-                fingerprint=f"all_gather({describe(input)})",
+                fingerprint=lambda: f"all_gather({describe(input)})",
             )
         sizes = check_split_sizes(output_split_sizes, self.size, name="output_split_sizes")
         if input.dim() == 0 or input.shape[0] != sizes[self.rank]:
@@ -155,7 +155,7 @@ class ExchangeCollectives:
             output,
             timeout,
             lambda done: backend.start_all_gather_uneven(output, input, sizes, done),
-            fingerprint=f"all_gather(output_split_sizes={sizes}, {_rows(input)})",
+            fingerprint=lambda: f"all_gather(output_split_sizes={sizes}, {_rows(input)})",
         )
 
     def all_to_all(
@@ -185,7 +185,7 @@ class ExchangeCollectives:
                 output,
                 timeout,
                 lambda done: backend.start_all_to_all(output, input, done),
-                fingerprint=f"all_to_all({describe(input)})",
+                fingerprint=lambda: f"all_to_all({describe(input)})",
             )
         input_splits = _splits(
             input_split_sizes, input, self.size, name="input_split_sizes", tensor_name="input"
@@ -213,11 +213,9 @@ class ExchangeCollectives:
                 output_split_sizes=output_splits,
                 input_split_sizes=input_splits,
             ),
-            fingerprint=flows.with_flows(
+            fingerprint=lambda: flows.with_flows(
                 f"all_to_all(split, {_rows(input)})", input_splits, output_splits
-            )
-            if self.policy.check_order
-            else None,
+            ),
         )
 
     def exchange(

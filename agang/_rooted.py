@@ -21,9 +21,8 @@ import torch
 
 from agang._backends.contract import Backend
 from agang._engine.coalescer import describe
-from agang._engine.ops import Start
+from agang._engine.ops import Fingerprint, Start
 from agang._handle import Handle
-from agang._policy import GangPolicy
 from agang._reduce_op import ReduceOp
 from agang._validate import (
     check_rank,
@@ -53,9 +52,6 @@ class IssuingGang(Protocol):
     @property
     def size(self) -> int: ...
 
-    @property
-    def policy(self) -> GangPolicy: ...
-
     def _check_tensor(self, tensor: object, name: str) -> torch.Tensor:
         """``tensor``, checked for this gang's device and backend."""
 
@@ -67,7 +63,7 @@ class IssuingGang(Protocol):
         timeout: float | None,
         start: Start,
         *,
-        fingerprint: str | None = None,
+        fingerprint: Fingerprint | None = None,
     ) -> Handle[Any]:
         """Issues one backend op whose handle finishes with ``output``."""
 
@@ -112,8 +108,9 @@ class RootedCollectives:
             tensor,
             timeout,
             lambda done: backend.start_reduce(tensor, destination_rank, op, done),
-            fingerprint=f"reduce({op.name}, destination_rank={destination_rank}, "
-            f"{describe(tensor)})",
+            fingerprint=lambda: (
+                f"reduce({op.name}, destination_rank={destination_rank}, {describe(tensor)})"
+            ),
         )
 
     def gather(
@@ -137,7 +134,7 @@ class RootedCollectives:
             output,
             timeout,
             lambda done: backend.start_gather(outputs, input, destination_rank, done),
-            fingerprint=f"gather(destination_rank={destination_rank}, {describe(input)})",
+            fingerprint=lambda: f"gather(destination_rank={destination_rank}, {describe(input)})",
         )
 
     def scatter(
@@ -161,5 +158,5 @@ class RootedCollectives:
             output,
             timeout,
             lambda done: backend.start_scatter(output, inputs, source_rank, done),
-            fingerprint=f"scatter(source_rank={source_rank}, {describe(output)})",
+            fingerprint=lambda: f"scatter(source_rank={source_rank}, {describe(output)})",
         )

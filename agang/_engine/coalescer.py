@@ -279,7 +279,9 @@ class Coalescer:
         def start(done: Done) -> None:
             start_all_reduce(flat, op, done, post)
 
-        engine.admit(handle, start, done, fingerprint=f"all_reduce({op.name}, {describe(flat)})")
+        engine.admit(
+            handle, start, done, fingerprint=lambda: f"all_reduce({op.name}, {describe(flat)})"
+        )
         return handle
 
     def all_reduce_bucketed(

@@ -70,7 +70,7 @@ from agang._blame import Progress, State
 from agang._engine import busy, deadline, ending, reports
 from agang._engine.call_site import call_site
 from agang._engine.expiry import Expiry
-from agang._engine.ops import OpEnd, SecondPhase, Start, start_guarded
+from agang._engine.ops import Fingerprint, OpEnd, SecondPhase, Start, start_guarded
 from agang._engine.room import Room
 from agang._engine.scheduler import Entry, Scheduler
 from agang._errors import (
@@ -189,7 +189,7 @@ class Engine:
         seconds: float | None,
         start: Start,
         *,
-        fingerprint: str | None = None,
+        fingerprint: Fingerprint | None = None,
     ) -> Handle[Any]:
         """Numbers, admits and (room permitting) starts one backend op; its handle
         finishes with ``output``.
@@ -288,7 +288,7 @@ class Engine:
         start: Start,
         done: Done,
         *,
-        fingerprint: str | None = None,
+        fingerprint: Fingerprint | None = None,
         holds_gate: bool = False,
     ) -> None:
         """Hands a numbered op to the core and starts what may start (rules 2 and 8).
@@ -307,7 +307,7 @@ class Engine:
         start: Start,
         done: Done,
         due: float | None,
-        fingerprint: str | None,
+        fingerprint: Fingerprint | None,
         holds_gate: bool,
     ) -> None:
         """:meth:`admit` once the lock is taken, but for the deadline's arming."""
@@ -326,11 +326,12 @@ class Engine:
         self._scheduler.admit(entry)
         if checked:
             assert fingerprint is not None
+            text = fingerprint if isinstance(fingerprint, str) else fingerprint()
             if self.policy.check_order == "call_site":
-                fingerprint = flows.at_call_site(fingerprint, call_site())
+                text = flows.at_call_site(text, call_site())
             index = entry.check_index = self._next_check
             self._next_check += 1
-            self._check_order(entry, index, fingerprint)
+            self._check_order(entry, index, text)
         self._drain()
 
     def _drain(self) -> None:
@@ -372,7 +373,7 @@ class Engine:
         first: Start,
         second: SecondPhase,
         *,
-        fingerprint: str,
+        fingerprint: Fingerprint,
     ) -> Handle[Any]:
         """Issues an op whose second step depends on the first one's result (rule 9)."""
         handle, _ = self.new_handle(op, seconds, [], num_bytes)

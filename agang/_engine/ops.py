@@ -20,6 +20,9 @@ if TYPE_CHECKING:
 Start = Callable[[Done], None]
 #: The second phase of a two-phase op: given a way to start its backend op, with the
 #: function that turns the op's buffers into the handle's value.
+#: An op's order-check fingerprint, or what makes it: made only where it is compared,
+#: since most gangs never check order and describing tensors costs on every op.
+Fingerprint = str | Callable[[], str]
 SecondPhase = Callable[[Callable[[Start, Callable[[], Any]], None]], None]
 
 
