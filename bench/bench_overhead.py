@@ -24,6 +24,9 @@ Method:
     ``floor+yield`` (asyncio, uvloop) is the floor then ``await asyncio.sleep(0)``: one
     pass of the loop, the least an ``await`` that always yields (a checkpoint, as an
     agang handle's does) can cost; trio's floor yields already.
+    ``await broadcast`` is ``await gang.broadcast(t, 0)``: the whole op for a collective
+    that takes the general issue path (every collective but ``all_reduce``, whose path is
+    inline), against the same floor.
     ``.wait()`` (``gang.all_reduce(t).wait()``) runs on a plain thread (loop "sync"),
     against the in-place op alone. The engine's parts are also timed alone, calling
     the real internal functions (``parts``): what each step of issuing costs.
@@ -77,6 +80,8 @@ STAGES = ("floor", "+validation", "+backend", "+issue", "await")
 # always yields (a checkpoint, as agang's does) costs at least.
 YIELD = "floor+yield"
 LOOPS = ("asyncio", "uvloop", "trio")
+# Not a step of the path either: the whole op for a collective on the general issue path.
+BROADCAST = "await broadcast"
 
 # A stage: given the gang, the tensor and a count, runs that many ops and returns the
 # nanoseconds they took together.
@@ -157,6 +162,13 @@ async def _await(gang: agang.FakeGang, tensor: torch.Tensor, count: int) -> int:
     return time.perf_counter_ns() - start
 
 
+async def _await_broadcast(gang: agang.FakeGang, tensor: torch.Tensor, count: int) -> int:
+    start = time.perf_counter_ns()
+    for _ in range(count):
+        await gang.broadcast(tensor, 0)
+    return time.perf_counter_ns() - start
+
+
 # The same on trio, whose one-shot is an Event.
 
 
@@ -218,10 +230,18 @@ ASYNCIO_STAGES: dict[str, Stage] = {
         )
     ),
     YIELD: _yield_asyncio,
+    BROADCAST: _await_broadcast,
 }
-TRIO_STAGES: dict[str, Stage] = dict(
-    zip(STAGES, (_floor_trio, _validation_trio, _backend_trio, _issue_trio, _await), strict=True)
-)
+TRIO_STAGES: dict[str, Stage] = {
+    **dict(
+        zip(
+            STAGES,
+            (_floor_trio, _validation_trio, _backend_trio, _issue_trio, _await),
+            strict=True,
+        )
+    ),
+    BROADCAST: _await_broadcast,
+}
 
 
 # A plain thread: .wait() against the in-place op alone.
@@ -319,7 +339,7 @@ def summarize(figures: Figures) -> list[Row]:
         medians = {name: statistics.median(values) / 1000 for name, values in stages.items()}
         floor = medians["floor"]
         previous = floor
-        order = [name for name in (*STAGES, ".wait()", YIELD) if name in stages]
+        order = [name for name in (*STAGES, ".wait()", YIELD, BROADCAST) if name in stages]
         for name in order:
             values = stages[name]
             median = medians[name]
@@ -331,10 +351,11 @@ def summarize(figures: Figures) -> list[Row]:
                     p10_us=_common.percentile(values, 10) / 1000,
                     p90_us=_common.percentile(values, 90) / 1000,
                     above_floor_us=median - floor,
-                    step_us=median - (floor if name == YIELD else previous),
+                    step_us=median - (floor if name in (YIELD, BROADCAST) else previous),
                 )
             )
-            previous = median
+            if name not in (YIELD, BROADCAST):
+                previous = median
     return rows
 
 
