@@ -6,7 +6,9 @@ Example:
     >>> total = await gang.all_reduce(torch.ones(1))
 """
 
-from agang._elastic_gang import ElasticGang as ElasticGang
+from agang._backends.c10d.retry import RetryPolicy as RetryPolicy
+from agang._collective.fake_gang import FakeGang as FakeGang
+from agang._collective.process_group_gang import ProcessGroupGang as ProcessGroupGang
 from agang._engine.coalescer import Coalesced as Coalesced
 from agang._errors import CollectiveError as CollectiveError
 from agang._errors import CollectiveMismatchError as CollectiveMismatchError
@@ -19,25 +21,23 @@ from agang._errors import GangInitError as GangInitError
 from agang._errors import GangTimeoutError as GangTimeoutError
 from agang._errors import OpContext as OpContext
 from agang._errors import TensorBusyError as TensorBusyError
-from agang._fake_gang import FakeGang as FakeGang
 from agang._gang import Gang as Gang
-from agang._gangs import Gangs as Gangs
-from agang._gangs import all_sum as all_sum
-from agang._gangs import broadcast_flag as broadcast_flag
-from agang._gangs import current_gangs as current_gangs
 from agang._gradient_sync import GradientSync as GradientSync
 from agang._gradient_sync import StepTimes as StepTimes
 from agang._handle import Handle as Handle
-from agang._parallel_gangs import create_fsdp_gangs as create_fsdp_gangs
-from agang._parallel_gangs import create_parallel_gangs as create_parallel_gangs
+from agang._parallel.gangs import Gangs as Gangs
+from agang._parallel.gangs import all_sum as all_sum
+from agang._parallel.gangs import broadcast_flag as broadcast_flag
+from agang._parallel.gangs import current_gangs as current_gangs
+from agang._parallel.layout import create_fsdp_gangs as create_fsdp_gangs
+from agang._parallel.layout import create_parallel_gangs as create_parallel_gangs
 from agang._policy import InFlightLimits as InFlightLimits
-from agang._process_group_gang import ProcessGroupGang as ProcessGroupGang
 from agang._reduce_op import ReduceOp as ReduceOp
 from agang._setup.elastic import Elastic as Elastic
+from agang._setup.elastic_gang import ElasticGang as ElasticGang
 from agang._setup.env import WorldInfo as WorldInfo
 from agang._setup.init import init as init
 from agang._setup.init import init_sync as init_sync
-from agang._setup.retry import RetryPolicy as RetryPolicy
 from agang._statistics import GangStatistics as GangStatistics
 from agang._statistics import Quantiles as Quantiles
 

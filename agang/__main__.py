@@ -12,10 +12,10 @@ import os
 import sys
 from collections.abc import Sequence
 
-from agang._doctor.diagnose import diagnose
-from agang._doctor.findings import has_problems, render, render_json
-from agang._doctor.host import probe_host_facts
-from agang._doctor.network import SocketProbe
+from agang._cli.doctor.diagnose import diagnose
+from agang._cli.doctor.findings import has_problems, render, render_json
+from agang._cli.doctor.host import probe_host_facts
+from agang._cli.doctor.network import SocketProbe
 
 
 def _seconds(text: str) -> float:
@@ -110,14 +110,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     arguments = parser.parse_args(argv)
     if arguments.command == "store":
-        from agang._store_server import StoreUsageError, serve_store
+        from agang._cli.store import StoreUsageError, serve_store
 
         try:
             return serve_store(arguments.host, arguments.port, quiet=arguments.quiet)
         except StoreUsageError as error:
             parser.exit(2, f"agang store: error: {error}\n")
     if arguments.command == "selfcheck":
-        from agang._selfcheck.run import selfcheck  # imports torch.cuda paths only here
+        from agang._cli.selfcheck.run import selfcheck  # imports torch.cuda paths only here
 
         return selfcheck(simulate=arguments.simulate, out=sys.stdout, verbose=arguments.verbose)
     findings = diagnose(os.environ, probe_host_facts(), SocketProbe(timeout=arguments.timeout))

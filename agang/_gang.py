@@ -19,12 +19,12 @@ from typing import Any, Literal, overload
 
 import torch
 
+from agang._collective.serialize import Serializer
 from agang._engine.coalescer import Coalesced
 from agang._errors import GangError
 from agang._gang_exchanges import GangExchanges
 from agang._handle import Handle
 from agang._reduce_op import ReduceOp
-from agang._serialize import Serializer
 from agang._statistics import GangStatistics
 
 

@@ -53,14 +53,14 @@ from typing import Any, final
 
 import torch
 
-from agang._backends.device_runtime import DeviceEvent, StreamOrder
-from agang._collective_gang import CollectiveGang
+from agang._backends.cuda.runtime import DeviceEvent, StreamOrder
+from agang._collective.gang import CollectiveGang
 from agang._engine.coalescer import all_of
 from agang._engine.grouping import flatten, unflatten_into
-from agang._future import Future
 from agang._gang import Gang
 from agang._handle import Handle
 from agang._reduce_op import ReduceOp
+from agang._runtime.future import Future
 from agang._validate import check_positive_int, check_rank, check_reduce_op, check_timeout
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024

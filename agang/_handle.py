@@ -1,7 +1,7 @@
 """The handle a collective returns: issued already, complete when awaited.
 
 A handle is one op as the user issued it: an all-reduce, a broadcast, a whole
-``all_reduce_bucketed`` call. It is a :class:`~agang._future.Future` (finished once, by
+``all_reduce_bucketed`` call. It is a :class:`~agang._runtime.future.Future` (finished once, by
 any thread; waiting never changes the op) with the op's metadata, and it tells the
 engine that issued it (its *owner*) when a waiter starts and when one resumes.
 """
@@ -13,9 +13,9 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol, TypeVar, final
 
-from agang import _wakeup
-from agang._future import _DONE, _PENDING, Future
 from agang._policy import GangPolicy
+from agang._runtime import brief_wait as _wakeup
+from agang._runtime.future import _DONE, _PENDING, Future
 from agang._validate import check_timeout
 
 T = TypeVar("T")
@@ -125,7 +125,7 @@ class Handle(Future[T]):
             owner.waiting()
             if brief:
                 # Only timing changes: a finished handle takes the path below that an
-                # already finished one takes (``agang._wakeup``, rule 4).
+                # already finished one takes (``agang._runtime.brief_wait``, rule 4).
                 _wakeup.block_briefly(self, self.num_bytes, self.issued_at)
         if await _wakeup.wait_async(self) and self._finished_at is not None:
             owner.resumed(time.monotonic() - self._finished_at)

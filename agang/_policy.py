@@ -17,7 +17,7 @@ OnTimeout = Literal["abort", "raise"]
 #: Order checking: off, on, or on with each op's call site in its fingerprint.
 CheckOrder = bool | Literal["call_site"]
 #: How an ``await`` of a pending op waits: parked until the completion wakes the loop,
-#: or first blocking the loop's thread briefly for a small op (``agang._wakeup``).
+#: or first blocking the loop's thread briefly for a small op (``agang._runtime.brief_wait``).
 WaitMode = Literal["park", "block_briefly"]
 
 _WHEN_FULL = ("queue", "raise", "block")

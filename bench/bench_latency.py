@@ -24,7 +24,7 @@ Method:
     The agang modes run each batch in a fresh ``anyio.run``; only the ops are timed,
     from the call to the end of the ``await``, so loop start-up is not counted. Each
     loop runs twice: with the default ``wait_mode="park"`` and, suffixed ``brief``, with
-    ``"block_briefly"`` (``agang._wakeup``). ``agang wait()`` blocks a plain thread in
+    ``"block_briefly"`` (``agang._runtime.brief_wait``). ``agang wait()`` blocks a plain thread in
     ``Handle.wait()``: agang's issue and completion with no loop to wake, the least any
     way of waking a loop could cost on top of agang. ``c10d cb+wait`` is raw c10d with a
     no-op Python callback on the Work's future before a blocking wait: what learning of

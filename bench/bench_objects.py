@@ -45,7 +45,7 @@ import torch.distributed as dist
 from _common import format_bytes, format_seconds, send_result
 
 import agang
-from agang._serialize import decode, encode
+from agang._collective.serialize import decode, encode
 
 MODES = ("c10d", "agang pickle", "agang safe")
 OPS = ("broadcast", "all_gather")

@@ -1,4 +1,4 @@
-"""Aborting a Gloo group ends its running work (``agang._backends.c10d_abort``), on real Gloo ranks.
+"""Aborting a Gloo group ends its running work (``agang._backends.c10d.abort``), on real Gloo ranks.
 
 One world of two ranks, each part on a lane of its own so that an abort breaks only
 that lane. Bounds keep a 10x margin: an abort ends work in milliseconds, while work
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import agang
-from agang._backends.c10d_abort import abort_group
+from agang._backends.c10d.abort import abort_group
 from agang.testing import run_world
 
 pytestmark = pytest.mark.gloo

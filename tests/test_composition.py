@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import agang
-from agang._collective_gang import CollectiveGang
+from agang._collective.gang import CollectiveGang
 from agang.testing import FakeWorld, FakeWorldGang, run_world
 
 

@@ -37,7 +37,7 @@ from conformance_program import (
 
 import agang
 from agang import ReduceOp
-from agang._serialize import encode
+from agang._collective.serialize import encode
 from agang.testing import FakeWorld, run_world
 
 SIZES = (2, 3, 4)

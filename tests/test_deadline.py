@@ -1,4 +1,4 @@
-"""The deadline driver (``agang._engine.deadline``): one pending check per gang, never lost.
+"""The deadline driver (``agang._engine.deadlines``): one pending check per gang, never lost.
 
 On FakeWorld: a rank that does not issue plays a peer that never comes, so an op of
 the other rank can only end by its deadline. Bounds keep a 10x margin.
@@ -17,7 +17,7 @@ import torch
 import trio
 
 import agang
-from agang._engine import deadline as _deadline
+from agang._engine import deadlines as _deadline
 from agang.testing import FakeWorld
 
 TIMEOUT = 0.3

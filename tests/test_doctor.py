@@ -20,11 +20,11 @@ import pytest
 from netutil import free_port
 
 from agang.__main__ import main
-from agang._doctor.diagnose import diagnose
-from agang._doctor.findings import Finding, Status, has_problems, render, render_json
-from agang._doctor.host import HostFacts, probe_host_facts
-from agang._doctor.links import LinkState
-from agang._doctor.network import SocketProbe
+from agang._cli.doctor.diagnose import diagnose
+from agang._cli.doctor.findings import Finding, Status, has_problems, render, render_json
+from agang._cli.doctor.host import HostFacts, probe_host_facts
+from agang._cli.doctor.links import LinkState
+from agang._cli.doctor.network import SocketProbe
 from agang._setup.interface import Choice
 
 CPU_HOST = HostFacts(
@@ -606,7 +606,7 @@ def test_no_interface_found_is_a_warning_and_a_users_choice_is_kept() -> None:
     assert finding.seen == "Set by you: GLOO_SOCKET_IFNAME=ib0."
 
 
-# The state of the interface toward MASTER_ADDR (agang._doctor.links); across real
+# The state of the interface toward MASTER_ADDR (agang._cli.doctor.links); across real
 # nodes in tests/test_doctor_nodes.py.
 
 ETH0_UP = LinkState("eth0", up=True, carrier=True, networks=("10.0.0.5/24",))

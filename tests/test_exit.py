@@ -1,4 +1,4 @@
-"""A process using agang exits cleanly however its threads are busy (``agang._exit``).
+"""A process using agang exits cleanly however its threads are busy (``agang._runtime.exit``).
 
 Each case is a small program run as a subprocess; several copies run at once, which
 loads the machine the way that made the races show. Before ``_exit`` quiesced agang's

@@ -1,4 +1,4 @@
-"""The split-size check's arithmetic (``agang._flows``): balances cancel exactly when
+"""The split-size check's arithmetic (``agang._backends.fingerprint``): balances cancel exactly when
 every pair of ranks agrees, and the report names each pair that does not."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agang import _flows as flows
+from agang._backends import fingerprint as flows
 
 OP = "all_to_all(split, float32[*, 4])"
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import agang
-from agang._parallel_gangs import hybrid_groups, parallel_groups
+from agang._parallel.layout import hybrid_groups, parallel_groups
 from agang.testing import FakeWorld, run_world
 
 pytestmark = pytest.mark.anyio

@@ -19,10 +19,10 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
+from agang._backends.c10d.retry import is_address_in_use
 from agang._setup.env import WorldInfo
 from agang._setup.interface import Link, apply_interface, choose_interface, disagreement, own_link
 from agang._setup.rendezvous import _host, check_in, listen_on
-from agang._setup.retry import is_address_in_use
 
 TABLE = {"lo": ["127.0.0.1", "::1"], "eth0": ["10.0.0.5"], "ib0": ["192.168.7.5"]}
 

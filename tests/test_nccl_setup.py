@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 import agang
-from agang._backends import c10d_children
+from agang._backends.c10d import children as c10d_children
 from agang._setup.device import resolve_device
 from agang._setup.process import prepare_process
 
@@ -169,7 +169,7 @@ class _TimedGroup:
 def test_l2_an_op_without_a_deadline_lifts_c10ds_timeout_out_of_reach() -> None:
     import math
 
-    from agang._backends.c10d import C10dBackend
+    from agang._backends.c10d.backend import C10dBackend
     from agang._engine.engine import Engine
     from agang._policy import make_policy
 
@@ -190,8 +190,8 @@ def test_l2_an_op_without_a_deadline_lifts_c10ds_timeout_out_of_reach() -> None:
 
 
 def test_l2_doctor_warns_when_the_monitor_can_kill_the_process() -> None:
-    from agang._doctor.findings import Status
-    from agang._doctor.host import HostFacts, backend_findings
+    from agang._cli.doctor.findings import Status
+    from agang._cli.doctor.host import HostFacts, backend_findings
 
     gpu = HostFacts("2.11.0", True, True, True, True, 1, "12.8", "2.27.3", 8)
     findings = {f.check: f for f in backend_findings({"TORCH_NCCL_ENABLE_MONITORING": "1"}, gpu)}

@@ -231,7 +231,7 @@ def test_the_torch_runtime_reads_the_work_error_and_the_communicator_state() -> 
     # C1 on the production runtime: the check after the event, without a GPU.
     from torch._C._distributed_c10d import ErrorType
 
-    from agang._backends.device_runtime import TorchCudaRuntime
+    from agang._backends.cuda.runtime import TorchCudaRuntime
 
     runtime, device = TorchCudaRuntime(), torch.device("cpu")
     failure = RuntimeError("NCCL error")
@@ -267,7 +267,7 @@ def test_a_work_whose_exception_cannot_be_read_is_not_a_failure() -> None:
     # reading Work.exception() raised TypeError for successful ops too.
     from torch._C._distributed_c10d import ErrorType
 
-    from agang._backends.device_runtime import TorchCudaRuntime
+    from agang._backends.cuda.runtime import TorchCudaRuntime
 
     runtime, device = TorchCudaRuntime(), torch.device("cpu")
     ok, pending = _UnreadableWork(0), _UnreadableWork(None)
@@ -291,7 +291,7 @@ def test_the_torch_runtime_reads_a_real_c10d_work() -> None:
     # A Gloo Work of this torch: readable exception, no result future (c10d raises).
     import torch.distributed as dist
 
-    from agang._backends.device_runtime import TorchCudaRuntime
+    from agang._backends.cuda.runtime import TorchCudaRuntime
 
     store = dist.HashStore()
     group = dist.ProcessGroupGloo(store, 0, 1)

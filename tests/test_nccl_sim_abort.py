@@ -20,8 +20,8 @@ import pytest
 import torch
 
 import agang
-from agang import _collective_gang
-from agang._selfcheck.checks import max_loop_lag
+from agang._cli.selfcheck.checks import max_loop_lag
+from agang._collective import gang as _collective_gang
 from agang.testing import SimulatedNccl
 
 pytestmark = pytest.mark.anyio

@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from agang import GradientSync, ProcessGroupGang
-from agang._backends.cuda_streams import PrivateStreams
-from agang._backends.device_runtime import TorchCudaRuntime
+from agang._backends.cuda.runtime import TorchCudaRuntime
+from agang._backends.cuda.streams import PrivateStreams
 from agang.testing import SimulatedNccl
 
 BOUND = 30.0  # seconds: no test may hang longer

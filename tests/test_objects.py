@@ -19,8 +19,8 @@ import anyio
 import pytest
 
 import agang
-from agang._objects import BROADCAST_SLOT
-from agang._serialize import MAX_DEPTH, decode, encode
+from agang._collective.objects import BROADCAST_SLOT
+from agang._collective.serialize import MAX_DEPTH, decode, encode
 from agang.testing import FakeWorld, run_world
 
 pytestmark = pytest.mark.anyio

@@ -700,7 +700,7 @@ def test_c3_gloo_unchecked_every_process_survives(gloo_unchecked_c3: World) -> N
 @pytest.mark.gloo
 def test_c1_gloo_unchecked_processes_exit_cleanly(gloo_unchecked: World) -> None:
     """The ops C1 leaves stuck inside Gloo end when the broken gang aborts its group
-    (``agang._backends.c10d_abort``), so both ranks exit with code 0; before, that work
+    (``agang._backends.c10d.abort``), so both ranks exit with code 0; before, that work
     failed into a Python callback during interpreter finalization (SIGSEGV) or Gloo terminated."""
     _, failures = gloo_unchecked
 

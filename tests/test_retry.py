@@ -16,10 +16,7 @@ import torch.distributed as dist
 from netutil import free_port
 
 import agang
-from agang._policy import make_policy
-from agang._setup import rendezvous
-from agang._setup.init import _Plan
-from agang._setup.retry import (
+from agang._backends.c10d.retry import (
     PortInUseError,
     RetryPolicy,
     TransientSetupError,
@@ -29,6 +26,9 @@ from agang._setup.retry import (
     retrying,
     transient_from_c10d,
 )
+from agang._policy import make_policy
+from agang._setup import rendezvous
+from agang._setup.init import _Plan
 
 WORLD = agang.WorldInfo(
     rank=1, world_size=2, local_rank=1, master_addr="127.0.0.1", master_port=29999

@@ -485,7 +485,7 @@ def test_b7_close_wakes_pending_waiters_at_once_and_exits_cleanly(
 def test_b7_close_returns_within_a_second(close_world: list[dict[str, Any]]) -> None:
     """``close`` returns within 1 s (the promised bound) on both ranks, although rank 0's
     peer stays alive and silent until rank 0 has exited. Tens of ms are expected: close
-    aborts the Gloo group (``agang._backends.c10d_abort``), whose destructor otherwise
+    aborts the Gloo group (``agang._backends.c10d.abort``), whose destructor otherwise
     waited for the running work until the peer's connections closed (5 s, close's own bound)."""
     assert [report["close_took"] < 1.0 for report in close_world] == [True, True]
 

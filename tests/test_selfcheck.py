@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from agang._selfcheck.checks import CHECKS, run_checks
-from agang._selfcheck.harness import Harness, SimulatedHarness
-from agang._selfcheck.report import Result, Row, merge, passed, render
+from agang._cli.selfcheck.checks import CHECKS, run_checks
+from agang._cli.selfcheck.harness import Harness, SimulatedHarness
+from agang._cli.selfcheck.report import Result, Row, merge, passed, render
 
 
 def test_selfcheck_without_a_gpu_runs_the_simulation_and_passes() -> None:

@@ -1,4 +1,4 @@
-"""Waking a waiter, and ``wait_mode="block_briefly"`` (``agang._wakeup``).
+"""Waking a waiter, and ``wait_mode="block_briefly"`` (``agang._runtime.brief_wait``).
 
 The rules of the brief block are tested on plain futures with the window made long
 (seconds) or tiny, so that no test depends on how fast this machine is; what it changes
@@ -18,9 +18,9 @@ import pytest
 import torch
 
 import agang
-from agang import _wakeup
-from agang._future import Future
 from agang._policy import WAIT_MODE_ENV, make_policy
+from agang._runtime import brief_wait as _wakeup
+from agang._runtime.future import Future
 from agang.testing import FakeWorld, run_world
 
 pytestmark = pytest.mark.anyio

@@ -1,11 +1,11 @@
 """The backend contract: everything a gang needs from a communicator, in one place.
 
-A gang (``agang._collective_gang.CollectiveGang``) validates the user's call, and its
+A gang (``agang._collective.gang.CollectiveGang``) validates the user's call, and its
 engine (``agang._engine.engine``) numbers the op, admits it under the in-flight bounds,
 arms its deadline and hands it to the backend with one of the ``start_*`` methods below.
 The backend only moves bytes and reports the end. c10d (``c10d.C10dBackend``: Gloo and
 NCCL), the in-process ``fake.FakeBackend`` and the simulated world of
-``agang.testing._world_backend.FakeWorldBackend`` implement it; a new transport (a simulated NCCL, a
+``agang.testing._world.backend.FakeWorldBackend`` implement it; a new transport (a simulated NCCL, a
 subprocess-isolated group, torch's newer communicators) implements it too, and nothing
 else in agang changes.
 
@@ -85,7 +85,7 @@ from typing import Protocol
 
 import torch
 
-from agang._backends.device_runtime import StreamOrder
+from agang._backends.cuda.runtime import StreamOrder
 from agang._blame import Progress
 from agang._reduce_op import ReduceOp
 

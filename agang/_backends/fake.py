@@ -15,7 +15,7 @@ from typing import final
 import torch
 
 from agang._backends.contract import Blamed, Checked, Done, ProgressOf
-from agang._backends.device_runtime import StreamOrder
+from agang._backends.cuda.runtime import StreamOrder
 from agang._errors import GangError
 from agang._reduce_op import ReduceOp
 

@@ -11,8 +11,8 @@ A ``CollectiveGang`` is made of parts, each holding the next, with one-way calls
 ``ProcessGroupGang``, ``FakeGang`` and ``testing.FakeWorldGang`` are this class over
 their backend. Sub-gangs and lanes are made here, once, from the backend's children.
 Only collectives are order-checked (fingerprint: op, shapes, dtypes, reduce op, root).
-The rooted collectives (reduce, gather, scatter) are the mixin ``agang._rooted``'s;
-all_gather, all_to_all and exchange (whose blocks may be uneven) ``agang._exchanges``'s.
+The rooted collectives (reduce, gather, scatter) are the mixin ``agang._collective.rooted``'s;
+all_gather, all_to_all and exchange (whose blocks may be uneven) ``agang._collective.uneven``'s.
 """
 
 from __future__ import annotations
@@ -24,21 +24,21 @@ from typing import Any, Literal, Self, overload
 import torch
 from typing_extensions import override
 
-from agang import _objects
 from agang._backends.contract import Backend
-from agang._backends.device_runtime import StreamOrder
+from agang._backends.cuda.runtime import StreamOrder
+from agang._collective import objects as _objects
+from agang._collective.lanes import Lanes
+from agang._collective.rooted import RootedCollectives
+from agang._collective.serialize import Serializer
+from agang._collective.uneven import ExchangeCollectives
 from agang._engine.coalescer import DEFAULT_BUCKET_BYTES, Coalesced, Coalescer, all_of, describe
 from agang._engine.engine import Engine
 from agang._engine.ops import Fingerprint, Start
-from agang._exchanges import ExchangeCollectives
 from agang._gang import Gang
 from agang._handle import Handle
-from agang._lanes import Lanes
-from agang._offload import run_all, run_blocking
 from agang._policy import GangPolicy
 from agang._reduce_op import ReduceOp
-from agang._rooted import RootedCollectives
-from agang._serialize import Serializer
+from agang._runtime.threads import run_all, run_blocking
 from agang._statistics import GangStatistics
 from agang._validate import (
     check_bool,

@@ -11,7 +11,7 @@ import threading
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
-from agang._future import Future
+from agang._runtime.future import Future
 
 if TYPE_CHECKING:
     from agang._gang import Gang

@@ -6,7 +6,7 @@ are read on the host, so both ask the backend for host-readable results (``to_ho
 
 Rules:
 1. *Decoding runs on the caller's thread.* The second phase ends with a
-   :class:`~agang._future.Deferred` value: the received bytes are decoded when the
+   :class:`~agang._runtime.future.Deferred` value: the received bytes are decoded when the
    handle's result is taken, never on c10d's threads, each rank's row from a zero-copy
    view of the received tensor.
 2. *Small payloads need one phase.* The first phase sends a fixed slot per rank: the
@@ -30,11 +30,11 @@ from typing import Any, NamedTuple
 import torch
 
 from agang._backends.contract import Backend
+from agang._collective.serialize import Serializer, check_serializer, decode, encode
 from agang._engine.engine import Engine
 from agang._engine.ops import SecondPhase, Start
-from agang._future import Deferred
 from agang._handle import Handle
-from agang._serialize import Serializer, check_serializer, decode, encode
+from agang._runtime.future import Deferred
 
 #: The first phase's length of a rank that could not encode its objects (rule 3).
 REFUSED = -1

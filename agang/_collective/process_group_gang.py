@@ -1,6 +1,6 @@
 """The gang over a c10d process group (Gloo on CPU, NCCL on CUDA), made by ``agang.init``.
 
-The c10d work is its backend's (``agang._backends.c10d``). A process group still alive
+The c10d work is its backend's (``agang._backends.c10d.backend``). A process group still alive
 at interpreter exit can abort the process ("terminate called without an active
 exception", seen with raw c10d too once future callbacks were used), so the world gangs
 still open are closed at exit (``_exit``, within its bound): their running work is
@@ -11,7 +11,7 @@ dropped without closing must still be closed at exit.
 One world gang is open at a time: ``init`` refuses a second one while it is
 (``check_no_open_world``), as does the registration here, which two inits racing each
 other would otherwise pass both. A forked child forgets the parent's open world gangs
-(``agang._fork``).
+(``agang._runtime.fork``).
 """
 
 from __future__ import annotations
@@ -22,12 +22,12 @@ import threading
 import torch
 import torch.distributed as dist
 
-from agang import _exit
-from agang._backends.c10d import C10dBackend
-from agang._backends.c10d_fork import disown_groups
-from agang._collective_gang import CollectiveGang
+from agang._backends.c10d.backend import C10dBackend
+from agang._backends.c10d.fork import disown_groups
+from agang._collective.gang import CollectiveGang
 from agang._errors import GangClosedError, GangInitError
 from agang._policy import GangPolicy
+from agang._runtime import exit as _exit
 
 _open_world_gangs: list[ProcessGroupGang] = []
 _registry_lock = threading.Lock()

@@ -41,7 +41,7 @@ def blocks(tensor: torch.Tensor, size: int, part: Sequence[int]) -> list[torch.T
 
 
 class IssuingGang(Protocol):
-    """What the collective mixins (this one and ``agang._exchanges``'s) use of
+    """What the collective mixins (this one and ``agang._collective.uneven``'s) use of
     ``CollectiveGang``: its ranks, backend and issue path."""
 
     _backend: Backend

@@ -9,7 +9,7 @@ of ranks agreeing on the rows between them, is the caller's to keep (see
 ``Gang.all_to_all``), or the order check's where it is on: the fingerprint of an uneven
 all_to_all names the dtype and the shape past the first dimension on its first line,
 and this rank's sizes on a second, which the check compares pair by pair
-(``agang._flows``), so sizes that disagree fail the op on every rank before any row
+(``agang._backends.fingerprint``), so sizes that disagree fail the op on every rank before any row
 moves. An uneven all_gather's sizes are equal on every rank, so its fingerprint names
 them. exchange is not order-checked, as send and recv are not.
 """
@@ -20,11 +20,11 @@ from collections.abc import Sequence
 
 import torch
 
-from agang import _flows as flows
+from agang._backends import fingerprint as flows
+from agang._collective.rooted import IssuingGang
 from agang._engine.coalescer import describe
 from agang._gang_exchanges import Transfer
 from agang._handle import Handle
-from agang._rooted import IssuingGang
 from agang._validate import (
     check_rank,
     check_rows,
@@ -114,7 +114,7 @@ def _check_apart(sends: list[Transfer], recvs: list[Transfer]) -> None:
 
 class ExchangeCollectives:
     """``all_gather``, ``all_to_all`` and ``exchange`` of :class:`agang.Gang`, for
-    ``CollectiveGang`` (a plain mixin, as ``agang._rooted``'s); their documentation is
+    ``CollectiveGang`` (a plain mixin, as ``agang._collective.rooted``'s); their documentation is
     the Gang's."""
 
     def all_gather(

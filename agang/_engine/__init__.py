@@ -5,7 +5,7 @@
 - :mod:`agang._engine.scheduler`: the pure core: in flight, may start, late.
 - :mod:`agang._engine.room`: refusing, blocking and awaiting room under the bounds.
 - :mod:`agang._engine.busy`: which memory an unfinished op still uses.
-- :mod:`agang._engine.deadline`: where and when a gang's one deadline check runs.
+- :mod:`agang._engine.deadlines`: where and when a gang's one deadline check runs.
 - :mod:`agang._engine.coalescer` and :mod:`agang._engine.grouping`: ``coalesce()``
   scopes, flat ops and buckets, grouped by program order only.
 - :mod:`agang._engine.reports`: the errors a timeout or a mismatch reports.

@@ -16,7 +16,6 @@ from typing import Any, final
 
 import torch
 
-from agang import _asynclib
 from agang._backends.contract import Backend, Done
 from agang._engine import busy
 from agang._engine.engine import Engine
@@ -30,6 +29,7 @@ from agang._engine.grouping import (
 from agang._engine.ops import OpEnd
 from agang._handle import UNNUMBERED, Handle, finish_all
 from agang._reduce_op import ReduceOp
+from agang._runtime import loops as _asynclib
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
 

@@ -30,7 +30,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from agang import _asynclib, _exit
+from agang._runtime import exit as _exit
+from agang._runtime import loops as _asynclib
 
 log = logging.getLogger("agang")
 
@@ -199,7 +200,7 @@ def _stop_timer() -> None:
 
 
 def _forget_in_child() -> None:
-    # The timer's thread is the parent's (``agang._fork``): a child's gang needs its own.
+    # The timer's thread is the parent's (``agang._runtime.fork``): a child's gang needs its own.
     global _timer_lock, _timer
     _timer_lock = threading.Lock()
     _timer = None

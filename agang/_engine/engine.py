@@ -63,12 +63,12 @@ from typing import Any
 
 import torch
 
-from agang import _flows as flows
-from agang import _fork
+from agang._backends import fingerprint as flows
+from agang._backends.call_site import call_site
 from agang._backends.contract import Backend, Done
 from agang._blame import Progress, State
-from agang._engine import busy, deadline, ending, reports
-from agang._engine.call_site import call_site
+from agang._engine import busy, ending, reports
+from agang._engine import deadlines as deadline
 from agang._engine.expiry import Expiry
 from agang._engine.ops import Fingerprint, OpEnd, SecondPhase, Start, start_guarded
 from agang._engine.room import Room
@@ -81,6 +81,7 @@ from agang._errors import (
 )
 from agang._handle import Handle, issued
 from agang._policy import GangPolicy
+from agang._runtime import fork as _fork
 from agang._statistics import Counters, GangStatistics
 from agang._validate import check_timeout
 

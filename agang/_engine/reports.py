@@ -6,7 +6,7 @@ Pure: plain data in, an error out. Each message names the gang, rank, op and seq
 
 from __future__ import annotations
 
-from agang import _flows as flows
+from agang._backends import fingerprint as flows
 from agang._blame import Progress, verdict
 from agang._errors import CollectiveMismatchError, GangTimeoutError, OpContext
 
@@ -15,7 +15,7 @@ def mismatch(
     context: OpContext, index: int, fingerprints: dict[int, str]
 ) -> CollectiveMismatchError:
     """The ranks issued different collectives at this gang's ``index``-th order check,
-    or the same uneven one with split sizes that disagree (``agang._flows``)."""
+    or the same uneven one with split sizes that disagree (``agang._backends.fingerprint``)."""
     groups: dict[str, list[int]] = {}
     for rank, fingerprint in sorted(fingerprints.items()):
         groups.setdefault(flows.split(fingerprint)[0], []).append(rank)

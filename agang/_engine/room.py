@@ -22,10 +22,10 @@ from collections.abc import Callable
 
 import anyio.lowlevel
 
-from agang import _asynclib
 from agang._errors import GangError, GangFullError
-from agang._future import Future
 from agang._policy import InFlightLimits
+from agang._runtime import loops as _asynclib
+from agang._runtime.future import Future
 
 _NO_WAITERS: list[Future[None]] = []  # returned, never changed: callers only iterate
 

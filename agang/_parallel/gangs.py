@@ -21,7 +21,7 @@ from agang._gang import Gang
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from agang._process_group_gang import ProcessGroupGang
+    from agang._collective.process_group_gang import ProcessGroupGang
 
 # A stack rather than one value with reset tokens: one Gangs object may be entered by
 # several tasks at once, or nested in itself, and a token stored on the (frozen) object
@@ -166,7 +166,7 @@ class Gangs:
             >>> gangs = agang.Gangs.from_device_mesh(mesh, dp="dp", tp="tp")
             >>> await gangs.tp.all_reduce(partial_activations)
         """
-        from agang._mesh import gangs_from_device_mesh  # imports torch's DeviceMesh
+        from agang._parallel.mesh import gangs_from_device_mesh  # imports torch's DeviceMesh
 
         names = {"dp": dp, "tp": tp, "pp": pp, "rdp": rdp, "sdp": sdp}
         return gangs_from_device_mesh(mesh, root=root, names=names)
@@ -200,7 +200,7 @@ class Gangs:
             >>> mesh = gangs.device_mesh(("dp", "tp"))
             >>> weight = distribute_tensor(weight, mesh, [Replicate(), Shard(0)])
         """
-        from agang._mesh import device_mesh_of  # imports torch's DeviceMesh
+        from agang._parallel.mesh import device_mesh_of  # imports torch's DeviceMesh
 
         return device_mesh_of(self, dims)
 

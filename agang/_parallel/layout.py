@@ -30,10 +30,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from agang._collective.fake_gang import FakeGang
 from agang._errors import GangClosedError, GangError
-from agang._fake_gang import FakeGang
 from agang._gang import Gang
-from agang._gangs import Gangs, check_gang
+from agang._parallel.gangs import Gangs, check_gang
 from agang._validate import check_positive_int
 
 

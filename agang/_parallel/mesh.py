@@ -30,12 +30,12 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import _register_process_group, _resolve_process_group
 from torch.distributed.device_mesh import DeviceMesh
 
-from agang._backends.c10d import C10dBackend
-from agang._fake_gang import FakeGang
+from agang._backends.c10d.backend import C10dBackend
+from agang._collective.fake_gang import FakeGang
+from agang._collective.process_group_gang import ProcessGroupGang, _open_world_gangs
 from agang._gang import Gang
-from agang._gangs import Gangs
+from agang._parallel.gangs import Gangs
 from agang._policy import GangPolicy
-from agang._process_group_gang import ProcessGroupGang, _open_world_gangs
 
 DIMENSIONS = ("pp", "dp", "rdp", "sdp", "tp")
 # The grid's axes (rule 5); dp spans rdp and sdp.

@@ -43,10 +43,10 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from agang import _asynclib
+from agang._runtime import loops as _asynclib
 
 if TYPE_CHECKING:
-    from agang._future import Future
+    from agang._runtime.future import Future
 
 #: Ops above this size never block: the wake-up is a small share of their time.
 BRIEF_MAX_BYTES = 1 << 20

@@ -21,7 +21,7 @@ Rules:
    joined. All of it within ``EXIT_SECONDS``: a thread still busy then (c10d blocked on
    a hung peer) is left, with a warning, and exit goes on.
 4. The closers and stoppers act on registries of their modules, which a forked child
-   empties (``agang._fork``): the child's exit never touches what it inherited. The
+   empties (``agang._runtime.fork``): the child's exit never touches what it inherited. The
    threads tracked here are the parent's: the child forgets them, and makes its lock anew.
 """
 

@@ -33,8 +33,8 @@ import time
 from collections.abc import Callable, Generator
 from typing import Any, Generic, TypeVar
 
+from agang._runtime.brief_wait import wait_async
 from agang._validate import check_timeout
-from agang._wakeup import wait_async
 
 T = TypeVar("T")
 

@@ -17,8 +17,8 @@ from typing import Any, TypeVar
 
 import anyio
 
-from agang import _exit
-from agang._future import Future
+from agang._runtime import exit as _exit
+from agang._runtime.future import Future
 
 T = TypeVar("T")
 

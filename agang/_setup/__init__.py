@@ -9,7 +9,7 @@ caller's event loop. Its modules:
 - :mod:`agang._setup.device`: the gang's device and c10d backend.
 - :mod:`agang._setup.rendezvous`: the store (hosted or connected to) and the check-in
   that names every rank that never came.
-- :mod:`agang._setup.retry`: which failures are transient (a type, decided where c10d is
+- :mod:`agang._backends.c10d.retry`: which failures are transient (a type, decided where c10d is
   called) and the user's retry policy, always bounded by the deadline.
 - :mod:`agang._setup.init`: ``agang.init`` and ``agang.init_sync``, which plan, run the
   above on a daemon thread and turn any failure into a ``GangInitError``.

@@ -36,14 +36,14 @@ from typing import Any
 
 import torch.distributed as dist
 
-from agang._backends import c10d_blame
+from agang._backends.c10d import mailbox as c10d_blame
+from agang._backends.c10d.retry import TransientSetupError, call_c10d, one_line
 from agang._errors import GangInitError
 from agang._setup import membership
 from agang._setup.c10d_log import quiet_c10d
 from agang._setup.env import WorldInfo
 from agang._setup.membership import Candidate
 from agang._setup.proof import prove
-from agang._setup.retry import TransientSetupError, call_c10d, one_line
 
 log = logging.getLogger("agang")
 

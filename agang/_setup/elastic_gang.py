@@ -26,15 +26,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from agang._backends import c10d_blame
+from agang._backends.c10d import mailbox as c10d_blame
+from agang._backends.c10d.retry import TransientSetupError
+from agang._collective.process_group_gang import ProcessGroupGang
 from agang._errors import GangBrokenError, GangInitError
-from agang._offload import run_blocking
 from agang._policy import GangPolicy
-from agang._process_group_gang import ProcessGroupGang
+from agang._runtime.threads import run_blocking
 from agang._setup import elastic as setup
 from agang._setup import membership
 from agang._setup.env import WorldInfo
-from agang._setup.retry import TransientSetupError
 from agang._validate import check_timeout
 
 #: A reform's deadline when ``reform()`` is given none (seconds).

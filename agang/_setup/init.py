@@ -7,7 +7,7 @@ Rules:
    thread under one deadline. The caller's loop keeps serving meanwhile; a cancelled
    init returns at once and the thread winds down within a wait slice, tearing down
    whatever it had built; a daemon thread can never keep the process from exiting.
-3. Transient failures are retried (:mod:`agang._setup.retry`); a deadline names the
+3. Transient failures are retried (:mod:`agang._backends.c10d.retry`); a deadline names the
    missing ranks (:mod:`agang._setup.rendezvous`). Every error is a ``GangInitError``
    with the store address, the attempts, the elapsed time and the likely causes.
 4. Before the group is made, the process is prepared (:mod:`agang._setup.process`: the
@@ -35,23 +35,24 @@ import anyio
 import torch
 import torch.distributed as dist
 
-from agang._backends import c10d_blame, c10d_peers
-from agang._elastic_gang import form_first
+from agang._backends.c10d import mailbox as c10d_blame
+from agang._backends.c10d import world as c10d_peers
+from agang._backends.c10d.retry import PortInUseError, RetryPolicy, TransientSetupError, call_c10d
+from agang._collective.fake_gang import FakeGang
+from agang._collective.process_group_gang import ProcessGroupGang, check_no_open_world
 from agang._errors import GangInitError
-from agang._fake_gang import FakeGang
-from agang._future import Future
 from agang._gang import Gang
-from agang._offload import start_thread
 from agang._policy import CheckOrder, GangPolicy, InFlightLimits, OnTimeout, make_policy
-from agang._process_group_gang import ProcessGroupGang, check_no_open_world
+from agang._runtime.future import Future
+from agang._runtime.threads import start_thread
 from agang._setup.device import resolve_backend, resolve_device
 from agang._setup.elastic import Elastic
+from agang._setup.elastic_gang import form_first
 from agang._setup.env import WorldInfo, world_from_env
 from agang._setup.interface import own_link
 from agang._setup.process import prepare_process
 from agang._setup.proof import clear_frames, prove
 from agang._setup.rendezvous import InitCancelled, check_in, end_round, open_store
-from agang._setup.retry import PortInUseError, RetryPolicy, TransientSetupError, call_c10d
 from agang._validate import check_timeout
 
 log = logging.getLogger("agang")
@@ -186,7 +187,7 @@ class _Plan:
             on_missing=self._note_missing,
             link=link,
         )
-        # What a timeout's blame names a rank with (``agang._backends.c10d_blame``).
+        # What a timeout's blame names a rank with (``agang._backends.c10d.mailbox``).
         c10d_blame.roster[:] = [member.describe() for member in members]
         c10d_peers.addresses[:] = [member.link.address for member in members]
 

@@ -25,8 +25,8 @@ Rules (all of this runs on init's daemon thread, never on the loop):
 7. The store rank 0 hosts listens on ``MASTER_ADDR``'s address only (a socket agang
    binds and hands to c10d), not on every interface of the host; where ``MASTER_ADDR``
    is not an address of this host (a NAT or DNS alias), on every interface, as c10d does.
-8. Every c10d call here goes through :func:`~agang._setup.retry.call_c10d`, so its
-   transient failures are a :class:`~agang._setup.retry.TransientSetupError`; agang's own
+8. Every c10d call here goes through :func:`~agang._backends.c10d.retry.call_c10d`, so its
+   transient failures are a :class:`~agang._backends.c10d.retry.TransientSetupError`; agang's own
    transient conditions raise that type directly.
 9. Each rank checks in with the interface its connections leave from (address and
    network); the ranks learn each other's, for messages that name where a rank runs,
@@ -52,12 +52,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from agang._errors import GangInitError
-from agang._offload import start_thread
-from agang._setup.c10d_log import quiet_c10d
-from agang._setup.env import WorldInfo
-from agang._setup.interface import Link, disagreement
-from agang._setup.retry import (
+from agang._backends.c10d.retry import (
     PortInUseError,
     RetryPolicy,
     TransientSetupError,
@@ -66,6 +61,11 @@ from agang._setup.retry import (
     one_line,
     retrying,
 )
+from agang._errors import GangInitError
+from agang._runtime.threads import start_thread
+from agang._setup.c10d_log import quiet_c10d
+from agang._setup.env import WorldInfo
+from agang._setup.interface import Link, disagreement
 
 log = logging.getLogger("agang")
 

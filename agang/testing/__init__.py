@@ -1,12 +1,12 @@
 """Tools for testing code that uses agang: fake worlds, real local worlds and a
 simulated NCCL."""
 
-from agang.testing._fake_world import FakeWorld as FakeWorld
-from agang.testing._fake_world import FakeWorldGang as FakeWorldGang
 from agang.testing._reduce import reduce_tensors as reduce_tensors
 from agang.testing._run_world import WorldRunError as WorldRunError
 from agang.testing._run_world import run_world as run_world
-from agang.testing._sim_nccl import SimulatedNccl as SimulatedNccl
+from agang.testing._sim_nccl.nccl import SimulatedNccl as SimulatedNccl
+from agang.testing._world.gang import FakeWorld as FakeWorld
+from agang.testing._world.gang import FakeWorldGang as FakeWorldGang
 
 __all__ = [
     "FakeWorld",

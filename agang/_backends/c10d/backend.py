@@ -35,11 +35,14 @@ from typing import Any, final
 import torch
 import torch.distributed as dist
 
-from agang import _exit
-from agang._backends import c10d_blame, c10d_calls, c10d_order, c10d_peers, cuda_completion
-from agang._backends.c10d_abort import Aborter
-from agang._backends.c10d_backstop import backstop_for
-from agang._backends.c10d_calls import (
+from agang._backends.c10d import calls as c10d_calls
+from agang._backends.c10d import cuda_completion
+from agang._backends.c10d import mailbox as c10d_blame
+from agang._backends.c10d import order as c10d_order
+from agang._backends.c10d import world as c10d_peers
+from agang._backends.c10d.abort import Aborter
+from agang._backends.c10d.backstop import backstop_for
+from agang._backends.c10d.calls import (
     all_gather_flat,
     all_reduce_options,
     all_to_all_flat,
@@ -48,8 +51,8 @@ from agang._backends.c10d_calls import (
     reduce_scatter_flat,
     then,
 )
-from agang._backends.c10d_children import create_groups
-from agang._backends.c10d_waiter import WorkWaiter
+from agang._backends.c10d.children import create_groups
+from agang._backends.c10d.completion import WorkWaiter
 from agang._backends.contract import (
     Blamed,
     Checked,
@@ -59,8 +62,9 @@ from agang._backends.contract import (
     countdown,
     holding,
 )
-from agang._backends.device_runtime import DeviceRuntime, StreamOrder, torch_runtime
+from agang._backends.cuda.runtime import DeviceRuntime, StreamOrder, torch_runtime
 from agang._reduce_op import ReduceOp, to_c10d
+from agang._runtime import exit as _exit
 
 log = logging.getLogger("agang")
 

@@ -15,7 +15,7 @@ Rules:
    the world's NCCL communicator with no colour on that rank alone, a split the members
    never make, so the non-member would hang in it (pytorch#145376).
 4. The whole creation runs on a thread, within the gang's op deadline; a store hiccup
-   that c10d reports as transient (``agang._setup.retry.call_c10d``) is retried within it.
+   that c10d reports as transient (``agang._backends.c10d.retry.call_c10d``) is retried within it.
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ from typing import Any
 
 import torch.distributed as dist
 
+from agang._backends.c10d.retry import RetryPolicy, call_c10d, retrying
 from agang._errors import GangInitError
-from agang._offload import run_blocking
-from agang._setup.retry import RetryPolicy, call_c10d, retrying
+from agang._runtime.threads import run_blocking
 
 Groups = tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]
 

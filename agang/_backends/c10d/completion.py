@@ -9,8 +9,8 @@ from __future__ import annotations
 import queue
 from typing import Any
 
-from agang import _exit
 from agang._backends.contract import Done
+from agang._runtime import exit as _exit
 
 
 class WorkWaiter:

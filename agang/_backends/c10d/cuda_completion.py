@@ -34,9 +34,9 @@ from typing import Any
 
 import torch
 
-from agang import _exit
 from agang._backends.contract import report_ordered
-from agang._backends.device_runtime import DeviceEvent, DeviceRuntime
+from agang._backends.cuda.runtime import DeviceEvent, DeviceRuntime
+from agang._runtime import exit as _exit
 
 Done = Callable[[BaseException | None], None]
 
@@ -52,7 +52,7 @@ def _stop_all() -> None:
 
 
 def _forget_in_child() -> None:
-    # The watchers' threads are the parent's (``agang._fork``): the child stops none.
+    # The watchers' threads are the parent's (``agang._runtime.fork``): the child stops none.
     global _lock, _running
     _lock = threading.Lock()
     _running = weakref.WeakSet()

@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from agang._backends.contract import BLAME_BOUND, Blamed, ProgressOf
 from agang._blame import Progress
-from agang._offload import start_thread
+from agang._runtime.threads import start_thread
 
 log = logging.getLogger("agang")
 

@@ -2,18 +2,19 @@
 
 Rules:
 1. Each rank's 8-byte digest of its fingerprint's op, and its balance of split sizes
-   (``agang._flows``: 0 for an op without them), are gathered on a side Gloo group (so
-   a check never queues behind the ops it guards); only where the ops differ are their
-   texts exchanged, through the store, on a thread, one per distinct op.
+   (``agang._backends.fingerprint``: 0 for an op without them), are gathered on a side
+   Gloo group (so a check never queues behind the ops it guards); only where the ops
+   differ are their texts exchanged, through the store, on a thread, one per distinct op.
 2. The exchange polls the store (``check``), never a blocking ``get``: a blocking get
    holds the store client's lock while it waits, so two exchanges at once (two
    mismatched positions, or two gangs) could deadlock across ranks.
 3. When only the split sizes disagree (same op, balances that do not cancel), the
    ranks' texts differ, and every rank fetching every other's would make the store
    carry the gang's size squared of them. So rank 0 alone reads them all and posts the
-   texts of the ranks in the first disagreeing pairs (``agang._flows.named``), which the
-   others read. Never a collective on the side group: a later op's check may already be
-   in flight there, on some ranks and not others.
+   texts of the ranks in the first disagreeing pairs
+   (``agang._backends.fingerprint.named``), which the others read. Never a collective on
+   the side group: a later op's check may already be in flight there, on some ranks and
+   not others.
 4. Which ranks never reached a check, when a deadline passes in it, is the blame's to
    say (``c10d_blame``): a rank that has not issued the op has not reached its check.
 """
@@ -30,9 +31,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from agang import _flows as flows
+from agang._backends import fingerprint as flows
 from agang._backends.contract import Checked
-from agang._offload import start_thread
+from agang._runtime.threads import start_thread
 
 log = logging.getLogger("agang")
 

@@ -32,7 +32,7 @@ from typing import Any, Protocol
 
 import torch
 
-from agang._backends.cuda_streams import PrivateStreams
+from agang._backends.cuda.streams import PrivateStreams
 
 
 class DeviceEvent(Protocol):

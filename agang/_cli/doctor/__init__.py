@@ -3,13 +3,13 @@
 The checks are pure functions of plain data (the environment, this host's facts, a
 network probe), so tests drive them without a real job. Its modules:
 
-- :mod:`agang._doctor.diagnose`: the entry point, :func:`~agang._doctor.diagnose.diagnose`,
+- :mod:`agang._cli.doctor.diagnose`: the entry point, :func:`~agang._cli.doctor.diagnose.diagnose`,
   and the checks of the world itself (launcher variables, local ranks, threads).
-- :mod:`agang._doctor.host`: what this host's torch build and hardware offer (Gloo, NCCL,
+- :mod:`agang._cli.doctor.host`: what this host's torch build and hardware offer (Gloo, NCCL,
   CUDA), probed once and checked.
-- :mod:`agang._doctor.network`: whether the ranks can meet at the store's address and
+- :mod:`agang._cli.doctor.network`: whether the ranks can meet at the store's address and
   port.
-- :mod:`agang._doctor.links`: this host's interfaces, up or down, and their networks (to
+- :mod:`agang._cli.doctor.links`: this host's interfaces, up or down, and their networks (to
   name the one toward MASTER_ADDR).
-- :mod:`agang._doctor.findings`: the findings, and their rendering as text or JSON.
+- :mod:`agang._cli.doctor.findings`: the findings, and their rendering as text or JSON.
 """

@@ -1,10 +1,10 @@
 """``agang doctor``: what ``agang.init`` would make of this process's job, and what fails.
 
 A pure core: :func:`diagnose` takes the environment, this host's torch facts
-(:class:`~agang._doctor.host.HostFacts`) and a network probe as arguments and
+(:class:`~agang._cli.doctor.host.HostFacts`) and a network probe as arguments and
 returns findings, so tests drive it with plain data. The backend and network checks live
-in :mod:`agang._doctor.host` and :mod:`agang._doctor.network`, the findings and their
-rendering in :mod:`agang._doctor.findings`. The rules:
+in :mod:`agang._cli.doctor.host` and :mod:`agang._cli.doctor.network`, the findings and their
+rendering in :mod:`agang._cli.doctor.findings`. The rules:
 
 1. The world comes from :func:`agang._setup.env.world_from_env`, exactly as ``agang.init``
    reads it, so the doctor and init cannot disagree; an error it raises is a problem,
@@ -24,9 +24,9 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 
-from agang._doctor.findings import Finding, Status
-from agang._doctor.host import HostFacts, backend_findings
-from agang._doctor.network import NetworkProbe, network_findings
+from agang._cli.doctor.findings import Finding, Status
+from agang._cli.doctor.host import HostFacts, backend_findings
+from agang._cli.doctor.network import NetworkProbe, network_findings
 from agang._errors import GangInitError
 from agang._setup.env import WorldInfo, world_from_env
 

@@ -6,7 +6,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from agang._doctor.findings import Finding, Status
+from agang._cli.doctor.findings import Finding, Status
 from agang._setup.c10d_log import DEBUG_VARIABLE, c10d_output_wanted
 from agang._setup.nccl_env import NCCL_SETTINGS
 

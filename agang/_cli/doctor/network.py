@@ -9,7 +9,7 @@ the port on the address; every other process must be able to connect to it. Rule
    and the port and interface checks are skipped: about loopback, they would mislead.
 3. Findings about reaching the store name this host's interface toward it (the one on
    MASTER_ADDR's network, else the route's), and an interface that is down is a problem
-   of its own, with what to bring up or set (:mod:`agang._doctor.links`).
+   of its own, with what to bring up or set (:mod:`agang._cli.doctor.links`).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Protocol, final
 
-from agang._doctor.findings import Finding, Status
-from agang._doctor.links import LinkState, link_toward, probe_links
+from agang._cli.doctor.findings import Finding, Status
+from agang._cli.doctor.links import LinkState, link_toward, probe_links
 from agang._setup.env import WorldInfo
 from agang._setup.interface import IFNAME_ENV, Choice, choose_interface
 

@@ -17,11 +17,11 @@ from typing import Any, TypeVar
 import anyio
 import torch
 
+from agang._cli.selfcheck.harness import Harness, StallEnd
+from agang._cli.selfcheck.report import Result, Row
 from agang._errors import GangError, GangTimeoutError
 from agang._gang import Gang
 from agang._gradient_sync import GradientSync
-from agang._selfcheck.harness import Harness, StallEnd
-from agang._selfcheck.report import Result, Row
 
 T = TypeVar("T")
 Check = Callable[[Harness], Awaitable[tuple[Result, str]]]

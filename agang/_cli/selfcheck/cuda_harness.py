@@ -20,9 +20,9 @@ import anyio
 import torch
 import torch.distributed as dist
 
+from agang._cli.selfcheck.harness import StallEnd
+from agang._collective.process_group_gang import ProcessGroupGang
 from agang._gang import Gang
-from agang._process_group_gang import ProcessGroupGang
-from agang._selfcheck.harness import StallEnd
 from agang._setup.init import init
 
 _ALONE = {

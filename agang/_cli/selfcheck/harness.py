@@ -3,7 +3,7 @@
 A harness gives the checks the gangs of the ranks in this process (every rank of the
 simulation; this rank's one on GPUs) and the few device acts a check needs: make the
 last rank's device late, mark a stream's end, compute a reference. The checks
-(``agang._selfcheck.checks``) are the same for both.
+(``agang._cli.selfcheck.checks``) are the same for both.
 """
 
 from __future__ import annotations

@@ -8,9 +8,9 @@ from typing import TextIO
 import anyio
 import torch
 
-from agang._selfcheck.checks import run_checks
-from agang._selfcheck.harness import Harness, SimulatedHarness
-from agang._selfcheck.report import Row, merge, passed, render
+from agang._cli.selfcheck.checks import run_checks
+from agang._cli.selfcheck.harness import Harness, SimulatedHarness
+from agang._cli.selfcheck.report import Row, merge, passed, render
 
 
 async def _open(simulate: bool) -> tuple[Harness, str]:
@@ -18,7 +18,7 @@ async def _open(simulate: bool) -> tuple[Harness, str]:
         return SimulatedHarness(), "(simulation asked for)"
     if not torch.cuda.is_available():
         return SimulatedHarness(), "(no GPU found: the same checks on the simulation)"
-    from agang._selfcheck.cuda_harness import CudaHarness
+    from agang._cli.selfcheck.cuda_harness import CudaHarness
 
     return await CudaHarness.open(), ""
 

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from agang import _exit
+from agang._runtime import exit as _exit
 
 log = logging.getLogger("agang")
 
@@ -139,7 +139,7 @@ def _close_all() -> None:
 
 
 def _forget_in_child() -> None:
-    # The devices' threads are the parent's (``agang._fork``): the child closes none.
+    # The devices' threads are the parent's (``agang._runtime.fork``): the child closes none.
     global _devices
     _devices = weakref.WeakSet()
 

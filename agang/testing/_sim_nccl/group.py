@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from agang.testing._sim_nccl_device import (
+from agang.testing._sim_nccl.device import (
     Collective,
     HostFn,
     Part,
@@ -42,7 +42,7 @@ from agang.testing._sim_nccl_device import (
     SimStream,
     WaitFor,
 )
-from agang.testing._sim_nccl_ops import kernel_for
+from agang.testing._sim_nccl.kernels import kernel_for
 
 
 class SimRuntime:

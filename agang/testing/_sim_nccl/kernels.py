@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from agang.testing._sim_nccl_device import Part
+from agang.testing._sim_nccl.device import Part
 
 Kernel = Callable[[dict[int, Part]], None]
 

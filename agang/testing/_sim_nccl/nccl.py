@@ -9,11 +9,11 @@ from types import TracebackType
 
 import torch
 
-from agang._backends.c10d import C10dBackend
+from agang._backends.c10d.backend import C10dBackend
+from agang._collective.process_group_gang import ProcessGroupGang
 from agang._policy import OnTimeout, make_policy
-from agang._process_group_gang import ProcessGroupGang
-from agang.testing._sim_nccl_device import SimDevice, SimEvent, SimStream, Stall
-from agang.testing._sim_nccl_group import Communicator, SimProcessGroup, SimRuntime
+from agang.testing._sim_nccl.device import SimDevice, SimEvent, SimStream, Stall
+from agang.testing._sim_nccl.group import Communicator, SimProcessGroup, SimRuntime
 
 
 class SimulatedNccl:

@@ -33,8 +33,7 @@ from typing import Any, final
 import anyio
 import torch
 
-from agang import _asynclib
-from agang import _flows as flows
+from agang._backends import fingerprint as flows
 from agang._backends.contract import (
     Blamed,
     Checked,
@@ -43,13 +42,14 @@ from agang._backends.contract import (
     after_post,
     countdown,
 )
-from agang._backends.device_runtime import StreamOrder
+from agang._backends.cuda.runtime import StreamOrder
 from agang._blame import Progress
-from agang._engine import deadline
+from agang._engine import deadlines as deadline
 from agang._errors import GangError, GangInitError
-from agang._future import Future
 from agang._reduce_op import ReduceOp
-from agang.testing._world_compute import COMPUTE, Arrival
+from agang._runtime import loops as _asynclib
+from agang._runtime.future import Future
+from agang.testing._world.compute import COMPUTE, Arrival
 
 
 class Simulation:

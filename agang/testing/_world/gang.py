@@ -13,11 +13,11 @@ from typing import Any, TypeVar, final
 import anyio
 import torch
 
-from agang._collective_gang import CollectiveGang
+from agang._collective.gang import CollectiveGang
 from agang._gang import Gang
 from agang._policy import CheckOrder, GangPolicy, InFlightLimits, OnTimeout, make_policy
 from agang._validate import check_positive_int, check_timeout
-from agang.testing._world_backend import Communicator, FakeWorldBackend, Simulation
+from agang.testing._world.backend import Communicator, FakeWorldBackend, Simulation
 
 T = TypeVar("T")
 
