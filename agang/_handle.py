@@ -14,8 +14,8 @@ from collections.abc import Callable, Iterable
 from typing import Any, Protocol, TypeVar, final
 
 from agang._policy import GangPolicy
-from agang._runtime import brief_wait as _wakeup
-from agang._runtime.future import _DONE, _PENDING, Future
+from agang._runtime import brief_wait
+from agang._runtime.future import _DONE, _PENDING, Future, wait_async
 from agang._validate import check_timeout
 
 T = TypeVar("T")
@@ -118,7 +118,7 @@ class Handle(Future[T]):
         self._check_not_held()
         owner = self._owner
         if owner is None:
-            await _wakeup.wait_async(self)
+            await wait_async(self)
             return self.result()
         brief = owner.policy.wait_mode == "block_briefly"
         if not self.done():
@@ -126,11 +126,11 @@ class Handle(Future[T]):
             if brief:
                 # Only timing changes: a finished handle takes the path below that an
                 # already finished one takes (``agang._runtime.brief_wait``, rule 4).
-                _wakeup.block_briefly(self, self.num_bytes, self.issued_at)
-        if await _wakeup.wait_async(self) and self._finished_at is not None:
+                brief_wait.block_briefly(self, self.num_bytes, self.issued_at)
+        if await wait_async(self) and self._finished_at is not None:
             owner.resumed(time.monotonic() - self._finished_at)
         if brief and self._finished_at is not None:
-            _wakeup.record(self.num_bytes, self._finished_at - self.issued_at)
+            brief_wait.record(self.num_bytes, self._finished_at - self.issued_at)
         return self.result()
 
     def wait(self, timeout: float | None = None) -> T:

@@ -1,7 +1,7 @@
-"""A process using agang exits cleanly however its threads are busy (``agang._runtime.exit``).
+"""A process using agang exits cleanly however its threads are busy (``agang._runtime.threads``).
 
 Each case is a small program run as a subprocess; several copies run at once, which
-loads the machine the way that made the races show. Before ``_exit`` quiesced agang's
+loads the machine the way that made the races show. Before exit quiesced agang's
 threads, the deadline program aborted at exit now and then under such load ("terminate
 called without an active exception": the timer thread, having woken the main thread,
 was still freeing a tensor when the interpreter finalized).

@@ -20,7 +20,7 @@ import torch
 import agang
 from agang._policy import WAIT_MODE_ENV, make_policy
 from agang._runtime import brief_wait as _wakeup
-from agang._runtime.future import Future
+from agang._runtime.future import Future, num_parked
 from agang.testing import FakeWorld, run_world
 
 pytestmark = pytest.mark.anyio
@@ -112,10 +112,10 @@ async def test_no_block_while_another_waiter_is_parked(monkeypatch: pytest.Monke
     async with anyio.create_task_group() as group:
         group.start_soon(_await, parked)
         await anyio.sleep(0.01)  # it parks
-        assert _wakeup._parked.count == 1
+        assert num_parked() == 1
         assert not _wakeup.block_briefly(Future("op"), 4, issued_at=_now())
         parked._finish(None, None)
-    assert _wakeup._parked.count == 0
+    assert num_parked() == 0
 
 
 async def test_no_block_while_the_loop_has_other_ready_work(

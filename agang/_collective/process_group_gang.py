@@ -3,7 +3,7 @@
 The c10d work is its backend's (``agang._backends.c10d.backend``). A process group still alive
 at interpreter exit can abort the process ("terminate called without an active
 exception", seen with raw c10d too once future callbacks were used), so the world gangs
-still open are closed at exit (``_exit``, within its bound): their running work is
+still open are closed at exit (``agang._runtime.threads``, within its bound): their running work is
 aborted, their threads end. They are held strongly until closed: c10d keeps the world
 group registered whether or not the program still holds its gang, so a gang the program
 dropped without closing must still be closed at exit.
@@ -16,7 +16,6 @@ other would otherwise pass both. A forked child forgets the parent's open world 
 
 from __future__ import annotations
 
-import os
 import threading
 
 import torch
@@ -27,7 +26,7 @@ from agang._backends.c10d.fork import disown_groups
 from agang._collective.gang import CollectiveGang
 from agang._errors import GangClosedError, GangInitError
 from agang._policy import GangPolicy
-from agang._runtime import exit as _exit
+from agang._runtime import fork, threads
 
 _open_world_gangs: list[ProcessGroupGang] = []
 _registry_lock = threading.Lock()
@@ -65,8 +64,8 @@ def _forget_in_child() -> None:
         disown_groups(forget_world=True)
 
 
-_exit.add_closer(_close_open_gangs)
-os.register_at_fork(after_in_child=_forget_in_child)
+threads.at_exit(close=_close_open_gangs)
+fork.on_fork_in_child(_forget_in_child)
 
 
 class ProcessGroupGang(CollectiveGang):

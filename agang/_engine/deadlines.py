@@ -25,12 +25,11 @@ import contextlib
 import heapq
 import itertools
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
 
-from agang._runtime import exit as _exit
+from agang._runtime import fork, threads
 from agang._runtime import loops as _asynclib
 
 log = logging.getLogger("agang")
@@ -151,7 +150,7 @@ class _TimerThread:
         self._heap: list[tuple[float, int, list[Callable[[], None] | None]]] = []
         self._counter = itertools.count()
         self._stopped = False
-        _exit.start_daemon(self._run, name="agang-deadlines")
+        threads.start_daemon(self._run, name="agang-deadlines")
 
     def call_at(self, when: float, callback: Callable[[], None]) -> Cancel:
         slot: list[Callable[[], None] | None] = [callback]
@@ -206,8 +205,8 @@ def _forget_in_child() -> None:
     _timer = None
 
 
-_exit.add_stopper(_stop_timer)
-os.register_at_fork(after_in_child=_forget_in_child)
+threads.at_exit(stop=_stop_timer)
+fork.on_fork_in_child(_forget_in_child)
 
 
 def _timer_thread() -> _TimerThread:

@@ -81,7 +81,7 @@ from agang._errors import (
 )
 from agang._handle import Handle, issued
 from agang._policy import GangPolicy
-from agang._runtime import fork as _fork
+from agang._runtime import fork
 from agang._statistics import Counters, GangStatistics
 from agang._validate import check_timeout
 
@@ -131,7 +131,7 @@ class Engine:
         self._ordered_early: set[int] = set()  # seqs reported ordered, not ended (rule 10)
         backend.allow_timeout(policy.op_timeout)
         backend.serve_progress(self.progress)
-        _fork.track(self)
+        fork.track(self)
 
     # Numbering and admission (rules 1, 2, 3 and 8).
 
@@ -441,6 +441,12 @@ class Engine:
             following = self._scheduler.next_deadline()
         if following is not None:
             self._alarm.arm(following)
+
+    def mark_inherited(self, error: GangInheritedError) -> None:
+        """In a forked child: closed, and every use raises ``error`` (``agang._runtime.fork``);
+        without the lock, which a parent thread may have held at the fork."""
+        self.broken = error
+        self.closed = True
 
     # Blame (rule 5): where this rank stands, when a peer's deadline asks.
 

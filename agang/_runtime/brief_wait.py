@@ -1,19 +1,10 @@
-"""Waking a task on its own loop when a future finishes on some other thread.
+"""Waiting briefly (``wait_mode="block_briefly"``): blocking a loop's thread for a small op.
 
-A future (an op's handle, an internal wait) finishes on a backend thread (Gloo's
-worker, the CUDA watcher, the deadline timer). The task awaiting it lives on an
-asyncio, uvloop or trio loop. The callback only schedules a wake-up with the loop's
-thread-safe entry point, never touches the loop's state itself, and swallows the error
-a closed loop raises: once the loop is gone there is nobody left to wake.
-
-Cancelling the awaiting task removes the callback and leaves the work running
-(the futures' rule that waiting never changes what is awaited).
-
-Waiting briefly (``wait_mode="block_briefly"``, see :func:`block_briefly`): the wake-up
-above costs a thread hop and a loop iteration, most of a small op's time on a busy
-machine. A gang that asks for it lets an await of a small op block the loop's thread,
-sleeping on a lock that the op's completion releases, for a short window when nothing
-else on the loop could run meanwhile; past the window it parks as above. Rules:
+Waking a task when its future finishes on another thread (``future.wait_async``) costs a
+thread hop and a loop iteration, most of a small op's time on a busy machine. A gang that
+asks for it lets an await of a small op block the loop's thread, sleeping on a lock that
+the op's completion releases, for a short window when nothing else on the loop could run
+meanwhile; past the window it parks as ``wait_async`` does. Rules:
 
 1. Only ops of at most :data:`BRIEF_MAX_BYTES`, only when this size of op recently took
    at most :data:`BRIEF_MAX_SECONDS` (the median of its last :data:`NUM_RECENT` times,
@@ -37,16 +28,12 @@ else on the loop could run meanwhile; past the window it parks as above. Rules:
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from agang._runtime import loops as _asynclib
-
-if TYPE_CHECKING:
-    from agang._runtime.future import Future
+from agang._runtime import loops
+from agang._runtime.future import Future, num_parked
 
 #: Ops above this size never block: the wake-up is a small share of their time.
 BRIEF_MAX_BYTES = 1 << 20
@@ -65,79 +52,6 @@ _num_missed: dict[int, int] = {}
 _num_to_skip: dict[int, int] = {}
 
 
-class _Parked(threading.local):
-    """The number of waiters parked on this thread's loop (rule 2)."""
-
-    count = 0
-
-
-_parked = _Parked()
-
-
-def _resolve(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)
-
-
-async def wait_async(future: Future[Any]) -> bool:
-    """Suspends the current task until ``future`` finishes; always a checkpoint.
-
-    Returns:
-        Whether the task had to wait (the future was not finished yet).
-    """
-    loop = _asynclib.asyncio_loop()
-    if loop is not None:
-        return await _wait_asyncio(future, loop)
-    return await _wait_trio(future)
-
-
-async def _wait_asyncio(future: Future[Any], loop: asyncio.AbstractEventLoop) -> bool:
-    if future.done():
-        await asyncio.sleep(0)
-        return False
-    woken: asyncio.Future[None] = loop.create_future()
-
-    def wake() -> None:
-        # A closed loop raises RuntimeError: nobody is waiting any more.
-        with contextlib.suppress(RuntimeError):
-            loop.call_soon_threadsafe(_resolve, woken)
-
-    future._add_done_callback(wake)
-    _parked.count += 1
-    try:
-        await woken
-    finally:
-        _parked.count -= 1
-        future._remove_done_callback(wake)
-    return True
-
-
-async def _wait_trio(future: Future[Any]) -> bool:
-    token = _asynclib.trio_token()
-    if token is None:
-        raise RuntimeError("An agang handle must be awaited from asyncio, uvloop or trio.")
-    import trio
-
-    if future.done():
-        await trio.lowlevel.checkpoint()
-        return False
-    event = trio.Event()
-
-    def wake() -> None:
-        # A finished run raises RunFinishedError: nobody is waiting any more.
-        with contextlib.suppress(trio.RunFinishedError):
-            token.run_sync_soon(event.set)
-
-    future._add_done_callback(wake)
-    _parked.count += 1
-    try:
-        await event.wait()
-    finally:
-        _parked.count -= 1
-        future._remove_done_callback(wake)
-    return True
-
-
 def block_briefly(future: Future[Any], num_bytes: int, issued_at: float) -> bool:
     """Blocks this (loop) thread until ``future`` finishes, within the rules above.
 
@@ -149,7 +63,7 @@ def block_briefly(future: Future[Any], num_bytes: int, issued_at: float) -> bool
     Returns:
         Whether ``future`` finished while this call blocked.
     """
-    if num_bytes > BRIEF_MAX_BYTES or _parked.count:
+    if num_bytes > BRIEF_MAX_BYTES or num_parked():
         return False
     key = num_bytes.bit_length()
     estimate = _estimates.get(key)
@@ -187,7 +101,7 @@ def record(num_bytes: int, seconds: float) -> None:
 def _loop_is_idle() -> bool:
     """True when the running loop has no other ready work (rule 2); False where it
     cannot tell (uvloop)."""
-    loop = _asynclib.asyncio_loop()
+    loop = loops.asyncio_loop()
     if loop is not None:
         ready = getattr(loop, "_ready", None)
         return ready is not None and not ready

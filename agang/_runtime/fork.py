@@ -5,33 +5,58 @@ Rules:
    connections of every inherited communicator are shared with the parent. Anything the
    child sends on them, or shuts down, desynchronises or breaks the parent's gang. So
    the child never touches an inherited gang.
-2. Every gang alive at the fork is marked in the child (``os.register_at_fork``) as
-   closed and inherited: every use (an op, a lane, a sub-gang, waiting for room) raises
-   ``GangInheritedError`` with no backend call, ``close()`` does nothing, and exit
-   leaves it alone. The parent's gangs are unchanged.
+2. Every gang alive at the fork is marked in the child as closed and inherited
+   (``Inheritable.mark_inherited``): every use (an op, a lane, a sub-gang, waiting for
+   room) raises ``GangInheritedError`` with no backend call, ``close()`` does nothing,
+   and exit leaves it alone. The parent's gangs are unchanged.
 3. agang's state in the child starts empty: the threads behind it exist only in the
-   parent, so each module forgets its own in a hook of its own (open world gangs, the
-   deadline timer, watchers, the threads joined at exit), with locks made anew (a parent
-   thread may have held one at the fork). ``c10d_fork`` keeps c10d's groups from ever
-   being freed in the child, and lets ``agang.init()`` there make a world of its own.
+   parent, so each module forgets its own (open world gangs, the deadline timer,
+   watchers, the threads joined at exit), with locks made anew (a parent thread may have
+   held one at the fork). Modules register what they forget here, with
+   ``on_fork_in_child``; this module alone calls ``os.register_at_fork``, and the hooks
+   run in the order they were registered, after the gangs are marked (rule 2).
+   ``agang._backends.c10d.fork`` keeps c10d's groups from ever being freed in the child,
+   and lets ``agang.init()`` there make a world of its own.
 """
 
 from __future__ import annotations
 
 import os
 import weakref
-from typing import Any
+from collections.abc import Callable
+from typing import Protocol
 
 from agang._errors import GangInheritedError
 
+
+class Inheritable(Protocol):
+    """A gang's engine, as a fork sees it."""
+
+    name: str
+    rank: int
+    size: int
+
+    def mark_inherited(self, error: GangInheritedError) -> None:
+        """Marks the engine closed and unusable with ``error``, without its lock (a
+        parent thread may have held it at the fork; only this thread runs)."""
+
+
 # Every gang's engine: the ones alive at a fork are marked in the child (rule 2).
-_engines: weakref.WeakSet[Any] = weakref.WeakSet()
+_engines: weakref.WeakSet[Inheritable] = weakref.WeakSet()
+# What modules forget in a child, in registration order (rule 3).
+_child_hooks: list[Callable[[], None]] = []
 _pid = os.getpid()
 
 
-def track(engine: Any) -> None:
+def track(engine: Inheritable) -> None:
     """Marks ``engine`` inherited in any child forked from now on (rule 2)."""
     _engines.add(engine)
+
+
+def on_fork_in_child(hook: Callable[[], None]) -> None:
+    """Runs ``hook`` in every child forked from now on, after the gangs are marked
+    (rule 3). It must not block or take a lock the parent may have held."""
+    _child_hooks.append(hook)
 
 
 def inherited_error(name: str, rank: int, size: int, parent: int) -> GangInheritedError:
@@ -42,15 +67,15 @@ def inherited_error(name: str, rank: int, size: int, parent: int) -> GangInherit
     )
 
 
-def _mark_inherited() -> None:
+def _in_child() -> None:
     global _pid
     parent, _pid = _pid, os.getpid()
     engines = list(_engines)
     _engines.clear()
     for engine in engines:
-        # No lock: a parent thread may have held it at the fork. Only this thread runs.
-        engine.broken = inherited_error(engine.name, engine.rank, engine.size, parent)
-        engine.closed = True
+        engine.mark_inherited(inherited_error(engine.name, engine.rank, engine.size, parent))
+    for hook in _child_hooks:
+        hook()
 
 
-os.register_at_fork(after_in_child=_mark_inherited)
+os.register_at_fork(after_in_child=_in_child)

@@ -19,6 +19,13 @@ optional ``then`` for what must change before any waiter wakes), ``_finish_at`` 
 one timestamp), ``_add_done_callback`` and ``_remove_done_callback`` (rule 2), and
 ``_settled`` (the outcome is set, waiters maybe not yet told).
 
+Waiting on an event loop (:func:`wait_async`): the task awaiting a future lives on an
+asyncio, uvloop or trio loop, while the future finishes on a backend thread (Gloo's
+worker, the CUDA watcher, the deadline timer). The callback only schedules a wake-up with
+the loop's thread-safe entry point, never touches the loop's state itself, and swallows
+the error a closed loop raises: once the loop is gone there is nobody left to wake.
+Cancelling the awaiting task removes the callback and leaves the work running (rule 3).
+
 A future may finish with a :class:`Deferred` value: the work of turning the op's buffers
 into the value (decoding received objects) then runs on the thread that takes the result,
 once, instead of on the thread that finished the future (c10d's, which must not be held).
@@ -33,7 +40,7 @@ import time
 from collections.abc import Callable, Generator
 from typing import Any, Generic, TypeVar
 
-from agang._runtime.brief_wait import wait_async
+from agang._runtime import loops
 from agang._validate import check_timeout
 
 T = TypeVar("T")
@@ -232,3 +239,81 @@ def finished(what: str, value: Any = None, error: BaseException | None = None) -
     future: Future[Any] = Future(what)
     future._finish(value, error)
     return future
+
+
+class _Parked(threading.local):
+    """The number of waiters parked on this thread's loop (rule 2)."""
+
+    count = 0
+
+
+_parked = _Parked()
+
+
+def num_parked() -> int:
+    """The number of tasks parked on this thread's loop, waiting for a future."""
+    return _parked.count
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+async def wait_async(future: Future[Any]) -> bool:
+    """Suspends the current task until ``future`` finishes; always a checkpoint.
+
+    Returns:
+        Whether the task had to wait (the future was not finished yet).
+    """
+    loop = loops.asyncio_loop()
+    if loop is not None:
+        return await _wait_asyncio(future, loop)
+    return await _wait_trio(future)
+
+
+async def _wait_asyncio(future: Future[Any], loop: asyncio.AbstractEventLoop) -> bool:
+    if future.done():
+        await asyncio.sleep(0)
+        return False
+    woken: asyncio.Future[None] = loop.create_future()
+
+    def wake() -> None:
+        # A closed loop raises RuntimeError: nobody is waiting any more.
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(_resolve, woken)
+
+    future._add_done_callback(wake)
+    _parked.count += 1
+    try:
+        await woken
+    finally:
+        _parked.count -= 1
+        future._remove_done_callback(wake)
+    return True
+
+
+async def _wait_trio(future: Future[Any]) -> bool:
+    token = loops.trio_token()
+    if token is None:
+        raise RuntimeError("An agang handle must be awaited from asyncio, uvloop or trio.")
+    import trio
+
+    if future.done():
+        await trio.lowlevel.checkpoint()
+        return False
+    event = trio.Event()
+
+    def wake() -> None:
+        # A finished run raises RunFinishedError: nobody is waiting any more.
+        with contextlib.suppress(trio.RunFinishedError):
+            token.run_sync_soon(event.set)
+
+    future._add_done_callback(wake)
+    _parked.count += 1
+    try:
+        await event.wait()
+    finally:
+        _parked.count -= 1
+        future._remove_done_callback(wake)
+    return True

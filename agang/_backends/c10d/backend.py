@@ -64,7 +64,7 @@ from agang._backends.contract import (
 )
 from agang._backends.cuda.runtime import DeviceRuntime, StreamOrder, torch_runtime
 from agang._reduce_op import ReduceOp, to_c10d
-from agang._runtime import exit as _exit
+from agang._runtime import threads
 
 log = logging.getLogger("agang")
 
@@ -410,7 +410,7 @@ class C10dBackend:
                 self._bind()
                 self._aborter.abort(groups)
 
-            _exit.start_daemon(abort_groups, name=f"agang: abort gang '{self._name}'")
+            threads.start_daemon(abort_groups, name=f"agang: abort gang '{self._name}'")
 
     def _groups(self) -> list[tuple[dist.ProcessGroup, str]]:
         """The groups and their backends, while the backend holds them."""

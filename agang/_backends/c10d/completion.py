@@ -10,7 +10,7 @@ import queue
 from typing import Any
 
 from agang._backends.contract import Done
-from agang._runtime import exit as _exit
+from agang._runtime import threads
 
 
 class WorkWaiter:
@@ -18,7 +18,7 @@ class WorkWaiter:
 
     def __init__(self, name: str) -> None:
         self._queue: queue.SimpleQueue[tuple[Any, Done] | None] = queue.SimpleQueue()
-        _exit.start_daemon(self._run, name=f"agang-wait {name}")
+        threads.start_daemon(self._run, name=f"agang-wait {name}")
 
     def watch(self, work: Any, done: Done) -> None:
         self._queue.put((work, done))

@@ -25,7 +25,6 @@ device" for ``await``, so, per gang (one ``Completion`` per ``C10dBackend``):
 
 from __future__ import annotations
 
-import os
 import queue
 import threading
 import weakref
@@ -36,7 +35,7 @@ import torch
 
 from agang._backends.contract import report_ordered
 from agang._backends.cuda.runtime import DeviceEvent, DeviceRuntime
-from agang._runtime import exit as _exit
+from agang._runtime import fork, threads
 
 Done = Callable[[BaseException | None], None]
 
@@ -58,8 +57,8 @@ def _forget_in_child() -> None:
     _running = weakref.WeakSet()
 
 
-_exit.add_stopper(_stop_all)  # after the gangs closed and aborted their work
-os.register_at_fork(after_in_child=_forget_in_child)
+threads.at_exit(stop=_stop_all)  # after the gangs closed and aborted their work
+fork.on_fork_in_child(_forget_in_child)
 
 
 class _Key:
@@ -112,7 +111,7 @@ class Completion:
                 self._stream = self._runtime.side_stream(self._device, self._key)
                 self._queue = queue.SimpleQueue()
                 jobs = self._queue
-                _exit.start_daemon(lambda: self._run(jobs), name=f"agang-nccl-watch {self._name}")
+                threads.start_daemon(lambda: self._run(jobs), name=f"agang-nccl-watch {self._name}")
                 with _lock:
                     _running.add(self)
             return self._queue, self._stream

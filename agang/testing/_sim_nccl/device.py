@@ -21,7 +21,6 @@ The rules it keeps, NCCL's and CUDA's:
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 import weakref
@@ -31,7 +30,7 @@ from typing import Any
 
 import torch
 
-from agang._runtime import exit as _exit
+from agang._runtime import fork, threads
 
 log = logging.getLogger("agang")
 
@@ -144,8 +143,8 @@ def _forget_in_child() -> None:
     _devices = weakref.WeakSet()
 
 
-_exit.add_stopper(_close_all)
-os.register_at_fork(after_in_child=_forget_in_child)
+threads.at_exit(stop=_close_all)
+fork.on_fork_in_child(_forget_in_child)
 
 
 class SimDevice:
@@ -161,7 +160,7 @@ class SimDevice:
         self._pending: list[Part] = []
         self._wake_at: float | None = None  # when the next running stall ends
         _devices.add(self)
-        _exit.start_daemon(self._run, name="agang-sim-nccl-device")
+        threads.start_daemon(self._run, name="agang-sim-nccl-device")
 
     # Called with ``cond`` held or taking it.
 
