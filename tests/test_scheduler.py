@@ -80,10 +80,12 @@ def test_the_gate_holds_later_ops_between_two_phases() -> None:
     scheduler.admit(entry(1))
 
     assert take_all(scheduler) == [0]
-    assert scheduler.would_queue()
+    assert scheduler.num_queued == 1  # held by the gate, with room to start
+    assert not scheduler.may_start(0)
     scheduler.release_gate(0)
     assert take_all(scheduler) == [1]
-    assert not scheduler.would_queue()
+    assert scheduler.num_queued == 0
+    assert scheduler.may_start(0)
 
 
 def test_finishing_a_gate_holder_opens_the_gate() -> None:

@@ -1,12 +1,12 @@
-"""The engine of a gang: everything between a user's call and its handle finishing.
+"""The engine of a gang: everything between a user's checked call and its handle finishing.
 
-- :mod:`agang._engine.engine`: numbering, admission, completion, deadlines, failure and
-  closing of one gang's ops (its rules are the semantics users rely on).
-- :mod:`agang._engine.scheduler`: the pure core: in flight, may start, late.
-- :mod:`agang._engine.room`: refusing, blocking and awaiting room under the bounds.
-- :mod:`agang._engine.busy`: which memory an unfinished op still uses.
-- :mod:`agang._engine.deadlines`: where and when a gang's one deadline check runs.
-- :mod:`agang._engine.coalescer` and :mod:`agang._engine.grouping`: ``coalesce()``
-  scopes, flat ops and buckets, grouped by program order only.
-- :mod:`agang._engine.reports`: the errors a timeout or a mismatch reports.
+One engine per gang numbers, admits, starts, completes and times out that gang's ops,
+and breaks and closes the gang (``engine``, whose rules are the semantics users rely
+on). Around it: what an op is to it (``ops``), the pure core that decides what is in
+flight and what may start (``scheduler``), room under the in-flight bounds (``room``),
+the memory unfinished ops still use (``busy``), the deadline timer and what happens when
+it finds an op late (``deadlines``), ``coalesce()`` scopes and buckets grouped by program
+order only (``coalescer``, ``grouping``), and the errors a timeout or a mismatch reports
+(``reports``). Helpers that are objects of their own reach the engine through small
+interfaces they define (``ops.OpOwner``, ``deadlines.Expiring``), never through its class.
 """

@@ -262,7 +262,7 @@ class Coalescer:
         """One all-reduce over ``tensors``, whose memory ``claims`` hold (flat ops)."""
         engine = self._engine
         num_bytes = sum([t.nbytes for t in tensors])
-        handle, _ = engine.new_handle("all_reduce", seconds, [], num_bytes)
+        handle = engine.new_handle("all_reduce", seconds, num_bytes)
         post: Callable[[], None] | None
         if len(tensors) == 1:
             flat, post = tensors[0], None

@@ -1,11 +1,15 @@
-"""Running a gang's deadline check at a given time, without a thread or task per op.
+"""Deadlines: one timer per gang, and what happens when it finds an op late.
 
-Each gang keeps at most one pending check (see ``engine``): armed for the earliest
-deadline of its in-flight ops, it expires what is due and re-arms itself. So the number
-of timers is per gang, not per op, and a million ops with a 30 s default cost nothing
-extra until something is really late.
+The engine's rule 5, in full, in two halves. A timer (``Alarm``) runs one gang's
+deadline check at a given time, without a thread or task per op; the check
+(``Expiry``) finds the ops that are late, asks the peers where they stand, and fails the
+late handles with ``GangTimeoutError``. The expiry talks to its engine through the small
+``Expiring`` interface defined here, so this module does not know the engine's class.
 
-Where the check runs (the *driver*):
+The timer. Each gang keeps at most one pending check: armed for the earliest deadline of
+its in-flight ops, it expires what is due and re-arms itself. So the number of timers is
+per gang, not per op, and a million ops with a 30 s default cost nothing extra until
+something is really late. Where the check runs (the *driver*):
 1. An op issued on an asyncio (or uvloop) loop arms the check on that loop with
    ``call_later``: the loop drives it, on its own clock (asyncio's is monotonic).
 2. Anything else (trio, synchronous callers, other threads) uses one process-wide timer
@@ -16,6 +20,17 @@ again (a new op), and when a waiter starts on one of its ops (a synchronous ``wa
 an ``await`` elsewhere after the ``asyncio.run`` that issued it has ended), so a check is
 never lost with a finished loop. Re-arming cancels the check it replaces, so a gang has
 one pending check, not one per re-arm. All times are ``time.monotonic()`` seconds.
+
+The expiry. The ops found late are failed once the backend's blame (``start_blame``) has
+said, per peer, whether it issued the op, is waiting on it, or gave no answer:
+3. *One question per batch.* The ops found late at one check share one blame, asked
+   about the oldest of them; a check that finds more while a blame is out adds them to
+   it. A thousand ops timing out together cost one round of questions, not a thousand.
+4. *Bounded.* The backend answers within its blame bound whatever the peers do, so a
+   timeout is raised at most that much after its deadline; the answer costs nothing
+   before a deadline passes (the peers read their own state only when asked).
+5. *Once.* A handle already finished (its op ended while the peers were asked) is not
+   failed again; ``on_timeout="abort"`` breaks the gang after the first expiry.
 """
 
 from __future__ import annotations
@@ -27,8 +42,17 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
 
+from agang import _blame
+from agang._backends.contract import Backend
+from agang._blame import Progress
+from agang._engine import reports
+from agang._engine.scheduler import Entry
+from agang._errors import OpContext
+from agang._handle import Handle
+from agang._policy import GangPolicy
 from agang._runtime import fork, threads
 from agang._runtime import loops as _asynclib
 
@@ -215,3 +239,120 @@ def _timer_thread() -> _TimerThread:
         if _timer is None:
             _timer = _TimerThread()
         return _timer
+
+
+class Expiring(Protocol):
+    """What the expiry needs of the engine whose deadlines it checks."""
+
+    name: str
+    policy: GangPolicy
+    backend: Backend
+
+    def late(self, now: float, lag: float | None) -> tuple[list[Entry], float | None]:
+        """Records the timer's ``lag`` (None: not the loop's), and returns the ops due at
+        ``now`` (each once) and the next deadline after them; under the gang's lock."""
+
+    def report_in_flight(self, now: float, skip: int) -> tuple[list[str], list[str]]:
+        """The ops in flight but ``skip``, and the recent ones, as a timeout reports them."""
+
+    def context(self, op: str, seq: int, timeout: float | None) -> OpContext:
+        """The op's identity, for its error."""
+
+    def is_ordered_only(self, seq: int) -> bool:
+        """Whether the op's handle finished once it was ordered (it is still in flight)."""
+
+    def count_timed_out(self) -> None:
+        """Counts one op timed out."""
+
+    def break_gang(self, cause: BaseException) -> None:
+        """Breaks the gang with ``cause`` (``on_timeout="abort"``)."""
+
+
+class Expiry:
+    """The deadline check of one gang (rules 3-5), and its timer: ``alarm`` runs
+    :meth:`check` when the earliest deadline comes. ``lock`` is the gang's."""
+
+    def __init__(self, owner: Expiring, lock: threading.RLock) -> None:
+        self._owner = owner
+        self._gang_lock = lock
+        self._lock = threading.Lock()
+        self._batch: list[Entry] | None = None  # late ops waiting on the blame that is out
+        self.alarm = Alarm(lock, self.check)
+
+    def check(self, armed_for: float, driver: object) -> None:
+        """The alarm's callback: finds the late ops and asks about them (rule 3)."""
+        owner = self._owner
+        now = time.monotonic()
+        with self._gang_lock:
+            # The loop ran this timer late by however long it was busy or blocked.
+            fired = self.alarm.fired(armed_for) and driver is not None
+            due, following = owner.late(now, max(0.0, now - armed_for) if fired else None)
+        if following is not None:
+            self.alarm.arm(following)
+        if not due:
+            return
+        with self._lock:
+            if self._batch is not None:
+                self._batch.extend(due)
+                return
+            self._batch = list(due)
+        asked = due[0].seq
+        try:
+            owner.backend.start_blame(asked, lambda peers, note: self._blamed(asked, peers, note))
+        except Exception as exc:  # the question never left: fail the ops without answers
+            log.debug("Gang '%s' could not ask its peers.", owner.name, exc_info=True)
+            self._blamed(asked, None, f"asking failed: {exc}")
+
+    def _blamed(self, asked: int, peers: Mapping[int, Progress | None] | None, note: str) -> None:
+        with self._lock:
+            batch, self._batch = self._batch or [], None
+        for entry in batch:
+            handle, _ = entry.item
+            index = entry.check_index if not entry.ready else None
+            self.expire(handle, asked=asked, peers=peers, note=note, index=index)
+
+    def expire(
+        self,
+        handle: Handle[Any],
+        *,
+        asked: int,
+        peers: Mapping[int, Progress | None] | None,
+        note: str,
+        index: int | None,
+    ) -> None:
+        """Fails ``handle`` with a ``GangTimeoutError`` naming what the peers said."""
+        owner = self._owner
+        now = time.monotonic()
+        in_flight, recent = owner.report_in_flight(now, handle.seq)
+        abort = owner.policy.on_timeout == "abort"
+        where = owner.backend.where
+        if peers is None:
+            blamed = f"The peers could not be asked where they stand: {note}."
+        else:
+            blamed = _blame.describe(peers, where)
+            if asked != handle.seq and blamed:
+                blamed = f"{blamed[:-1]} (asked about #{asked}, the oldest late op)."
+        error = reports.timed_out(
+            owner.context(handle.op, handle.seq, handle.timeout),
+            elapsed=now - handle.issued_at,
+            in_flight=in_flight,
+            recent=recent,
+            abort=abort,
+            index=index,
+            absent=None if peers is None else _blame.absent(peers),
+            blamed=blamed,
+            peers=dict(peers) if peers is not None else None,
+        )
+
+        def count_timed_out() -> None:
+            owner.count_timed_out()
+            if abort:
+                owner.break_gang(error)
+
+        if owner.is_ordered_only(handle.seq):
+            # Its handle succeeded once ordered; the op itself is late.
+            log.error("%s", error)
+            count_timed_out()
+            return
+        # Broken before the waiters wake: their next call must be refused (rule 6).
+        handle._finish(None, error, then=count_timed_out)

@@ -32,7 +32,7 @@ Rules:
    with ``on_timeout="abort"`` the gang then breaks, with ``"raise"`` only that handle
    fails and its op stays in flight (tensors busy) until the backend ends it. The error
    says where each peer stood, asked through the backend's blame within its bound
-   (``expiry``): issued the op and waiting, not issued it yet, or no answer.
+   (``deadlines.Expiry``): issued the op and waiting, not issued it yet, or no answer.
 6. *A failure breaks the gang.* Any failure of a started op breaks the gang: every
    pending handle fails with ``GangBrokenError`` (the first cause attached), queued ops
    are dropped unstarted, the backend is aborted, and every later call (a woken
@@ -67,16 +67,17 @@ from agang._backends import fingerprint as flows
 from agang._backends.call_site import call_site
 from agang._backends.contract import Backend, Done
 from agang._blame import Progress, State
-from agang._engine import busy, ending, reports
-from agang._engine import deadlines as deadline
-from agang._engine.expiry import Expiry
+from agang._engine import busy, reports
+from agang._engine.deadlines import Expiry
 from agang._engine.ops import Fingerprint, OpEnd, SecondPhase, Start, start_guarded
 from agang._engine.room import Room
 from agang._engine.scheduler import Entry, Scheduler
 from agang._errors import (
+    CollectiveError,
     GangBrokenError,
     GangClosedError,
     GangInheritedError,
+    GangTimeoutError,
     OpContext,
 )
 from agang._handle import Handle, issued
@@ -122,8 +123,8 @@ class Engine:
         self._room = Room(
             self.lock, self._scheduler.is_full, self.check_usable, policy.limits, self.name
         )
-        self._expiry = Expiry(self)
-        self._alarm = deadline.Alarm(self.lock, self._expiry.check)
+        self._expiry = Expiry(self, self.lock)
+        self._alarm = self._expiry.alarm
         self._last_op: str | None = None
         self._counters = Counters()
         self._ops_left_in_backend = False
@@ -159,27 +160,38 @@ class Engine:
                 self.broken,
             ) from self.broken
 
-    def new_handle(
-        self,
-        op: str,
-        seconds: float | None,
-        tensors: Sequence[tuple[str, torch.Tensor]],
-        num_bytes: int | None = None,
-    ) -> tuple[Handle[Any], busy.Claim]:
-        """Numbers the op and marks its tensors busy, atomically (rule 2)."""
+    def new_handle(self, op: str, seconds: float | None, num_bytes: int) -> Handle[Any]:
+        """Numbers an op whose memory its caller claims (flat ops: their members';
+        two-phase ops: none of the user's), for :meth:`admit` (rule 2)."""
         if self.closed or self.broken is not None:
             self.check_usable()
-        if num_bytes is None:
-            num_bytes = sum(t.numel() * t.element_size() for _, t in tensors)
         with self.lock:
+            handle, _ = self._number_and_claim(op, (), num_bytes, seconds)
+        return handle
+
+    def _number_and_claim(
+        self,
+        op: str,
+        tensors: Sequence[tuple[str, torch.Tensor]],
+        num_bytes: int,
+        seconds: float | None,
+    ) -> tuple[Handle[Any], busy.Claim]:
+        """Numbers the op and marks its tensors busy, as one step (rule 2); the caller
+        holds the lock. Raises before anything is committed (rule 1)."""
+        if self._judges_room:
             self._room.wait_or_refuse(op, num_bytes, seconds)
-            seq = self._next_seq
-            handle = issued(op, seq, num_bytes, seconds, self)
-            claim = busy.acquire(tensors, handle)  # raises before anything is committed
-            self._next_seq = seq + 1
-            self._last_op = op
-            self._counters.num_issued += 1
-            self._counters.bytes_issued += num_bytes
+        seq = self._next_seq
+        handle = issued(op, seq, num_bytes, seconds, self)
+        if len(tensors) == 1:  # most ops: the one-range claim, without building a list
+            name, tensor = tensors[0]
+            claim = busy.acquire_one(name, tensor, handle)
+        else:
+            claim = busy.acquire(tensors, handle)
+        self._next_seq = seq + 1
+        self._last_op = op
+        counters = self._counters
+        counters.num_issued += 1
+        counters.bytes_issued += num_bytes
         return handle, claim
 
     def issue(
@@ -201,25 +213,13 @@ class Engine:
         """
         if self.closed or self.broken is not None:
             self.check_usable()
-        one = len(tensors) == 1
-        if one:
-            name, tensor = tensors[0]
-            num_bytes = tensor.nbytes  # contiguous (checked): numel * element_size
+        if len(tensors) == 1:
+            num_bytes = tensors[0][1].nbytes  # contiguous (checked): numel * element_size
         else:
             num_bytes = sum(t.numel() * t.element_size() for _, t in tensors)
         checked = fingerprint is not None and self.checks_order
         with self.lock:
-            if self._judges_room:
-                self._room.wait_or_refuse(op, num_bytes, seconds)
-            seq = self._next_seq
-            handle = issued(op, seq, num_bytes, seconds, self)
-            # Raises before anything is committed (rule 1).
-            claim = busy.acquire_one(name, tensor, handle) if one else busy.acquire(tensors, handle)
-            self._next_seq = seq + 1
-            self._last_op = op
-            counters = self._counters
-            counters.num_issued += 1
-            counters.bytes_issued += num_bytes
+            handle, claim = self._number_and_claim(op, tensors, num_bytes, seconds)
             done = OpEnd(self, handle, output, busy.release, claim, tensors)
             if checked or self._draining or not self._scheduler.may_start(num_bytes):
                 due = None if seconds is None else handle.issued_at + seconds
@@ -377,7 +377,7 @@ class Engine:
         fingerprint: Fingerprint,
     ) -> Handle[Any]:
         """Issues an op whose second step depends on the first one's result (rule 9)."""
-        handle, _ = self.new_handle(op, seconds, [], num_bytes)
+        handle = self.new_handle(op, seconds, num_bytes)
 
         def fail(error: BaseException | None) -> None:
             self.complete(handle, None, error)
@@ -415,12 +415,133 @@ class Engine:
         )
         return handle
 
-    # Completion (rules 4 and 10), failure (6) and closing (7): ``ending``'s.
+    # Completion (rules 4 and 10): an op's end comes back through its ``OpEnd`` (``ops``); one
+    # that ended inside its start on the issuing thread is taken by :meth:`_start_now` instead.
 
-    complete = ending.complete
-    ordered = ending.ordered
-    break_gang = ending.break_gang
-    mark_closed = ending.mark_closed
+    def complete(self, handle: Handle[Any], value: Any, error: BaseException | None) -> None:
+        """The backend op behind ``handle`` has ended (its tensors are free)."""
+        now = time.monotonic()
+        seconds = now - handle.issued_at
+        # A handle that already failed (its deadline passed) records as timed out.
+        timed_out = isinstance(handle._error, GangTimeoutError)
+        outcome = "timed out" if timed_out else ("ok" if error is None else "failed")
+        with self.lock:
+            entry = self._scheduler.finish(handle.seq, seconds=seconds, outcome=outcome)
+            room_waiters = self._room.wake()
+            ordered_early = self._ordered_early
+            if ordered_early and handle.seq in ordered_early:
+                ordered_early.discard(handle.seq)
+                if error is None:
+                    self._counters.completed(handle.op, seconds)
+                counted = False  # its handle finished when ordered: nothing more to count
+            else:
+                # The common end: a success whose entry just left the core, so no deadline
+                # or break can fail its handle any more: it is counted now, before it
+                # finishes (a waiter that finds it done sees it counted), not in a ``then``.
+                counted = (
+                    error is None
+                    and entry is not None
+                    and not entry.expired
+                    and self.broken is None
+                    and not self.closed
+                    and not handle._settled()
+                )
+                if counted:
+                    self._counters.completed(handle.op, seconds)
+        for waiter in room_waiters:
+            waiter._finish(None, None)
+        if counted:
+            handle._finish(value, None)
+        elif error is None:
+
+            def count_completed() -> None:
+                with self.lock:
+                    self._counters.completed(handle.op, time.monotonic() - handle.issued_at)
+
+            handle._finish(value, None, then=count_completed)
+        else:
+            if isinstance(error, GangBrokenError | GangClosedError | CollectiveError):
+                wrapped: BaseException = error
+            else:
+                context = self.context(handle.op, handle.seq, handle.timeout)
+                explained = f"{context.describe()} failed: {error}{self.backend.explain(error)}"
+                wrapped = CollectiveError(explained, context)
+                wrapped.__cause__ = error
+
+            def count_failed_and_break() -> None:
+                with self.lock:
+                    self._counters.num_failed += 1
+                self.break_gang(wrapped)
+
+            # Broken before the waiters wake: their next call must be refused (rule 6).
+            finished = handle._finish(None, wrapped, then=count_failed_and_break)
+            if not finished and not isinstance(error, GangBrokenError | GangClosedError):
+                # Timed out (on_timeout="raise"), then failed in c10d: unusable all the same.
+                self.break_gang(wrapped)
+        if self._scheduler.num_queued:
+            self._drain()
+
+    def ordered(self, handle: Handle[Any], value: Any) -> None:
+        """The op behind ``handle`` is ordered on the caller's stream (rule 10)."""
+        with self.lock:
+            self._ordered_early.add(handle.seq)
+        handle._finish(value, None)
+
+    # Failure and closing (rules 6 and 7).
+
+    def _take_pending(self) -> tuple[list[Any], list[tuple[Handle[Any], Done]]]:
+        """The pending handles, room waiters and never-started ops (now dropped); the caller
+        holds the lock, has marked the gang broken or closed, and fails them unlocked."""
+        items = [entry.item for entry in self._scheduler.entries.values()]
+        dropped = [entry.item for entry in self._scheduler.drop_queued()]
+        pending: list[Any] = [handle for handle, _ in items if not handle._settled()]
+        self._counters.num_failed += len(pending)
+        self._ops_left_in_backend = any(e.started for e in self._scheduler.entries.values())
+        pending.extend(self._room.wake())  # they fail with the others, and re-check
+        return pending, dropped
+
+    def break_gang(self, cause: BaseException) -> None:
+        """Marks the gang broken by ``cause``, fails what is pending, aborts the backend."""
+
+        def abandoned(what: object) -> BaseException:
+            error = GangBrokenError(
+                f"{what} on gang '{self.name}' was abandoned: the gang broke on an earlier "
+                f"failure: {cause}",
+                cause,
+            )
+            error.__cause__ = cause
+            return error
+
+        with self.lock:
+            if self.broken is not None or self.closed:
+                return
+            self.broken = cause
+            pending, dropped = self._take_pending()
+        log.error("Gang '%s' (rank %d) is broken: %s", self.name, self.rank, cause)
+        for future in pending:
+            future._finish(None, abandoned(future))
+        for handle, abandon in dropped:
+            abandon(abandoned(handle))  # releases their tensors; nothing was started
+        try:
+            # A woken waiter may have closed it meanwhile: backends cope with abort after release.
+            self.backend.abort()
+        except Exception:
+            log.exception("Aborting the communicator of gang '%s' failed.", self.name)
+
+    def mark_closed(self) -> bool:
+        """Closes the gang at once, failing pending waiters (rule 7); False if closed."""
+        with self.lock:
+            if self.closed:
+                return False
+            self.closed = True
+            pending, dropped = self._take_pending()
+        for future in pending:
+            future._finish(
+                None, GangClosedError(f"{future} was pending when gang '{self.name}' was closed.")
+            )
+        for handle, abandon in dropped:
+            abandon(GangClosedError(f"{handle} was pending when gang '{self.name}' was closed."))
+        return True
 
     def count_coalesced(self, num_members: int) -> None:
         with self.lock:
@@ -447,6 +568,28 @@ class Engine:
         without the lock, which a parent thread may have held at the fork."""
         self.broken = error
         self.closed = True
+
+    # What the deadline check asks (rule 5; ``deadlines.Expiring``).
+
+    def late(self, now: float, lag: float | None) -> tuple[list[Entry], float | None]:
+        with self.lock:
+            if lag is not None:
+                self._counters.lags.append(lag)
+            return self._scheduler.due(now), self._scheduler.next_deadline()
+
+    def report_in_flight(self, now: float, skip: int) -> tuple[list[str], list[str]]:
+        with self.lock:
+            in_flight = self._scheduler.describe_in_flight(now, skip=skip)
+            recent = [record.describe() for record in self._scheduler.recent()]
+        return in_flight, recent
+
+    def is_ordered_only(self, seq: int) -> bool:
+        with self.lock:
+            return seq in self._ordered_early
+
+    def count_timed_out(self) -> None:
+        with self.lock:
+            self._counters.num_timed_out += 1
 
     # Blame (rule 5): where this rank stands, when a peer's deadline asks.
 

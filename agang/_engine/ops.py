@@ -1,29 +1,62 @@
-"""What an op is to the engine: how it starts, and how its end comes back.
+"""What an op is to the engine: what a collective describes, how it starts, and how its
+end comes back.
 
-The engine hands the backend a ``start`` (which calls a ``start_*`` of the backend) and
-an ``OpEnd`` (the ``done`` the backend calls); see ``engine``'s rules "The end is
-reported once" and "Ordered, then done".
+A collective is checked and described (``agang._collective``) as an :class:`Op`: its
+name, the tensors it uses, what its handle finishes with, a ``start`` (which calls a
+``start_*`` of the backend) and its fingerprint. The engine numbers it and hands the
+backend the ``start`` and an ``OpEnd`` (the ``done`` the backend calls); see ``engine``'s
+rules "The end is reported once" and "Ordered, then done". ``OpEnd`` reports to an
+``OpOwner`` (the engine), an interface defined here so that this module needs no engine.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, Protocol
+
+import torch
 
 from agang._backends.contract import Done
-
-if TYPE_CHECKING:
-    from agang._engine.engine import Engine
-    from agang._handle import Handle
+from agang._handle import Handle
 
 #: Starts an op in the backend; the op reports its end through the ``Done`` it is given.
 Start = Callable[[Done], None]
-#: The second phase of a two-phase op: given a way to start its backend op, with the
-#: function that turns the op's buffers into the handle's value.
 #: An op's order-check fingerprint, or what makes it: made only where it is compared,
 #: since most gangs never check order and describing tensors costs on every op.
 Fingerprint = str | Callable[[], str]
+#: The second phase of a two-phase op: given a way to start its backend op, with the
+#: function that turns the op's buffers into the handle's value.
 SecondPhase = Callable[[Callable[[Start, Callable[[], Any]], None]], None]
+
+
+class Op(NamedTuple):
+    """One collective as checked and described, ready for the engine to issue."""
+
+    #: The collective's name, as its handle and errors show it (``"broadcast"``).
+    name: str
+    #: The tensors the op uses, named as the caller passed them: busy until it ends.
+    tensors: Sequence[tuple[str, torch.Tensor]]
+    #: What the op's handle finishes with.
+    output: Any
+    #: Starts the op in the backend.
+    start: Start
+    #: The op's order-check fingerprint; None for ops that are not order-checked
+    #: (point-to-point ones).
+    fingerprint: Fingerprint | None = None
+
+
+class OpOwner(Protocol):
+    """What an op's end reports to (the engine that issued it)."""
+
+    def complete(self, handle: Handle[Any], value: Any, error: BaseException | None) -> None:
+        """The op behind ``handle`` ended, with ``error`` or None (its tensors are free)."""
+
+    def ordered(self, handle: Handle[Any], value: Any) -> None:
+        """The op behind ``handle`` is ordered on the caller's stream; it has not ended."""
+
+    def ends_inline(self, done: OpEnd) -> bool:
+        """Whether ``done`` is being called inside its op's start, on the thread that
+        started it (the owner then takes the end itself, once the start returns)."""
 
 
 def start_guarded(start: Start, done: Done) -> None:
@@ -57,7 +90,7 @@ class OpEnd:
 
     def __init__(
         self,
-        engine: Engine,
+        engine: OpOwner,
         handle: Handle[Any],
         output: Any,
         release: Callable[[Any], None],

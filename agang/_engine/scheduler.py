@@ -110,10 +110,6 @@ class Scheduler:
     def num_queued(self) -> int:
         return len(self._queue)
 
-    def would_queue(self) -> bool:
-        """True when an op admitted now could not start at once (rule 2)."""
-        return bool(self._queue) or self._gate_holder is not None
-
     def is_full(self, num_bytes: int) -> bool:
         """True when admitting ``num_bytes`` more would pass a bound (rule 2c).
 
