@@ -9,7 +9,6 @@ Example:
 from agang._backends.c10d.retry import RetryPolicy as RetryPolicy
 from agang._collective.fake_gang import FakeGang as FakeGang
 from agang._collective.process_group_gang import ProcessGroupGang as ProcessGroupGang
-from agang._engine.coalescer import Coalesced as Coalesced
 from agang._errors import CollectiveError as CollectiveError
 from agang._errors import CollectiveMismatchError as CollectiveMismatchError
 from agang._errors import GangBrokenError as GangBrokenError
@@ -24,6 +23,7 @@ from agang._errors import TensorBusyError as TensorBusyError
 from agang._gang import Gang as Gang
 from agang._gradient_sync import GradientSync as GradientSync
 from agang._gradient_sync import StepTimes as StepTimes
+from agang._handle import Coalesced as Coalesced
 from agang._handle import Handle as Handle
 from agang._parallel.gangs import Gangs as Gangs
 from agang._parallel.gangs import all_sum as all_sum

@@ -53,12 +53,10 @@ from typing import Any, final
 
 import torch
 
-from agang._backends.cuda.runtime import DeviceEvent, StreamOrder
-from agang._collective.gang import CollectiveGang
-from agang._engine.coalescer import all_of
+from agang._backends.cuda.runtime import DeviceEvent
 from agang._engine.grouping import flatten, unflatten_into
 from agang._gang import Gang
-from agang._handle import Handle
+from agang._handle import Handle, all_of
 from agang._reduce_op import ReduceOp
 from agang._runtime.future import Future
 from agang._validate import check_positive_int, check_rank, check_reduce_op, check_timeout
@@ -171,9 +169,7 @@ class GradientSync:
                 f"`gang` must be an agang.Gang, but is of type `{type(gang).__name__}` instead."
             )
         self._gang = gang
-        self._order: StreamOrder | None = (
-            gang.stream_order() if isinstance(gang, CollectiveGang) else None
-        )
+        self._order = gang._stream_order()
         op = check_reduce_op(op)
         # MEAN divides while copying into the bucket, then sums (rule 8).
         self._scale = 1.0 / gang.size if op is ReduceOp.MEAN and gang.size > 1 else None

@@ -1,17 +1,23 @@
-"""The handle a collective returns: issued already, complete when awaited.
+"""What a gang's call returns: a handle, issued already, complete when awaited.
 
 A handle is one op as the user issued it: an all-reduce, a broadcast, a whole
 ``all_reduce_bucketed`` call. It is a :class:`~agang._runtime.future.Future` (finished once, by
 any thread; waiting never changes the op) with the op's metadata, and it tells the
 engine that issued it (its *owner*) when a waiter starts and when one resumes.
+
+Every result type a call returns lives here: :class:`Handle`; :class:`Coalesced`, what a
+``coalesce()`` scope issued; :func:`all_of`, one handle over several backend ops (a
+bucketed all-reduce, a scope); :func:`failed_handle`, for an op that could not be issued.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Generator, Iterable, Sequence
 from typing import Any, Protocol, TypeVar, final
+
+import torch
 
 from agang._policy import GangPolicy
 from agang._runtime import brief_wait
@@ -185,3 +191,85 @@ def finish_all(outcomes: Iterable[tuple[Handle[Any], Any]], error: BaseException
     now = time.monotonic()
     for handle, value in outcomes:
         handle._finish_at(value, error, now)
+
+
+def failed_handle(op: str, error: BaseException) -> Handle[Any]:
+    """The handle of an op that could not be issued: failed already, never numbered."""
+    handle: Handle[Any] = Handle(op=op, seq=UNNUMBERED, num_bytes=0, timeout=None)
+    handle._finish(None, error)
+    return handle
+
+
+def all_of(handles: Sequence[Handle[Any]], value: Any, *, op: str) -> Handle[Any]:
+    """One user op made of several backend ops: a handle that finishes with ``value``
+    once all ``handles`` have, or with the first error among them (in order)."""
+    combined: Handle[Any] = Handle(
+        op=op,
+        seq=handles[0].seq if handles else UNNUMBERED,
+        num_bytes=sum(h.num_bytes for h in handles),
+        timeout=group_timeout([h.timeout for h in handles]),
+        owner=handles[0]._owner if handles else None,
+    )
+    if not handles:
+        combined._finish(value, None)
+        return combined
+    lock = threading.Lock()
+    remaining = [len(handles)]
+
+    def one_done() -> None:
+        with lock:
+            remaining[0] -= 1
+            if remaining[0]:
+                return
+        errors = [h.exception() for h in handles if h.exception() is not None]
+        combined._finish(None if errors else value, errors[0] if errors else None)
+
+    for handle in handles:
+        handle._add_done_callback(one_done)
+    return combined
+
+
+def group_timeout(timeouts: Sequence[float | None]) -> float | None:
+    """The tightest deadline of a group's members; None when none has one."""
+    finite = [t for t in timeouts if t is not None]
+    return min(finite) if finite else None
+
+
+HELD = (
+    "This all_reduce is held by the open `coalesce()` scope that issued it and starts "
+    "when the scope ends; await it after the `with` block."
+)
+
+
+@final
+class Coalesced:
+    """What a ``coalesce()`` scope issued: await it for all its tensors at once.
+
+    Each held all-reduce also has its own handle (:attr:`handles`); awaiting this object
+    instead costs one wake-up for the whole scope.
+
+    Example:
+        >>> with gang.coalesce() as batch:
+        ...     for grad in grads:
+        ...         gang.all_reduce(grad)
+        >>> await batch  # every grad reduced, in place
+    """
+
+    def __init__(self) -> None:
+        #: The handles of the scope's all-reduces, in call order.
+        self.handles: list[Handle[torch.Tensor]] = []
+        self._tensors: list[torch.Tensor] = []
+        self._flats: list[Handle[list[torch.Tensor]]] = []  # the flat ops, as issued
+        self._all: Handle[list[torch.Tensor]] | None = None
+
+    def _issued(self) -> Handle[list[torch.Tensor]]:
+        if self._all is None:
+            raise RuntimeError(HELD)
+        return self._all
+
+    def __await__(self) -> Generator[Any, None, list[torch.Tensor]]:
+        return self._issued().__await__()
+
+    def wait(self, timeout: float | None = None) -> list[torch.Tensor]:
+        """Blocks until every all-reduce of the scope finished; their tensors."""
+        return self._issued().wait(timeout)

@@ -12,7 +12,7 @@ Method:
     floor         ``t.mul_(2)`` (the in-place op itself), then the loop's one-shot
                   resolved and awaited: an asyncio future (asyncio, uvloop); trio
                   has none, so an Event set and waited (a checkpoint)
-    +validation   the gang's tensor check (``check_tensor``), then the floor
+    +validation   the gang's tensor check (``Group.tensor``), then the floor
     +backend      the check, then the fake backend's ``start_all_reduce`` (its own
                   Python around the in-place op), then the floor's one-shot
     +issue        ``gang.all_reduce(t)``, not awaited, in place of the in-place op:
@@ -108,7 +108,7 @@ async def _floor_asyncio(gang: agang.FakeGang, tensor: torch.Tensor, count: int)
 
 async def _validation_asyncio(gang: agang.FakeGang, tensor: torch.Tensor, count: int) -> int:
     loop = asyncio.get_running_loop()
-    check = gang._check_tensor
+    check = gang._group.tensor
     start = time.perf_counter_ns()
     for _ in range(count):
         check(tensor, "tensor")
@@ -121,7 +121,7 @@ async def _validation_asyncio(gang: agang.FakeGang, tensor: torch.Tensor, count:
 
 async def _backend_asyncio(gang: agang.FakeGang, tensor: torch.Tensor, count: int) -> int:
     loop = asyncio.get_running_loop()
-    check, start_all_reduce = gang._check_tensor, gang._backend.start_all_reduce
+    check, start_all_reduce = gang._group.tensor, gang._backend.start_all_reduce
     start = time.perf_counter_ns()
     for _ in range(count):
         check(tensor, "tensor")
@@ -183,7 +183,7 @@ async def _floor_trio(gang: agang.FakeGang, tensor: torch.Tensor, count: int) ->
 
 
 async def _validation_trio(gang: agang.FakeGang, tensor: torch.Tensor, count: int) -> int:
-    check = gang._check_tensor
+    check = gang._group.tensor
     start = time.perf_counter_ns()
     for _ in range(count):
         check(tensor, "tensor")
@@ -195,7 +195,7 @@ async def _validation_trio(gang: agang.FakeGang, tensor: torch.Tensor, count: in
 
 
 async def _backend_trio(gang: agang.FakeGang, tensor: torch.Tensor, count: int) -> int:
-    check, start_all_reduce = gang._check_tensor, gang._backend.start_all_reduce
+    check, start_all_reduce = gang._group.tensor, gang._backend.start_all_reduce
     start = time.perf_counter_ns()
     for _ in range(count):
         check(tensor, "tensor")

@@ -28,7 +28,7 @@ def _parts(gang: agang.FakeGang, tensor: torch.Tensor) -> dict[str, Callable[[in
     scheduler = engine._scheduler
 
     def validation(count: int) -> int:
-        check = gang._check_tensor
+        check = gang._group.tensor
         start = time.perf_counter_ns()
         for _ in range(count):
             check(tensor, "tensor")

@@ -31,6 +31,8 @@ import itertools
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
+import torch
+
 _SEPARATOR = "\n"
 _MASK = (1 << 64) - 1
 
@@ -48,6 +50,18 @@ class Flows:
 
 def _join(rows: Sequence[int]) -> str:
     return ",".join(str(n) for n in rows)
+
+
+def describe(tensor: torch.Tensor) -> str:
+    """A tensor's dtype and shape, as fingerprints show it: ``float32[4, 2]``."""
+    return f"{str(tensor.dtype).removeprefix('torch.')}{list(tensor.shape)}"
+
+
+def describe_rows(tensor: torch.Tensor) -> str:
+    """A tensor of rows whose number may differ by rank, as fingerprints show it:
+    ``float32[*, 4]``."""
+    dims = ", ".join(["*", *(str(n) for n in tensor.shape[1:])])
+    return f"{str(tensor.dtype).removeprefix('torch.')}[{dims}]"
 
 
 def with_flows(fingerprint: str, sends: Sequence[int], receives: Sequence[int]) -> str:

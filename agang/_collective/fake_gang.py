@@ -14,8 +14,7 @@ from typing_extensions import override
 
 from agang._backends.fake import FakeBackend, no_peers
 from agang._collective.gang import CollectiveGang
-from agang._collective.serialize import Serializer
-from agang._gang_exchanges import Transfer
+from agang._gang import Serializer, Transfer
 from agang._handle import Handle
 from agang._policy import CheckOrder, GangPolicy, InFlightLimits, OnTimeout, make_policy
 from agang._validate import check_positive_int, check_rank

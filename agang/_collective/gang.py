@@ -1,4 +1,4 @@
-"""The one implementation of :class:`agang.Gang`: validation in front of an engine.
+"""The one implementation of :class:`agang.Gang`: checks in front of an engine.
 
 A ``CollectiveGang`` is made of parts, each holding the next, with one-way calls:
 - the gang checks every call's input, naming the parameter, resolves its timeout once,
@@ -8,17 +8,21 @@ A ``CollectiveGang`` is made of parts, each holding the next, with one-way calls
   out ops, breaks and closes the gang, over
 - the backend (``agang._backends.contract``), which moves the bytes.
 
-``ProcessGroupGang``, ``FakeGang`` and ``testing.FakeWorldGang`` are this class over
-their backend. Sub-gangs and lanes are made here, once, from the backend's children.
+Every collective but ``all_reduce`` is one line here: a function of its family
+(``even``, ``rooted``, ``uneven``, ``objects``) checks the call against the gang's
+``Group`` and describes it as an ``Op``, which the gang issues. ``all_reduce`` keeps an
+inline path: it is the most frequent call, and it decides whether an open scope holds it.
 Only collectives are order-checked (fingerprint: op, shapes, dtypes, reduce op, root).
-The rooted collectives (reduce, gather, scatter) are the mixin ``agang._collective.rooted``'s;
-all_gather, all_to_all and exchange (whose blocks may be uneven) ``agang._collective.uneven``'s.
+
+``ProcessGroupGang``, ``FakeGang`` and ``testing.FakeWorldGang`` are this class over
+their backend. Sub-gangs and lanes are made here, once, from the backend's children,
+each a gang of the parent's class made by :meth:`CollectiveGang._from_backend`.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Literal, Self, overload
 
 import torch
@@ -26,46 +30,37 @@ from typing_extensions import override
 
 from agang._backends.contract import Backend
 from agang._backends.cuda.runtime import StreamOrder
-from agang._collective import objects as _objects
-from agang._collective.lanes import Lanes
-from agang._collective.rooted import RootedCollectives
-from agang._collective.serialize import Serializer
-from agang._collective.uneven import ExchangeCollectives
-from agang._engine.coalescer import DEFAULT_BUCKET_BYTES, Coalesced, Coalescer, all_of, describe
+from agang._backends.fingerprint import describe
+from agang._collective import even, rooted, uneven
+from agang._collective import objects as object_ops
+from agang._collective.checks import Group, check_reduce_dtype
+from agang._engine.coalescer import DEFAULT_BUCKET_BYTES, Coalescer
 from agang._engine.engine import Engine
-from agang._engine.ops import Fingerprint, Start
-from agang._gang import Gang
-from agang._handle import Handle
+from agang._engine.ops import Op
+from agang._gang import Gang, Serializer, Transfer
+from agang._handle import Coalesced, Handle, all_of
 from agang._policy import GangPolicy
 from agang._reduce_op import ReduceOp
+from agang._runtime.future import Future
 from agang._runtime.threads import run_all, run_blocking
 from agang._statistics import GangStatistics
 from agang._validate import (
     check_bool,
-    check_distinct,
     check_member_ranks,
     check_non_negative_int,
     check_positive_int,
-    check_rank,
-    check_reduce_dtype,
     check_reduce_op,
-    check_same_dtype,
-    check_shape,
-    check_stacked_or_concatenated,
-    check_tensor,
-    check_tensor_list,
-    is_usual_tensor,
-    supported_dtypes,
 )
 
 # How long ``close`` waits for the backend's release at most: on NCCL the release's
 # abort waits until this rank's device reached the gang's queued kernels
-# (``c10d_abort`` rule 1); past this, close returns and the release ends on its thread.
+# (``agang._backends.c10d.abort`` rule 1); past this, close returns and the release ends
+# on its thread.
 _CLOSE_SECONDS = 5.0
 _SUM = ReduceOp.SUM  # an enum member's lookup costs per call
 
 
-class CollectiveGang(RootedCollectives, ExchangeCollectives, Gang):
+class CollectiveGang(Gang):
     """A gang over a backend: every collective, lanes, sub-gangs, coalescing, closing.
 
     Args:
@@ -75,16 +70,21 @@ class CollectiveGang(RootedCollectives, ExchangeCollectives, Gang):
 
     def __init__(self, backend: Backend, policy: GangPolicy) -> None:
         self._backend = backend
-        self._device = backend.device
-        self._dtypes = supported_dtypes(backend.kind)
+        self._group = Group.of(backend)
         self._engine = Engine(backend, policy)
         self._coalescer = Coalescer(self._engine, backend)
-        self._lanes = Lanes(self._engine.lock)
+        # Lanes by name: each made once, on first call, and shared by later calls. Two
+        # tasks asking for one name at once get one lane: the first registers a future
+        # that the others await. A failed making is forgotten, so a later call may retry.
+        self._lanes: dict[str, tuple[bool, Future[Gang]]] = {}
         self._children: list[CollectiveGang] = []
 
     @classmethod
-    def _over(cls, backend: Backend, policy: GangPolicy) -> Self:
-        """A gang of this class over a child's ``backend`` (made by the parent's)."""
+    def _from_backend(cls, backend: Backend, policy: GangPolicy) -> Self:
+        """The children's constructor: a gang of this class over ``backend``, a child of
+        a gang's backend (a sub-gang, a lane) or a backend made apart from the class's
+        own constructor (a ``DeviceMesh``'s group). It skips the subclass's constructor,
+        whose arguments only a root gang has, and so must stay all a gang needs."""
         gang = cls.__new__(cls)
         CollectiveGang.__init__(gang, backend, policy)
         return gang
@@ -94,22 +94,22 @@ class CollectiveGang(RootedCollectives, ExchangeCollectives, Gang):
     @property
     @override
     def rank(self) -> int:
-        return self._backend.rank
+        return self._group.rank
 
     @property
     @override
     def size(self) -> int:
-        return self._backend.size
+        return self._group.size
 
     @property
     @override
     def device(self) -> torch.device:
-        return self._device
+        return self._group.device
 
     @property
     @override
     def backend(self) -> str:
-        return self._backend.kind
+        return self._group.kind
 
     @property
     @override
@@ -126,44 +126,50 @@ class CollectiveGang(RootedCollectives, ExchangeCollectives, Gang):
         """The gang's timeout, in-flight and order-checking policy."""
         return self._engine.policy
 
-    def stream_order(self) -> StreamOrder | None:
-        """Orders device work of code above the gang around its ops; None on a CPU."""
+    @override
+    def _stream_order(self) -> StreamOrder | None:
         return self._backend.stream_order()
 
     def __repr__(self) -> str:
         return (
             f"<{type(self).__name__} '{self.name}' rank {self.rank} of {self.size} "
-            f"{self.backend} {self._device}>"
+            f"{self.backend} {self.device}>"
         )
 
-    def _check_tensor(self, tensor: object, name: str) -> torch.Tensor:
-        if is_usual_tensor(tensor, self._device, self._dtypes):  # at once, no message made
-            return tensor
-        return check_tensor(tensor, name=name, device=self._device, backend=self._backend.kind)
+    # Collectives: each is checked and described by its family's function (``even``,
+    # ``rooted``, ``uneven``, ``objects``) and issued here; all_reduce has its own path.
 
-    def _issue(
-        self,
-        op: str,
-        tensors: Sequence[tuple[str, torch.Tensor]],
-        output: Any,
-        timeout: float | None,
-        start: Start,
-        *,
-        fingerprint: Fingerprint | None = None,
-    ) -> Handle[Any]:
+    def _issue(self, op: Op, timeout: float | None) -> Handle[Any]:
         engine = self._engine
         seconds = engine.default_seconds if timeout is None else engine.resolve_timeout(timeout)
         if self._coalescer.scopes:
             self._coalescer.flush()  # program order across kinds of op
-        return engine.issue(op, tensors, output, seconds, start, fingerprint=fingerprint)
+        name, tensors, output, start, fingerprint = op
+        return engine.issue(name, tensors, output, seconds, start, fingerprint=fingerprint)
 
-    # Collectives.
+    def _issue_objects(self, phases: object_ops.Phases, timeout: float | None) -> Handle[list[Any]]:
+        seconds = self._engine.resolve_timeout(timeout)
+        self._coalescer.flush()
+        handle: Handle[list[Any]] = self._engine.issue_two_phase(
+            phases.name,
+            seconds,
+            phases.num_bytes,
+            phases.first,
+            phases.second,
+            fingerprint=phases.fingerprint,
+        )
+        if phases.refused is not None:
+            # Issued all the same, so the other ranks learn of it; the gang stays usable.
+            raise phases.refused
+        return handle
 
     @override
     def all_reduce(
         self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *, timeout: float | None = None
     ) -> Handle[torch.Tensor]:
-        tensor = self._check_tensor(tensor, "tensor")
+        # The hot path, inline: checks cheapest first (the usual tensor builds no message,
+        # SUM needs no dtype check), and the fingerprint is made only where it is compared.
+        tensor = self._group.tensor(tensor, "tensor")
         if op is not _SUM:  # SUM is valid for every dtype a backend takes
             op = check_reduce_op(op)
             check_reduce_dtype(tensor, op, name="tensor")
@@ -222,12 +228,7 @@ class CollectiveGang(RootedCollectives, ExchangeCollectives, Gang):
         timeout: float | None = None,
         per_bucket: bool = False,
     ) -> Handle[list[torch.Tensor]] | list[Handle[list[torch.Tensor]]]:
-        items = check_tensor_list(tensors, name="tensors", length=None)
-        checked = [self._check_tensor(t, f"tensors[{i}]") for i, t in enumerate(items)]
-        op = check_reduce_op(op)
-        for i, tensor in enumerate(checked):
-            check_reduce_dtype(tensor, op, name=f"tensors[{i}]")
-        check_distinct(checked, name="tensors")
+        checked, op = even.bucketed(self._group, tensors, op)
         bucket_bytes = check_positive_int(bucket_bytes, name="bucket_bytes")
         check_bool(per_bucket, name="per_bucket")
         seconds = self._engine.resolve_timeout(timeout)
@@ -238,27 +239,10 @@ class CollectiveGang(RootedCollectives, ExchangeCollectives, Gang):
 
     @override
     def all_gather_to_list(
-        self,
-        outputs: Sequence[torch.Tensor],
-        input: torch.Tensor,
-        *,
-        timeout: float | None = None,
+        self, outputs: Sequence[torch.Tensor], input: torch.Tensor, *, timeout: float | None = None
     ) -> Handle[list[torch.Tensor]]:
-        input = self._check_tensor(input, "input")
-        items = check_tensor_list(outputs, name="outputs", length=self.size)
-        checked = [self._check_tensor(t, f"outputs[{i}]") for i, t in enumerate(items)]
-        for i, output in enumerate(checked):
-            check_same_dtype(output, input)
-            check_shape(output, input.shape, name=f"outputs[{i}]")
-        tensors = [(f"outputs[{i}]", t) for i, t in enumerate(checked)] + [("input", input)]
-        backend = self._backend
         return self._issue(
-            "all_gather_to_list",
-            tensors,
-            checked,
-            timeout,
-            lambda done: backend.start_all_gather_to_list(checked, input, done),
-            fingerprint=lambda: f"all_gather_to_list({describe(input)})",
+            even.all_gather_to_list(self._group, self._backend, outputs, input), timeout
         )
 
     @override
@@ -270,76 +254,113 @@ class CollectiveGang(RootedCollectives, ExchangeCollectives, Gang):
         *,
         timeout: float | None = None,
     ) -> Handle[torch.Tensor]:
-        input = self._check_tensor(input, "input")
-        output = self._check_tensor(output, "output")
-        op = check_reduce_op(op)
-        check_same_dtype(output, input)
-        check_reduce_dtype(input, op, name="input")
-        check_stacked_or_concatenated(input, self.size, output.shape, name="input")
-        flat = input.view(-1)
-        backend = self._backend
         return self._issue(
-            "reduce_scatter",
-            [("output", output), ("input", input)],
-            output,
-            timeout,
-            lambda done: backend.start_reduce_scatter(output, flat, op, done),
-            fingerprint=lambda: f"reduce_scatter({op.name}, {describe(input)})",
+            even.reduce_scatter(self._group, self._backend, output, input, op), timeout
         )
 
     @override
     def broadcast(
         self, tensor: torch.Tensor, source_rank: int = 0, *, timeout: float | None = None
     ) -> Handle[torch.Tensor]:
-        tensor = self._check_tensor(tensor, "tensor")
-        source_rank = check_rank(source_rank, self.size, name="source_rank")
-        backend = self._backend
+        return self._issue(even.broadcast(self._group, self._backend, tensor, source_rank), timeout)
+
+    @override
+    def barrier(self, *, timeout: float | None = None) -> Handle[None]:
+        return self._issue(even.barrier(self._backend), timeout)
+
+    @override
+    def reduce(
+        self,
+        tensor: torch.Tensor,
+        destination_rank: int,
+        op: ReduceOp = ReduceOp.SUM,
+        *,
+        timeout: float | None = None,
+    ) -> Handle[torch.Tensor]:
         return self._issue(
-            "broadcast",
-            [("tensor", tensor)],
-            tensor,
+            rooted.reduce(self._group, self._backend, tensor, destination_rank, op), timeout
+        )
+
+    @override
+    def gather(
+        self,
+        output: torch.Tensor | None,
+        input: torch.Tensor,
+        destination_rank: int,
+        *,
+        timeout: float | None = None,
+    ) -> Handle[torch.Tensor | None]:
+        return self._issue(
+            rooted.gather(self._group, self._backend, output, input, destination_rank), timeout
+        )
+
+    @override
+    def scatter(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor | None,
+        source_rank: int,
+        *,
+        timeout: float | None = None,
+    ) -> Handle[torch.Tensor]:
+        return self._issue(
+            rooted.scatter(self._group, self._backend, output, input, source_rank), timeout
+        )
+
+    @override
+    def all_gather(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        *,
+        output_split_sizes: Sequence[int] | None = None,
+        timeout: float | None = None,
+    ) -> Handle[torch.Tensor]:
+        return self._issue(
+            uneven.all_gather(self._group, self._backend, output, input, output_split_sizes),
             timeout,
-            lambda done: backend.start_broadcast(tensor, source_rank, done),
-            fingerprint=lambda: f"broadcast(source_rank={source_rank}, {describe(tensor)})",
+        )
+
+    @override
+    def all_to_all(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        *,
+        output_split_sizes: Sequence[int] | None = None,
+        input_split_sizes: Sequence[int] | None = None,
+        timeout: float | None = None,
+    ) -> Handle[torch.Tensor]:
+        return self._issue(
+            uneven.all_to_all(
+                self._group, self._backend, output, input, output_split_sizes, input_split_sizes
+            ),
+            timeout,
         )
 
     @override
     def send(
         self, tensor: torch.Tensor, destination_rank: int, *, timeout: float | None = None
     ) -> Handle[None]:
-        tensor = self._check_tensor(tensor, "tensor")
-        destination_rank = check_rank(
-            destination_rank, self.size, name="destination_rank", self_rank=self.rank
-        )
-        backend = self._backend
         return self._issue(
-            "send",
-            [("tensor", tensor)],
-            None,
-            timeout,
-            lambda done: backend.start_send(tensor, destination_rank, done),
+            uneven.send(self._group, self._backend, tensor, destination_rank), timeout
         )
 
     @override
     def recv(
         self, tensor: torch.Tensor, source_rank: int, *, timeout: float | None = None
     ) -> Handle[torch.Tensor]:
-        tensor = self._check_tensor(tensor, "tensor")
-        source_rank = check_rank(source_rank, self.size, name="source_rank", self_rank=self.rank)
-        backend = self._backend
-        return self._issue(
-            "recv",
-            [("tensor", tensor)],
-            tensor,
-            timeout,
-            lambda done: backend.start_recv(tensor, source_rank, done),
-        )
+        return self._issue(uneven.recv(self._group, self._backend, tensor, source_rank), timeout)
 
     @override
-    def barrier(self, *, timeout: float | None = None) -> Handle[None]:
-        return self._issue(
-            "barrier", [], None, timeout, self._backend.start_barrier, fingerprint="barrier()"
-        )
+    def exchange(
+        self,
+        sends: Sequence[Transfer] = (),
+        recvs: Sequence[Transfer] = (),
+        *,
+        timeout: float | None = None,
+    ) -> Handle[list[torch.Tensor]]:
+        return self._issue(uneven.exchange(self._group, self._backend, sends, recvs), timeout)
 
     @override
     def broadcast_objects(
@@ -350,23 +371,20 @@ class CollectiveGang(RootedCollectives, ExchangeCollectives, Gang):
         timeout: float | None = None,
         serializer: Serializer = "safe",
     ) -> Handle[list[Any]]:
-        _objects.check_objects(objects, serializer)
-        source_rank = check_rank(source_rank, self.size, name="source_rank")
-        seconds = self._engine.resolve_timeout(timeout)
-        phases = _objects.broadcast_phases(
-            self._backend, objects, source_rank, self._device, serializer
+        return self._issue_objects(
+            object_ops.broadcast_objects(
+                self._group, self._backend, objects, source_rank, serializer
+            ),
+            timeout,
         )
-        self._coalescer.flush()
-        return _objects.issue(self._engine, "broadcast_objects", seconds, phases, source_rank)
 
     @override
     def all_gather_objects(
         self, obj: Any, *, timeout: float | None = None, serializer: Serializer = "safe"
     ) -> Handle[list[Any]]:
-        seconds = self._engine.resolve_timeout(timeout)
-        phases = _objects.all_gather_phases(self._backend, obj, self._device, serializer)
-        self._coalescer.flush()
-        return _objects.issue(self._engine, "all_gather_objects", seconds, phases)
+        return self._issue_objects(
+            object_ops.all_gather_objects(self._group, self._backend, obj, serializer), timeout
+        )
 
     @override
     async def wait_for_room(self, num_bytes: int = 0) -> None:
@@ -386,11 +404,39 @@ class CollectiveGang(RootedCollectives, ExchangeCollectives, Gang):
         check_bool(high_priority, name="high_priority")
         self._engine.check_usable()
         members, lane_name = list(range(self.size)), f"{self.name}/lane:{name}"
-        return await self._lanes.get_or_make(
+        return await self._lane(
             name,
             high_priority,
             lambda: self._create_child(members, name=lane_name, high_priority=high_priority),
         )
+
+    async def _lane(
+        self, name: str, high_priority: bool, make: Callable[[], Awaitable[Gang | None]]
+    ) -> Gang:
+        """The lane ``name``, made by ``make()`` if no call made (or is making) it."""
+        with self._engine.lock:
+            known = self._lanes.get(name)
+            if known is None:
+                making: Future[Gang] = Future(f"lane '{name}'")
+                self._lanes[name] = (high_priority, making)
+        if known is not None:
+            priority, made = known
+            if priority != high_priority:
+                raise ValueError(
+                    f"`high_priority` must match the lane '{name}' made earlier "
+                    f"({priority}), but is {high_priority} instead."
+                )
+            return await made
+        try:
+            lane = await make()
+        except BaseException as exc:
+            with self._engine.lock:
+                self._lanes.pop(name, None)
+            making._finish(None, exc if isinstance(exc, Exception) else RuntimeError(str(exc)))
+            raise
+        assert lane is not None  # every rank is a member of a lane
+        making._finish(lane, None)
+        return lane
 
     async def _create_child(
         self, members: list[int], *, name: str, high_priority: bool = False
@@ -406,7 +452,7 @@ class CollectiveGang(RootedCollectives, ExchangeCollectives, Gang):
         )
         if backend is None:
             return None
-        child = self._over(backend, self._engine.policy)
+        child = self._from_backend(backend, self._engine.policy)
         with self._engine.lock:
             if not (orphan := self._engine.closed):
                 self._children.append(child)

@@ -1,8 +1,11 @@
-"""Objects as byte tensors, for the two-phase object collectives.
+"""The object collectives, checked and described: objects as byte tensors, in two phases.
 
 c10d's own object collectives block and need numpy; agang's are built from two tensor
 collectives (lengths, then bytes) so they are awaitable like any other op. Both phases
 are read on the host, so both ask the backend for host-readable results (``to_host``).
+Each function checks its call against the gang's :class:`~agang._collective.checks.Group`
+and returns the :class:`Phases` the gang issues as one two-phase op; their documentation
+is the ``Gang``'s.
 
 Rules:
 1. *Decoding runs on the caller's thread.* The second phase ends with a
@@ -30,11 +33,12 @@ from typing import Any, NamedTuple
 import torch
 
 from agang._backends.contract import Backend
-from agang._collective.serialize import Serializer, check_serializer, decode, encode
-from agang._engine.engine import Engine
+from agang._collective.checks import Group
+from agang._collective.serialize import check_serializer, decode, encode
 from agang._engine.ops import SecondPhase, Start
-from agang._handle import Handle
+from agang._gang import Serializer
 from agang._runtime.future import Deferred
+from agang._validate import check_rank
 
 #: The first phase's length of a rank that could not encode its objects (rule 3).
 REFUSED = -1
@@ -44,37 +48,36 @@ _LENGTH = struct.Struct("<q")
 
 
 class Phases(NamedTuple):
-    """An object collective as the engine issues it."""
+    """An object collective as the engine issues it (``Engine.issue_two_phase``)."""
 
+    #: The collective's name.
+    name: str
     #: Bytes this rank sends.
     num_bytes: int
     first: Start
     second: SecondPhase
-    #: Why this rank could not encode its objects (raised once issued), or None.
+    #: What every rank must agree on: the op and its root.
+    fingerprint: str
+    #: Why this rank could not encode its objects, or None: the gang raises it once the
+    #: op is issued (rule 3).
     refused: TypeError | None
 
 
-def check_objects(objects: object, serializer: object) -> None:
-    """The checks of ``broadcast_objects``'s own arguments."""
+def broadcast_objects(
+    group: Group, backend: Backend, objects: list[Any], source_rank: int, serializer: Serializer
+) -> Phases:
     if not isinstance(objects, list):
         raise TypeError(
             f"`objects` must be a list, but is of type `{type(objects).__name__}` instead."
         )
     check_serializer(serializer)
+    source_rank = check_rank(source_rank, group.size, name="source_rank")
+    return _broadcast_phases(backend, objects, source_rank, group.device, serializer)
 
 
-def issue(
-    engine: Engine, op: str, seconds: float | None, phases: Phases, source_rank: int | None = None
-) -> Handle[list[Any]]:
-    """Issues an object collective; raises, once it is issued, why this rank refused."""
-    root = "" if source_rank is None else f"source_rank={source_rank}"
-    fingerprint = f"{op}({root})"
-    handle = engine.issue_two_phase(
-        op, seconds, phases.num_bytes, phases.first, phases.second, fingerprint=fingerprint
-    )
-    if phases.refused is not None:
-        raise phases.refused  # issued all the same: the other ranks learn of it (rule 3)
-    return handle
+def all_gather_objects(group: Group, backend: Backend, obj: Any, serializer: Serializer) -> Phases:
+    check_serializer(serializer)
+    return _all_gather_phases(backend, obj, group.device, serializer)
 
 
 def gather_slot(size: int) -> int:
@@ -139,7 +142,7 @@ def _raise(error: Exception) -> Any:
     raise error
 
 
-def broadcast_phases(
+def _broadcast_phases(
     backend: Backend,
     objects: list[Any],
     source_rank: int,
@@ -183,15 +186,15 @@ def broadcast_phases(
     def first(done: Callable[[BaseException | None], None]) -> None:
         backend.start_broadcast(slot, source_rank, done, to_host=True)
 
-    return Phases(sum(map(len, parts)), first, second, refused)
+    fingerprint = f"broadcast_objects(source_rank={source_rank})"
+    return Phases("broadcast_objects", sum(map(len, parts)), first, second, fingerprint, refused)
 
 
-def all_gather_phases(
+def _all_gather_phases(
     backend: Backend, obj: Any, device: torch.device, serializer: Serializer
 ) -> Phases:
     """``all_gather_objects``: every rank's slot (length, and a small payload), then the
     padded payloads if one did not fit."""
-    check_serializer(serializer)
     parts, refused = _encode(obj, serializer, "obj")
     size, slot_bytes = backend.size, gather_slot(backend.size)
     mine = _first(parts, refused, slot_bytes, device)
@@ -225,4 +228,6 @@ def all_gather_phases(
     def first(done: Callable[[BaseException | None], None]) -> None:
         backend.start_all_gather(slots, mine, done, to_host=True)
 
-    return Phases(sum(map(len, parts)), first, second, refused)
+    return Phases(
+        "all_gather_objects", sum(map(len, parts)), first, second, "all_gather_objects()", refused
+    )

@@ -38,20 +38,28 @@ def _close_open_gangs() -> None:
 
 
 def _group_of(gang: CollectiveGang) -> dist.ProcessGroup | None:
-    """The gang's c10d group, or None once released (sub-gangs are made by ``_over``)."""
+    """The gang's c10d group, or None once released (sub-gangs are made by ``_from_backend``)."""
     assert isinstance(gang._backend, C10dBackend)
     return gang._backend.process_group
 
 
-def check_no_open_world() -> None:
-    """Raises ``GangInitError`` naming the open world gang, if there is one."""
+def open_world_gang() -> ProcessGroupGang | None:
+    """The world gang of this process, if one is open."""
     for gang in _open_world_gangs:
         if not gang.closed:
-            raise GangInitError(
-                f"agang.init() was called while the world gang '{gang.name}' (rank "
-                f"{gang.rank} of {gang.size}, {gang.backend}) is still open: one process "
-                "has one world gang. Close it first, or keep using it."
-            )
+            return gang
+    return None
+
+
+def check_no_open_world() -> None:
+    """Raises ``GangInitError`` naming the open world gang, if there is one."""
+    gang = open_world_gang()
+    if gang is not None:
+        raise GangInitError(
+            f"agang.init() was called while the world gang '{gang.name}' (rank "
+            f"{gang.rank} of {gang.size}, {gang.backend}) is still open: one process "
+            "has one world gang. Close it first, or keep using it."
+        )
 
 
 def _forget_in_child() -> None:

@@ -20,10 +20,9 @@ from __future__ import annotations
 
 import pickle
 import struct
-from typing import Any, Literal
+from typing import Any
 
-#: The formats of the object collectives.
-Serializer = Literal["safe", "pickle"]
+from agang._gang import Serializer
 
 #: How deep lists, tuples and dicts may nest in the safe format.
 MAX_DEPTH = 100

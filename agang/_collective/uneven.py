@@ -1,17 +1,21 @@
-"""The block-moving collectives of :class:`agang.Gang` whose blocks may be uneven:
-all_gather and all_to_all (with split sizes or without), and exchange (batched sends and
-receives).
+"""The collectives whose blocks may differ by rank, checked and described: all_gather and
+all_to_all (with split sizes or without), and the point-to-point ones (send, recv, and
+exchange, batched sends and receives).
 
-They are a part of ``CollectiveGang`` (which inherits this mixin), kept apart because
-split sizes bring checks of their own: a rank checks what it can alone (its sizes'
+Split sizes bring checks of their own: a rank checks what it can alone (its sizes'
 type, length and values, its tensors' rows, its block to itself). The rest, every pair
 of ranks agreeing on the rows between them, is the caller's to keep (see
 ``Gang.all_to_all``), or the order check's where it is on: the fingerprint of an uneven
 all_to_all names the dtype and the shape past the first dimension on its first line,
 and this rank's sizes on a second, which the check compares pair by pair
-(``agang._backends.fingerprint``), so sizes that disagree fail the op on every rank before any row
-moves. An uneven all_gather's sizes are equal on every rank, so its fingerprint names
-them. exchange is not order-checked, as send and recv are not.
+(``agang._backends.fingerprint``), so sizes that disagree fail the op on every rank
+before any row moves. An uneven all_gather's sizes are equal on every rank, so its
+fingerprint names them. The point-to-point ops are not order-checked: their peers, not
+the whole gang, must agree on them.
+
+Each function checks its call against the gang's :class:`~agang._collective.checks.Group`
+and returns the :class:`~agang._engine.ops.Op` the gang issues. Their documentation is
+the ``Gang``'s.
 """
 
 from __future__ import annotations
@@ -20,13 +24,11 @@ from collections.abc import Sequence
 
 import torch
 
-from agang._backends import fingerprint as flows
-from agang._collective.rooted import IssuingGang
-from agang._engine.coalescer import describe
-from agang._gang_exchanges import Transfer
-from agang._handle import Handle
-from agang._validate import (
-    check_rank,
+from agang._backends import fingerprint
+from agang._backends.contract import Backend
+from agang._backends.fingerprint import describe, describe_rows
+from agang._collective.checks import (
+    Group,
     check_rows,
     check_same_dtype,
     check_shape,
@@ -34,13 +36,9 @@ from agang._validate import (
     check_stacked_or_concatenated,
     check_trailing_shape,
 )
-
-
-def _rows(tensor: torch.Tensor) -> str:
-    """A fingerprint's view of a tensor of rows whose number may differ by rank:
-    ``float32[*, 4]``."""
-    dims = ", ".join(["*", *(str(n) for n in tensor.shape[1:])])
-    return f"{str(tensor.dtype).removeprefix('torch.')}[{dims}]"
+from agang._engine.ops import Op
+from agang._gang import Transfer
+from agang._validate import check_rank
 
 
 def _splits(
@@ -60,7 +58,7 @@ def _splits(
     return sizes
 
 
-def _transfers(gang: IssuingGang, items: object, *, name: str) -> list[tuple[torch.Tensor, int]]:
+def _transfers(group: Group, items: object, *, name: str) -> list[tuple[torch.Tensor, int]]:
     """``items``, a sequence of ``(tensor, rank)`` pairs, checked: each tensor for the
     gang, each rank another rank of the gang."""
     if isinstance(items, str | bytes) or not isinstance(items, Sequence):
@@ -74,8 +72,8 @@ def _transfers(gang: IssuingGang, items: object, *, name: str) -> list[tuple[tor
             raise TypeError(
                 f"`{name}[{i}]` must be a (tensor, rank) pair, but is {item!r} instead."
             )
-        tensor = gang._check_tensor(item[0], f"{name}[{i}][0]")
-        rank = check_rank(item[1], gang.size, name=f"{name}[{i}][1]", self_rank=gang.rank)
+        tensor = group.tensor(item[0], f"{name}[{i}][0]")
+        rank = check_rank(item[1], group.size, name=f"{name}[{i}][1]", self_rank=group.rank)
         checked.append((tensor, rank))
     return checked
 
@@ -112,135 +110,144 @@ def _check_apart(sends: list[Transfer], recvs: list[Transfer]) -> None:
             furthest_recv = (end, label)
 
 
-class ExchangeCollectives:
-    """``all_gather``, ``all_to_all`` and ``exchange`` of :class:`agang.Gang`, for
-    ``CollectiveGang`` (a plain mixin, as ``agang._collective.rooted``'s); their documentation is
-    the Gang's."""
-
-    def all_gather(
-        self: IssuingGang,
-        output: torch.Tensor,
-        input: torch.Tensor,
-        *,
-        output_split_sizes: Sequence[int] | None = None,
-        timeout: float | None = None,
-    ) -> Handle[torch.Tensor]:
-        input = self._check_tensor(input, "input")
-        output = self._check_tensor(output, "output")
-        check_same_dtype(output, input)
-        tensors = [("output", output), ("input", input)]
-        backend = self._backend
-        if output_split_sizes is None:
-            check_stacked_or_concatenated(output, self.size, input.shape, name="output")
-            flat = output.view(-1)
-            return self._issue(
-                "all_gather",
-                tensors,
-                output,
-                timeout,
-                lambda done: backend.start_all_gather(flat, input, done),
-                fingerprint=lambda: f"all_gather({describe(input)})",
-            )
-        sizes = check_split_sizes(output_split_sizes, self.size, name="output_split_sizes")
-        if input.dim() == 0 or input.shape[0] != sizes[self.rank]:
-            raise ValueError(
-                f"`input` must have output_split_sizes[{self.rank}] = {sizes[self.rank]} rows "
-                f"(this rank's size), but has shape {tuple(input.shape)} instead."
-            )
-        check_trailing_shape(output, input)
-        check_rows(output, sizes, name="output", sizes_name="output_split_sizes")
-        return self._issue(
+def all_gather(
+    group: Group,
+    backend: Backend,
+    output: torch.Tensor,
+    input: torch.Tensor,
+    output_split_sizes: Sequence[int] | None,
+) -> Op:
+    input = group.tensor(input, "input")
+    output = group.tensor(output, "output")
+    check_same_dtype(output, input)
+    tensors = [("output", output), ("input", input)]
+    if output_split_sizes is None:
+        check_stacked_or_concatenated(output, group.size, input.shape, name="output")
+        flat = output.view(-1)
+        return Op(
             "all_gather",
             tensors,
             output,
-            timeout,
-            lambda done: backend.start_all_gather_uneven(output, input, sizes, done),
-            fingerprint=lambda: f"all_gather(output_split_sizes={sizes}, {_rows(input)})",
+            lambda done: backend.start_all_gather(flat, input, done),
+            lambda: f"all_gather({describe(input)})",
         )
+    sizes = check_split_sizes(output_split_sizes, group.size, name="output_split_sizes")
+    rank = group.rank
+    if input.dim() == 0 or input.shape[0] != sizes[rank]:
+        raise ValueError(
+            f"`input` must have output_split_sizes[{rank}] = {sizes[rank]} rows "
+            f"(this rank's size), but has shape {tuple(input.shape)} instead."
+        )
+    check_trailing_shape(output, input)
+    check_rows(output, sizes, name="output", sizes_name="output_split_sizes")
+    return Op(
+        "all_gather",
+        tensors,
+        output,
+        lambda done: backend.start_all_gather_uneven(output, input, sizes, done),
+        lambda: f"all_gather(output_split_sizes={sizes}, {describe_rows(input)})",
+    )
 
-    def all_to_all(
-        self: IssuingGang,
-        output: torch.Tensor,
-        input: torch.Tensor,
-        *,
-        output_split_sizes: Sequence[int] | None = None,
-        input_split_sizes: Sequence[int] | None = None,
-        timeout: float | None = None,
-    ) -> Handle[torch.Tensor]:
-        input = self._check_tensor(input, "input")
-        output = self._check_tensor(output, "output")
-        check_same_dtype(output, input)
-        tensors = [("output", output), ("input", input)]
-        backend = self._backend
-        if output_split_sizes is None and input_split_sizes is None:
-            check_shape(output, input.shape, name="output")
-            if input.dim() == 0 or input.shape[0] % self.size:
-                raise ValueError(
-                    f"`input` must have a first dimension that is a multiple of the gang's "
-                    f"size ({self.size}), but has shape {tuple(input.shape)} instead."
-                )
-            return self._issue(
-                "all_to_all",
-                tensors,
-                output,
-                timeout,
-                lambda done: backend.start_all_to_all(output, input, done),
-                fingerprint=lambda: f"all_to_all({describe(input)})",
-            )
-        input_splits = _splits(
-            input_split_sizes, input, self.size, name="input_split_sizes", tensor_name="input"
-        )
-        output_splits = _splits(
-            output_split_sizes, output, self.size, name="output_split_sizes", tensor_name="output"
-        )
-        check_trailing_shape(output, input)
-        rank = self.rank
-        if input_splits[rank] != output_splits[rank]:
+
+def all_to_all(
+    group: Group,
+    backend: Backend,
+    output: torch.Tensor,
+    input: torch.Tensor,
+    output_split_sizes: Sequence[int] | None,
+    input_split_sizes: Sequence[int] | None,
+) -> Op:
+    input = group.tensor(input, "input")
+    output = group.tensor(output, "output")
+    check_same_dtype(output, input)
+    tensors = [("output", output), ("input", input)]
+    size = group.size
+    if output_split_sizes is None and input_split_sizes is None:
+        check_shape(output, input.shape, name="output")
+        if input.dim() == 0 or input.shape[0] % size:
             raise ValueError(
-                f"`output_split_sizes` must give this rank's block to itself as many rows as "
-                f"`input_split_sizes` ({input_splits[rank]} at index {rank}), but gives "
-                f"{output_splits[rank]} instead."
+                f"`input` must have a first dimension that is a multiple of the gang's "
+                f"size ({size}), but has shape {tuple(input.shape)} instead."
             )
-        return self._issue(
+        return Op(
             "all_to_all",
             tensors,
             output,
-            timeout,
-            lambda done: backend.start_all_to_all(
-                output,
-                input,
-                done,
-                output_split_sizes=output_splits,
-                input_split_sizes=input_splits,
-            ),
-            fingerprint=lambda: flows.with_flows(
-                f"all_to_all(split, {_rows(input)})", input_splits, output_splits
-            ),
+            lambda done: backend.start_all_to_all(output, input, done),
+            lambda: f"all_to_all({describe(input)})",
         )
+    input_splits = _splits(
+        input_split_sizes, input, size, name="input_split_sizes", tensor_name="input"
+    )
+    output_splits = _splits(
+        output_split_sizes, output, size, name="output_split_sizes", tensor_name="output"
+    )
+    check_trailing_shape(output, input)
+    rank = group.rank
+    if input_splits[rank] != output_splits[rank]:
+        raise ValueError(
+            f"`output_split_sizes` must give this rank's block to itself as many rows as "
+            f"`input_split_sizes` ({input_splits[rank]} at index {rank}), but gives "
+            f"{output_splits[rank]} instead."
+        )
+    return Op(
+        "all_to_all",
+        tensors,
+        output,
+        lambda done: backend.start_all_to_all(
+            output,
+            input,
+            done,
+            output_split_sizes=output_splits,
+            input_split_sizes=input_splits,
+        ),
+        lambda: fingerprint.with_flows(
+            f"all_to_all(split, {describe_rows(input)})", input_splits, output_splits
+        ),
+    )
 
-    def exchange(
-        self: IssuingGang,
-        sends: Sequence[Transfer] = (),
-        recvs: Sequence[Transfer] = (),
-        *,
-        timeout: float | None = None,
-    ) -> Handle[list[torch.Tensor]]:
-        checked_sends = _transfers(self, sends, name="sends")
-        checked_recvs = _transfers(self, recvs, name="recvs")
-        if not checked_sends and not checked_recvs:
-            raise ValueError(
-                "`sends` and `recvs` must hold at least one transfer between them, but are "
-                "both empty instead."
-            )
-        _check_apart(checked_sends, checked_recvs)
-        tensors = [(f"sends[{i}][0]", t) for i, (t, _) in enumerate(checked_sends)]
-        tensors += [(f"recvs[{i}][0]", t) for i, (t, _) in enumerate(checked_recvs)]
-        received = [t for t, _ in checked_recvs]
-        backend = self._backend
-        return self._issue(
-            "exchange",
-            tensors,
-            received,
-            timeout,
-            lambda done: backend.start_exchange(checked_sends, checked_recvs, done),
+
+def send(group: Group, backend: Backend, tensor: torch.Tensor, destination_rank: int) -> Op:
+    tensor = group.tensor(tensor, "tensor")
+    destination_rank = check_rank(
+        destination_rank, group.size, name="destination_rank", self_rank=group.rank
+    )
+    return Op(
+        "send",
+        [("tensor", tensor)],
+        None,
+        lambda done: backend.start_send(tensor, destination_rank, done),
+    )
+
+
+def recv(group: Group, backend: Backend, tensor: torch.Tensor, source_rank: int) -> Op:
+    tensor = group.tensor(tensor, "tensor")
+    source_rank = check_rank(source_rank, group.size, name="source_rank", self_rank=group.rank)
+    return Op(
+        "recv",
+        [("tensor", tensor)],
+        tensor,
+        lambda done: backend.start_recv(tensor, source_rank, done),
+    )
+
+
+def exchange(
+    group: Group, backend: Backend, sends: Sequence[Transfer], recvs: Sequence[Transfer]
+) -> Op:
+    checked_sends = _transfers(group, sends, name="sends")
+    checked_recvs = _transfers(group, recvs, name="recvs")
+    if not checked_sends and not checked_recvs:
+        raise ValueError(
+            "`sends` and `recvs` must hold at least one transfer between them, but are "
+            "both empty instead."
         )
+    _check_apart(checked_sends, checked_recvs)
+    tensors = [(f"sends[{i}][0]", t) for i, (t, _) in enumerate(checked_sends)]
+    tensors += [(f"recvs[{i}][0]", t) for i, (t, _) in enumerate(checked_recvs)]
+    received = [t for t, _ in checked_recvs]
+    return Op(
+        "exchange",
+        tensors,
+        received,
+        lambda done: backend.start_exchange(checked_sends, checked_recvs, done),
+    )

@@ -9,109 +9,37 @@ which reduces them; it never calls back into the gang.
 from __future__ import annotations
 
 import contextlib
-import threading
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, final
+from typing import Any
 
 import torch
 
 from agang._backends.contract import Backend, Done
+from agang._backends.fingerprint import describe
 from agang._engine import busy
 from agang._engine.engine import Engine
 from agang._engine.grouping import (
     FlatBuffers,
     Member,
     group_members,
-    group_timeout,
     plan_buckets,
 )
 from agang._engine.ops import OpEnd
-from agang._handle import UNNUMBERED, Handle, finish_all
+from agang._handle import (
+    HELD,
+    UNNUMBERED,
+    Coalesced,
+    Handle,
+    all_of,
+    failed_handle,
+    finish_all,
+    group_timeout,
+)
 from agang._reduce_op import ReduceOp
 from agang._runtime import loops as _asynclib
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
-
-HELD = (
-    "This all_reduce is held by the open `coalesce()` scope that issued it and starts "
-    "when the scope ends; await it after the `with` block."
-)
-
-
-def describe(tensor: torch.Tensor) -> str:
-    """A tensor's dtype and shape, as fingerprints show it: ``float32[4, 2]``."""
-    return f"{str(tensor.dtype).removeprefix('torch.')}{list(tensor.shape)}"
-
-
-def failed_handle(op: str, error: BaseException) -> Handle[Any]:
-    """The handle of an op that could not be issued: failed already, never numbered."""
-    handle: Handle[Any] = Handle(op=op, seq=UNNUMBERED, num_bytes=0, timeout=None)
-    handle._finish(None, error)
-    return handle
-
-
-def all_of(handles: Sequence[Handle[Any]], value: Any, *, op: str) -> Handle[Any]:
-    """One user op made of several backend ops: a handle that finishes with ``value``
-    once all ``handles`` have, or with the first error among them (in order)."""
-    combined: Handle[Any] = Handle(
-        op=op,
-        seq=handles[0].seq if handles else UNNUMBERED,
-        num_bytes=sum(h.num_bytes for h in handles),
-        timeout=group_timeout([h.timeout for h in handles]),
-        owner=handles[0]._owner if handles else None,
-    )
-    if not handles:
-        combined._finish(value, None)
-        return combined
-    lock = threading.Lock()
-    remaining = [len(handles)]
-
-    def one_done() -> None:
-        with lock:
-            remaining[0] -= 1
-            if remaining[0]:
-                return
-        errors = [h.exception() for h in handles if h.exception() is not None]
-        combined._finish(None if errors else value, errors[0] if errors else None)
-
-    for handle in handles:
-        handle._add_done_callback(one_done)
-    return combined
-
-
-@final
-class Coalesced:
-    """What a ``coalesce()`` scope issued: await it for all its tensors at once.
-
-    Each held all-reduce also has its own handle (:attr:`handles`); awaiting this object
-    instead costs one wake-up for the whole scope.
-
-    Example:
-        >>> with gang.coalesce() as batch:
-        ...     for grad in grads:
-        ...         gang.all_reduce(grad)
-        >>> await batch  # every grad reduced, in place
-    """
-
-    def __init__(self) -> None:
-        #: The handles of the scope's all-reduces, in call order.
-        self.handles: list[Handle[torch.Tensor]] = []
-        self._tensors: list[torch.Tensor] = []
-        self._flats: list[Handle[list[torch.Tensor]]] = []  # the flat ops, as issued
-        self._all: Handle[list[torch.Tensor]] | None = None
-
-    def _issued(self) -> Handle[list[torch.Tensor]]:
-        if self._all is None:
-            raise RuntimeError(HELD)
-        return self._all
-
-    def __await__(self) -> Generator[Any, None, list[torch.Tensor]]:
-        return self._issued().__await__()
-
-    def wait(self, timeout: float | None = None) -> list[torch.Tensor]:
-        """Blocks until every all-reduce of the scope finished; their tensors."""
-        return self._issued().wait(timeout)
 
 
 @dataclass(eq=False)

@@ -185,9 +185,3 @@ def group_members(members: Sequence[Member]) -> list[list[Member]]:
     for member in members:
         groups.setdefault((member.op, member.dtype), []).append(member)
     return list(groups.values())
-
-
-def group_timeout(timeouts: Sequence[float | None]) -> float | None:
-    """The tightest deadline of a group's members; None when none has one."""
-    finite = [t for t in timeouts if t is not None]
-    return min(finite) if finite else None

@@ -169,7 +169,7 @@ class Gangs:
         from agang._parallel.mesh import gangs_from_device_mesh  # imports torch's DeviceMesh
 
         names = {"dp": dp, "tp": tp, "pp": pp, "rdp": rdp, "sdp": sdp}
-        return gangs_from_device_mesh(mesh, root=root, names=names)
+        return cls(**gangs_from_device_mesh(mesh, root=root, names=names))
 
     def device_mesh(self, dims: Sequence[str] | None = None) -> DeviceMesh:
         """A ``DeviceMesh`` over these gangs' process groups; creates no communicator.
@@ -202,7 +202,7 @@ class Gangs:
         """
         from agang._parallel.mesh import device_mesh_of  # imports torch's DeviceMesh
 
-        return device_mesh_of(self, dims)
+        return device_mesh_of({f.name: getattr(self, f.name) for f in fields(self)}, dims)
 
     async def close(self) -> None:
         """Closes every gang, the sub-gangs before the root.

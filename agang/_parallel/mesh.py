@@ -23,7 +23,7 @@ Rules:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -32,9 +32,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from agang._backends.c10d.backend import C10dBackend
 from agang._collective.fake_gang import FakeGang
-from agang._collective.process_group_gang import ProcessGroupGang, _open_world_gangs
+from agang._collective.process_group_gang import ProcessGroupGang, open_world_gang
 from agang._gang import Gang
-from agang._parallel.gangs import Gangs
 from agang._policy import GangPolicy
 
 DIMENSIONS = ("pp", "dp", "rdp", "sdp", "tp")
@@ -69,7 +68,7 @@ def _borrow(
         is_world=False,
         owned=False,
     )
-    return ProcessGroupGang._over(backend, policy)
+    return ProcessGroupGang._from_backend(backend, policy)
 
 
 def _root_of(root: object, device: torch.device) -> ProcessGroupGang:
@@ -83,17 +82,18 @@ def _root_of(root: object, device: torch.device) -> ProcessGroupGang:
         if root.closed:
             raise ValueError(f"`root` must be an open gang, but '{root.name}' is closed.")
         return root
-    for gang in _open_world_gangs:
-        if not gang.closed:
-            return gang
+    world = open_world_gang()
+    if world is not None:
+        return world
     default = dist.distributed_c10d._get_default_group()
     return _borrow(default, device=device, name="mesh:world", policy=GangPolicy())
 
 
 def gangs_from_device_mesh(
     mesh: object, *, root: object = None, names: dict[str, str | None]
-) -> Gangs:
-    """``Gangs.from_device_mesh``: see its docstring."""
+) -> dict[str, Gang]:
+    """``Gangs.from_device_mesh``: see its docstring. Returns the fields of a ``Gangs``
+    (``root``, ``dp``, ``rdp``, ``sdp``, ``tp``, ``pp``), which the caller builds."""
     mesh = _check_mesh(mesh)
     dim_names = tuple(mesh.mesh_dim_names or ())
     for field, dim in names.items():
@@ -144,23 +144,23 @@ def gangs_from_device_mesh(
         return FakeGang(rank=0, size=1, device=gang.device)
 
     dp = gangs.get("dp") or fake()
-    return Gangs(
-        root=gang,
-        dp=dp,
-        rdp=gangs.get("rdp") or fake(),
-        sdp=gangs.get("sdp") or dp,
-        tp=gangs.get("tp") or fake(),
-        pp=gangs.get("pp") or fake(),
-    )
+    return {
+        "root": gang,
+        "dp": dp,
+        "rdp": gangs.get("rdp") or fake(),
+        "sdp": gangs.get("sdp") or dp,
+        "tp": gangs.get("tp") or fake(),
+        "pp": gangs.get("pp") or fake(),
+    }
 
 
-def _default_dims(gangs: Gangs) -> tuple[str, ...]:
-    hybrid = gangs.rdp.size > 1 and gangs.sdp.size > 1
+def _default_dims(gangs: Mapping[str, Gang]) -> tuple[str, ...]:
+    hybrid = gangs["rdp"].size > 1 and gangs["sdp"].size > 1
     order = ("pp", "rdp", "sdp", "tp") if hybrid else ("pp", "dp", "tp")
-    return tuple(dim for dim in order if getattr(gangs, dim).size > 1)
+    return tuple(dim for dim in order if gangs[dim].size > 1)
 
 
-def _check_dims(gangs: Gangs, dims: object) -> tuple[str, ...]:
+def _check_dims(gangs: Mapping[str, Gang], dims: object) -> tuple[str, ...]:
     if dims is None:
         chosen = _default_dims(gangs)
         if not chosen:
@@ -184,8 +184,8 @@ def _check_dims(gangs: Gangs, dims: object) -> tuple[str, ...]:
     return chosen
 
 
-def _group_of(gangs: Gangs, dim: str) -> dist.ProcessGroup:
-    gang = getattr(gangs, dim)
+def _group_of(gangs: Mapping[str, Gang], dim: str) -> dist.ProcessGroup:
+    gang = gangs[dim]
     if not isinstance(gang, ProcessGroupGang) or gang.closed:
         state = "closed" if gang.closed else f"a `{type(gang).__name__}`"
         raise ValueError(
@@ -205,18 +205,18 @@ def _group_of(gangs: Gangs, dim: str) -> dist.ProcessGroup:
     return group
 
 
-def device_mesh_of(gangs: Gangs, dims: object = None) -> DeviceMesh:
-    """``Gangs.device_mesh``: see its docstring."""
+def device_mesh_of(gangs: Mapping[str, Gang], dims: object = None) -> DeviceMesh:
+    """``Gangs.device_mesh``: see its docstring; ``gangs`` are a ``Gangs``' fields by name."""
     chosen = _check_dims(gangs, dims)
     groups = [_group_of(gangs, dim) for dim in chosen]
-    root = gangs.root
+    root = gangs["root"]
     if not isinstance(root, ProcessGroupGang):
         raise ValueError(
             f"`gangs.root` must be a `ProcessGroupGang`, but is a `{type(root).__name__}`."
         )
-    sizes = {dim: getattr(gangs, dim).size for dim in ("pp", "rdp", "sdp", "tp")}
+    sizes = {dim: gangs[dim].size for dim in ("pp", "rdp", "sdp", "tp")}
     grid = torch.tensor(_global_ranks(root.process_group), dtype=torch.int64)
-    if grid.numel() != sizes["pp"] * gangs.dp.size * sizes["tp"] or gangs.dp.size != (
+    if grid.numel() != sizes["pp"] * gangs["dp"].size * sizes["tp"] or gangs["dp"].size != (
         sizes["rdp"] * sizes["sdp"]
     ):
         raise ValueError(
@@ -224,7 +224,7 @@ def device_mesh_of(gangs: Gangs, dims: object = None) -> DeviceMesh:
             "pp x dp x tp, dp size rdp x sdp), but their sizes do not multiply up."
         )
     grid = grid.view(sizes["pp"], sizes["rdp"], sizes["sdp"], sizes["tp"])
-    here = (gangs.pp.rank, gangs.rdp.rank, gangs.sdp.rank, gangs.tp.rank)
+    here = (gangs["pp"].rank, gangs["rdp"].rank, gangs["sdp"].rank, gangs["tp"].rank)
     # Rule 5: every chosen gang must be the line of the grid through this rank.
     for dim, group in zip(chosen, groups, strict=True):
         index = tuple(slice(None) if axis in _AXES[dim] else here[axis] for axis in range(4))
@@ -237,9 +237,9 @@ def device_mesh_of(gangs: Gangs, dims: object = None) -> DeviceMesh:
     # Merge rdp and sdp into dp where asked, fix the dimensions not asked for at this
     # rank's place, and order the rest as asked.
     if "dp" in chosen:
-        grid = grid.reshape(sizes["pp"], gangs.dp.size, sizes["tp"])
+        grid = grid.reshape(sizes["pp"], gangs["dp"].size, sizes["tp"])
         names: tuple[str, ...] = ("pp", "dp", "tp")
-        place: tuple[int, ...] = (gangs.pp.rank, gangs.dp.rank, gangs.tp.rank)
+        place: tuple[int, ...] = (gangs["pp"].rank, gangs["dp"].rank, gangs["tp"].rank)
     else:
         names, place = ("pp", "rdp", "sdp", "tp"), here
     kept = [name for name in names if name in chosen]

@@ -91,7 +91,7 @@ class SimulatedNccl:
                 runtime=runtime,
                 registered=False,
             )
-            gangs.append(ProcessGroupGang._over(backend, policy))
+            gangs.append(ProcessGroupGang._from_backend(backend, policy))
         return gangs
 
     def pause(self, rank: int) -> None:
