@@ -354,5 +354,5 @@ class Expiry:
             log.error("%s", error)
             count_timed_out()
             return
-        # Broken before the waiters wake: their next call must be refused (rule 6).
+        # Broken before the waiters wake: their next call must be refused (the engine's rule 6).
         handle._finish(None, error, then=count_timed_out)

@@ -27,7 +27,7 @@ Rules:
    any thread. Its tensors are released then, and only then (the backend may write into
    them until then).
 5. *One deadline timer per gang.* Deadlines are checked by one timer on the issuer's
-   loop (or the timer thread; ``deadline``), armed for the core's next deadline. When
+   loop (or the timer thread; ``deadlines``), armed for the core's next deadline. When
    one passes, the handle fails with ``GangTimeoutError`` carrying the flight recorder;
    with ``on_timeout="abort"`` the gang then breaks, with ``"raise"`` only that handle
    fails and its op stays in flight (tensors busy) until the backend ends it. The error
