@@ -1,7 +1,7 @@
 """The package's shape: small modules, no import circles, no citations outside the repo.
 
 A newcomer reads the layout as the architecture (``_engine``, ``_backends``, ``_setup``,
-``_doctor``); these checks keep it readable as it grows.
+``_cli``); these checks keep it readable as it grows.
 """
 
 from __future__ import annotations
