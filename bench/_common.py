@@ -1,11 +1,9 @@
-"""What the benchmarks share: starting 2 local Gloo ranks, collecting results, formatting.
+"""What the benchmarks share: the world size, formatting, ``--out`` and plotting.
 
-The parent hosts the TCPStore on 127.0.0.1 with port 0 (the kernel picks a free port,
-with no race) and starts each rank as a spawned process that joins it as a client, as
-torchrun's agent does (``TORCHELASTIC_USE_AGENT_STORE``). A rank's target is a
-module-level function ``target(env, payload, conn)`` that sends ``("ok", result)`` or
-``("error", traceback text)`` on ``conn``; :func:`run_ranks` returns the results in rank
-order, or raises with the failing rank's traceback, and never leaves a rank running.
+Their ranks run on ``agang.testing.run_world``: local processes on Gloo over
+127.0.0.1, joining a store the parent hosts, with each rank's result or traceback
+brought back. A bench that times its own set-up, or makes its gangs with
+``agang.init_sync``, passes ``make_gang=False`` and makes them in the rank.
 
 Every bench prints its table and writes its JSON with or without matplotlib (it comes
 with agang's ``dev`` extra); plots are drawn only where it is installed
@@ -15,121 +13,13 @@ with agang's ``dev`` extra); plots are drawn only where it is installed
 from __future__ import annotations
 
 import argparse
-import asyncio
-import multiprocessing
-import os
 import statistics
-import time
-import traceback
-from collections.abc import Callable, Coroutine, Sequence
-from multiprocessing.connection import Connection, wait
-from multiprocessing.process import BaseProcess
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from torch.distributed import TCPStore  # type: ignore[attr-defined]
-
 WORLD_SIZE = 2
 OUT_DIR = Path(__file__).resolve().parent / "out"
-
-RankTarget = Callable[[dict[str, str], Any, Connection], None]
-
-
-def rank_env(rank: int, port: int, world_size: int = WORLD_SIZE) -> dict[str, str]:
-    """The torchrun-style environment of one local rank joining the store at ``port``."""
-    return {
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-        "RANK": str(rank),
-        "LOCAL_RANK": str(rank),
-        "WORLD_SIZE": str(world_size),
-        "TORCHELASTIC_USE_AGENT_STORE": "True",
-    }
-
-
-def _receive(rank: int, conn: Connection) -> Any:
-    try:
-        status, payload = conn.recv()
-    except EOFError:
-        raise RuntimeError(f"Rank {rank} exited without sending its results.") from None
-    if status != "ok":
-        raise RuntimeError(f"Rank {rank} failed:\n{payload}")
-    return payload
-
-
-def _collect(conns: list[Connection], deadline: float) -> list[Any]:
-    """Each rank's result, in rank order; raises on a rank's error or at the deadline."""
-    results: dict[int, Any] = {}
-    pending = dict(enumerate(conns))
-    while pending:  # bounded: every pass takes one result or raises
-        ready = wait(list(pending.values()), timeout=max(0.0, deadline - time.monotonic()))
-        if not ready:
-            raise TimeoutError(f"Ranks {sorted(pending)} did not finish before the deadline.")
-        for rank, conn in list(pending.items()):
-            if conn in ready:
-                results[rank] = _receive(rank, conn)
-                del pending[rank]
-    return [results[rank] for rank in range(len(conns))]
-
-
-def _stop(processes: Sequence[BaseProcess]) -> None:
-    for process in processes:
-        process.join(timeout=10.0)
-        if process.is_alive():
-            process.kill()
-            process.join(timeout=5.0)
-
-
-def run_ranks(
-    target: RankTarget, payload: Any, timeout: float, world_size: int = WORLD_SIZE
-) -> list[Any]:
-    """Runs ``target(env, payload, conn)`` on ``world_size`` local ranks; their results."""
-    store = TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
-    context = multiprocessing.get_context("spawn")
-    processes: list[BaseProcess] = []
-    conns: list[Connection] = []
-    try:
-        for rank in range(world_size):
-            receiver, sender = context.Pipe(duplex=False)
-            env = rank_env(rank, store.port, world_size)
-            process = context.Process(target=target, args=(env, payload, sender), daemon=True)
-            process.start()
-            sender.close()
-            processes.append(process)
-            conns.append(receiver)
-        return _collect(conns, time.monotonic() + timeout)
-    finally:
-        _stop(processes)
-
-
-def run_async_rank(
-    env: dict[str, str], conn: Connection, main: Callable[[], Coroutine[Any, Any, Any]]
-) -> None:
-    """In a rank's process: takes the rank's environment, gives torch one CPU thread (two
-    ranks share the machine), runs ``main()`` with asyncio and sends its result."""
-
-    def run() -> Any:
-        os.environ.update(env)
-        os.environ.setdefault("OMP_NUM_THREADS", "1")
-        import torch
-
-        torch.set_num_threads(1)
-        return asyncio.run(main())
-
-    send_result(conn, run)
-
-
-def send_result(conn: Connection, measure: Callable[[], Any]) -> None:
-    """In a rank's process: sends ``("ok", measure())`` on ``conn``, or ``("error",
-    traceback)`` if it raised, then closes ``conn``: what :func:`run_ranks` expects."""
-    try:
-        result = measure()
-    except BaseException:
-        conn.send(("error", traceback.format_exc()))
-    else:
-        conn.send(("ok", result))
-    finally:
-        conn.close()
 
 
 def percentile(values: Sequence[float], q: int) -> float:

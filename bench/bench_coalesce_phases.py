@@ -17,11 +17,14 @@ path's cat and copy back) and which is the all-reduce both pay.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
-from multiprocessing.connection import Connection
 
-from _common import run_async_rank, run_ranks
+from _common import WORLD_SIZE
+
+import agang
+from agang.testing import run_world
 
 NUMEL = 1024
 BATCH = 64
@@ -29,13 +32,11 @@ HAND_PHASES = ("cat", "all_reduce", "copy back")
 AGANG_PHASES = ("64 calls", "scope end", "await")
 
 
-async def measure(rounds: int) -> dict[str, list[list[float]]]:
+async def measure(rounds: int, gang: agang.Gang) -> dict[str, list[list[float]]]:
     import torch
     import torch.distributed as dist
 
-    import agang
-
-    gang = await agang.init(timeout=60)
+    torch.set_num_threads(1)  # the two ranks share the machine
     tensors = [torch.ones(NUMEL) for _ in range(BATCH)]
     samples: dict[str, list[list[float]]] = {"hand": [], "agang": []}
 
@@ -63,12 +64,7 @@ async def measure(rounds: int) -> dict[str, list[list[float]]]:
         for mode in ("hand", "agang") if number % 2 else ("agang", "hand"):
             dist.barrier()
             samples[mode].append(by_hand() if mode == "hand" else await by_agang())
-    await gang.close()
     return samples
-
-
-def rank_main(env: dict[str, str], rounds: int, conn: Connection) -> None:
-    run_async_rank(env, conn, lambda: measure(rounds))
 
 
 def main() -> None:
@@ -77,7 +73,17 @@ def main() -> None:
     args = parser.parse_args()
     if args.rounds < 10:
         parser.error("--rounds must be at least 10")
-    samples = run_ranks(rank_main, args.rounds, timeout=600)[0]
+    # OMP_NUM_THREADS keeps agang.init from sizing torch's pool (measure sets 1 thread);
+    # the op deadline is agang.init's default.
+    ranks = run_world(
+        functools.partial(measure, args.rounds),
+        WORLD_SIZE,
+        timeout=600,
+        init_timeout=60,
+        op_timeout=300.0,
+        env={"OMP_NUM_THREADS": "1"},
+    )
+    samples = ranks[0]
     skip = args.rounds // 10
     totals = {}
     for mode, names in (("hand", HAND_PHASES), ("agang", AGANG_PHASES)):

@@ -49,6 +49,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import functools
 import json
 import re
 import statistics
@@ -56,7 +57,6 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -64,10 +64,11 @@ import _common
 import anyio
 import torch
 import torch.distributed as dist
-from _common import WORLD_SIZE, format_bytes, format_seconds, send_result
+from _common import WORLD_SIZE, format_bytes, format_seconds
 
 import agang
 from agang._policy import WaitMode
+from agang.testing import run_world
 
 WARMUP_OPS = 1
 DEFAULT_SIZES = "4,4K,256K,4M,64M"
@@ -269,17 +270,13 @@ def _measure_size(gang: agang.Gang, plan: SizePlan) -> Samples:
     return samples
 
 
-def _rank_main(env: dict[str, str], plans: list[SizePlan], conn: Connection) -> None:
-    """A rank's process: runs the plan and sends ("ok", samples) or ("error", text)."""
-
-    def measure() -> dict[int, Any]:
-        gang = agang.init_sync(env=env, in_process=False, timeout=60.0, op_timeout=120.0)
-        try:
-            return {plan.num_bytes: _measure_size(gang, plan) for plan in plans}
-        finally:
-            gang.close_sync()
-
-    send_result(conn, measure)
+def _rank_main(plans: list[SizePlan]) -> dict[int, Samples]:
+    """A rank's process: makes its gang (sync, as the sync modes need) and runs the plan."""
+    gang = agang.init_sync(in_process=False, timeout=60.0, op_timeout=120.0)
+    try:
+        return {plan.num_bytes: _measure_size(gang, plan) for plan in plans}
+    finally:
+        gang.close_sync()
 
 
 # The parent: starts the ranks and collects their samples.
@@ -287,7 +284,9 @@ def _rank_main(env: dict[str, str], plans: list[SizePlan], conn: Connection) -> 
 
 def run_ranks(plans: list[SizePlan], timeout: float) -> list[dict[int, Samples]]:
     """Runs the plan on WORLD_SIZE local ranks; returns each rank's samples."""
-    return _common.run_ranks(_rank_main, plans, timeout)
+    return run_world(
+        functools.partial(_rank_main, plans), WORLD_SIZE, make_gang=False, timeout=timeout
+    )
 
 
 # Reporting.

@@ -31,21 +31,21 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import statistics
 import sys
 import time
 from collections.abc import Callable
-from multiprocessing.connection import Connection
 from typing import Any
 
-import _common
 import torch
 import torch.distributed as dist
-from _common import format_bytes, format_seconds, send_result
+from _common import format_bytes, format_seconds
 
 import agang
 from agang._collective.serialize import decode, encode
+from agang.testing import run_world
 
 MODES = ("c10d", "agang pickle", "agang safe")
 OPS = ("broadcast", "all_gather")
@@ -102,16 +102,13 @@ def _check(result: Any, op: str, size: int, num_bytes: int) -> None:
         raise AssertionError(f"{op} of {num_bytes} B returned the wrong objects")
 
 
-def _rank_main(env: dict[str, str], plan: Plan, conn: Connection) -> None:
-    def measure() -> dict[str, list[float]]:
-        torch.set_num_threads(1)
-        gang = agang.init_sync(env=env, in_process=False, timeout=60.0, op_timeout=300.0)
-        try:
-            return _measure(gang, plan)
-        finally:
-            gang.close_sync()
-
-    send_result(conn, measure)
+def _rank_main(plan: Plan) -> dict[str, list[float]]:
+    torch.set_num_threads(1)
+    gang = agang.init_sync(in_process=False, timeout=60.0, op_timeout=300.0)
+    try:
+        return _measure(gang, plan)
+    finally:
+        gang.close_sync()
 
 
 def report(world_size: int, plan: Plan, per_rank: list[dict[str, list[float]]]) -> list[float]:
@@ -188,7 +185,15 @@ def main(argv: list[str] | None = None) -> int:
     plan = [(size, rounds) for size, rounds in plan if rounds]
     ratios: list[float] = []
     for world_size in map(int, args.world_sizes.split(",")):
-        per_rank = _common.run_ranks(_rank_main, plan, timeout=900.0, world_size=world_size)
+        # One torch thread per rank: the ranks share the machine (OMP_NUM_THREADS keeps
+        # agang.init from sizing the pool to a share of the CPUs instead).
+        per_rank = run_world(
+            functools.partial(_rank_main, plan),
+            world_size,
+            make_gang=False,
+            timeout=900.0,
+            env={"OMP_NUM_THREADS": "1"},
+        )
         ratios += report(world_size, plan, per_rank)
     formats(args.quick)
     worst = max(ratios)

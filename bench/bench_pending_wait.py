@@ -31,11 +31,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import sys
 import time
 from dataclasses import asdict, dataclass
-from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -44,10 +44,10 @@ import anyio
 import anyio.lowlevel
 import torch
 import torch.distributed as dist
-from _common import send_result
 
 import agang
 from agang._policy import WaitMode
+from agang.testing import run_world
 
 TARGET = 0.02  # of a core
 WAIT_MODES: tuple[WaitMode, ...] = ("park", "block_briefly")
@@ -117,35 +117,33 @@ async def _hold_pending(
     return end[0] - start[0], end[1] - start[1], end[2] - start[2]
 
 
-def _rank_main(env: dict[str, str], plan: Plan, conn: Connection) -> None:
-    def measure() -> list[Row]:
-        gang = agang.init_sync(env=env, in_process=False, timeout=60.0, op_timeout=120.0)
-        rank = int(env["RANK"])
-        rows = []
-        try:
-            for wait_mode in WAIT_MODES:
-                # Set on the one gang, as AGANG_WAIT_MODE would for every gang.
-                policy = dataclasses.replace(gang.policy, wait_mode=wait_mode)
-                gang._engine.policy = policy  # type: ignore[attr-defined]
-                for num_ops in (plan.num_ops, 1):
-                    for loop, (backend, options) in LOOPS.items():
-                        pending, loop_cpu, process_cpu = anyio.run(
-                            _hold_pending,
-                            gang,
-                            plan,
-                            num_ops,
-                            rank,
-                            backend=backend,
-                            backend_options=options,
-                        )
-                        other_cpu = process_cpu - loop_cpu
-                        rows.append(Row(wait_mode, loop, num_ops, pending, loop_cpu, other_cpu))
-            dist.barrier()
-        finally:
-            gang.close_sync()
-        return rows
-
-    send_result(conn, measure)
+def _rank_main(plan: Plan) -> list[Row]:
+    """A rank's process: one gang (made sync: each measurement runs its own loop)."""
+    gang = agang.init_sync(in_process=False, timeout=60.0, op_timeout=120.0)
+    rank = gang.rank
+    rows = []
+    try:
+        for wait_mode in WAIT_MODES:
+            # Set on the one gang, as AGANG_WAIT_MODE would for every gang.
+            policy = dataclasses.replace(gang.policy, wait_mode=wait_mode)
+            gang._engine.policy = policy  # type: ignore[attr-defined]
+            for num_ops in (plan.num_ops, 1):
+                for loop, (backend, options) in LOOPS.items():
+                    pending, loop_cpu, process_cpu = anyio.run(
+                        _hold_pending,
+                        gang,
+                        plan,
+                        num_ops,
+                        rank,
+                        backend=backend,
+                        backend_options=options,
+                    )
+                    other_cpu = process_cpu - loop_cpu
+                    rows.append(Row(wait_mode, loop, num_ops, pending, loop_cpu, other_cpu))
+        dist.barrier()
+    finally:
+        gang.close_sync()
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -155,7 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     plan = Plan(100, 0.2) if args.smoke else Plan(1000, 1.0)
     print(f"2 Gloo ranks; rank 1 holds {plan.num_ops} all-reduces back {plan.hold:g} s.\n")
-    rows: list[Row] = _common.run_ranks(_rank_main, plan, timeout=300.0)[0]
+    rows = run_world(
+        functools.partial(_rank_main, plan), _common.WORLD_SIZE, make_gang=False, timeout=300.0
+    )[0]
     print(
         f"{'wait mode':<14} {'loop':<8} {'ops':>5} {'pending':>8} {'loop CPU':>9} {'share':>7}"
         "  c10d CPU"

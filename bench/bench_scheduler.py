@@ -1,9 +1,9 @@
 """Scheduler benchmark: coalescing, event-loop lag with many ops in flight, order checks.
 
 Method:
-    Two ranks run as real processes on 127.0.0.1 over Gloo (see ``_common``); both run
-    the same fixed sequence of ops, and rank 0's numbers are reported (rank 1's are in
-    the JSON file). Modes are interleaved round-robin, their order rotated each round,
+    Two ranks run as real processes on 127.0.0.1 over Gloo (``agang.testing.run_world``);
+    both run the same fixed sequence of ops, and rank 0's numbers are reported (rank 1's
+    are in the JSON file). Modes are interleaved round-robin, their order rotated each round,
     with a raw ``dist.barrier()`` before each timed batch, so drift and background load
     hit them alike. Compare ratios within one run: absolute times here are noisy.
 
@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import sys
@@ -48,7 +49,6 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
-from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -57,9 +57,10 @@ import plot_scheduler
 import torch
 import torch.distributed as dist
 import uvloop
-from _common import format_bytes, percentile, send_result
+from _common import format_bytes, percentile
 
 import agang
+from agang.testing import run_world
 
 NUMEL = 1024  # float32[1024] = 4 KiB
 BATCH = 64
@@ -285,7 +286,8 @@ async def _order_phase(gang: agang.Gang, plan: Plan) -> Samples:
 # One rank.
 
 
-def _rank_main(env: dict[str, str], plan: Plan, conn: Connection) -> None:
+def _rank_main(plan: Plan) -> dict[str, Any]:
+    """A rank's process: its own gangs, made sync, one per order-checking phase."""
     result: dict[str, Any] = {"order": {"off": {}, "on": {}}, "seconds": {}}
 
     @contextlib.contextmanager
@@ -297,39 +299,36 @@ def _rank_main(env: dict[str, str], plan: Plan, conn: Connection) -> None:
             seconds = result["seconds"]
             seconds[step] = seconds.get(step, 0.0) + time.monotonic() - started
 
-    def measure() -> dict[str, Any]:
-        if plan.coalescing_only:
-            gang = agang.init_sync(env=env, in_process=False, timeout=60.0, op_timeout=120.0)
-            try:
-                result["coalesce"], result["ops_per_scope"] = asyncio.run(_coalescing(gang, plan))
-            finally:
-                gang.close_sync()
-            return result
-        for phase in range(plan.order_phases):
-            check = phase % 2 == 1
-            with timed("init"):
-                gang = agang.init_sync(
-                    env=env, in_process=False, timeout=60.0, op_timeout=120.0, check_order=check
-                )
-            try:
-                if phase == 0:
-                    with timed("coalescing"):
-                        result["coalesce"], result["ops_per_scope"] = asyncio.run(
-                            _coalescing(gang, plan)
-                        )
-                    with timed("loop lag"):
-                        result["lag"] = _loop_lag(gang, plan)
-                    result["statistics"] = asdict(gang.statistics())
-                with timed("order checking"):
-                    samples = asyncio.run(_order_phase(gang, plan))
-                for name, values in samples.items():
-                    result["order"]["on" if check else "off"].setdefault(name, []).extend(values)
-            finally:
-                with timed("close"):
-                    gang.close_sync()
+    if plan.coalescing_only:
+        gang = agang.init_sync(in_process=False, timeout=60.0, op_timeout=120.0)
+        try:
+            result["coalesce"], result["ops_per_scope"] = asyncio.run(_coalescing(gang, plan))
+        finally:
+            gang.close_sync()
         return result
-
-    send_result(conn, measure)
+    for phase in range(plan.order_phases):
+        check = phase % 2 == 1
+        with timed("init"):
+            gang = agang.init_sync(
+                in_process=False, timeout=60.0, op_timeout=120.0, check_order=check
+            )
+        try:
+            if phase == 0:
+                with timed("coalescing"):
+                    result["coalesce"], result["ops_per_scope"] = asyncio.run(
+                        _coalescing(gang, plan)
+                    )
+                with timed("loop lag"):
+                    result["lag"] = _loop_lag(gang, plan)
+                result["statistics"] = asdict(gang.statistics())
+            with timed("order checking"):
+                samples = asyncio.run(_order_phase(gang, plan))
+            for name, values in samples.items():
+                result["order"]["on" if check else "off"].setdefault(name, []).extend(values)
+        finally:
+            with timed("close"):
+                gang.close_sync()
+    return result
 
 
 # Reporting (rank 0 in the tables; both ranks in the JSON file).
@@ -480,7 +479,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"2 Gloo ranks on 127.0.0.1, torch {torch.__version__}, load average {load:.1f} "
           f"on {os.cpu_count()} CPUs; {plan}\n", flush=True)  # fmt: skip
     started = time.monotonic()
-    results = _common.run_ranks(_rank_main, plan, timeout=900.0)
+    results = run_world(
+        functools.partial(_rank_main, plan), _common.WORLD_SIZE, make_gang=False, timeout=900.0
+    )
     elapsed = time.monotonic() - started
     summaries = [summarize(result) for result in results]
     if plan.coalescing_only:

@@ -22,24 +22,20 @@ every file, for tests: its figures mean nothing.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
 import time
-from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import (
-    add_out_argument,
-    format_seconds,
-    percentile,
-    run_async_rank,
-    run_ranks,
-    write_plots,
-)
+from _common import WORLD_SIZE, add_out_argument, format_seconds, percentile, write_plots
+
+import agang
+from agang.testing import run_world
 
 MODES = ("agang", "ddp", "naive")
 
@@ -63,13 +59,11 @@ def make_model(payload: dict[str, Any]) -> Any:
     return torch.nn.Sequential(*layers)
 
 
-async def measure(payload: dict[str, Any]) -> dict[str, Any]:
+async def measure(payload: dict[str, Any], gang: agang.Gang) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    import agang
-
-    gang = await agang.init(timeout=120, op_timeout=120)
+    torch.set_num_threads(1)  # the two ranks share the machine
     models = {mode: make_model(payload) for mode in MODES}
     bucket_mb = payload["bucket_mb"]  # the same limit for both, as each names it
     sync = agang.GradientSync(models["agang"], gang, bucket_bytes=int(bucket_mb * 2**20))
@@ -126,7 +120,6 @@ async def measure(payload: dict[str, Any]) -> dict[str, Any]:
             times[mode].append(seconds)
             phases[mode].append((backward_seconds, seconds - backward_seconds))
         hidden.append(timeline["hidden_share"])
-    await gang.close()
     return {
         "times": times,
         "phases": phases,
@@ -136,10 +129,6 @@ async def measure(payload: dict[str, Any]) -> dict[str, Any]:
         "gradient_bytes": sum(p.numel() * 4 for p in models["agang"].parameters()),
         "num_tensors": len(list(models["agang"].parameters())),
     }
-
-
-def rank_main(env: dict[str, str], payload: dict[str, Any], conn: Connection) -> None:
-    run_async_rank(env, conn, lambda: measure(payload))
 
 
 def plot_timeline(plt: Any, timeline: dict[str, Any], path: Path) -> None:
@@ -228,7 +217,15 @@ def main(argv: list[str] | None = None) -> None:
     began = time.monotonic()
     results = {}
     for payload in payloads:
-        result = run_ranks(rank_main, payload, timeout=900)[0]
+        # OMP_NUM_THREADS keeps agang.init from sizing torch's pool (measure sets 1 thread).
+        result = run_world(
+            functools.partial(measure, payload),
+            WORLD_SIZE,
+            timeout=900,
+            init_timeout=120,
+            op_timeout=120,
+            env={"OMP_NUM_THREADS": "1"},
+        )[0]
         report(payload, result)
         results[payload["case"]] = {"payload": payload, **result}
     out: Path = args.out

@@ -25,6 +25,7 @@ from agang._cli.doctor.findings import Finding, Status, has_problems, render, re
 from agang._cli.doctor.host import HostFacts, probe_host_facts
 from agang._cli.doctor.links import LinkState
 from agang._cli.doctor.network import SocketProbe
+from agang._setup.env import world_from_env
 from agang._setup.interface import Choice
 
 CPU_HOST = HostFacts(
@@ -267,6 +268,49 @@ def test_invalid_slurm_values_are_problems_with_a_fix(env: dict[str, str], messa
 
     assert message in problem.seen
     assert "srun" in problem.fix
+
+
+# Each launcher's pieces, valid on their own, mixed every way: a world of 2 under torchrun
+# (with its store), none, or MASTER_* alone; SLURM's two markers, each or both, beside the
+# job's other variables.
+_TORCHRUN_PIECES = {
+    "no torchrun": {},
+    "MASTER_* only": {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"},
+    "torchrun": {
+        "RANK": "0",
+        "WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29500",
+    },
+}
+_SLURM_PIECES = {
+    "no SLURM markers": {},
+    "SLURM_PROCID only": {"SLURM_PROCID": "0"},
+    "SLURM_NTASKS only": {"SLURM_NTASKS": "2"},
+    "both SLURM markers": {"SLURM_PROCID": "0", "SLURM_NTASKS": "2"},
+}
+_SLURM_JOB = {"SLURM_JOB_ID": "1234", "SLURM_JOB_NODELIST": "node001", "OMP_NUM_THREADS": "1"}
+#: How the doctor's launcher finding begins when it names a launcher (the source).
+_NAMED = {"torchrun": "torchrun's variables", "slurm": "SLURM's variables"}
+
+
+@pytest.mark.parametrize("slurm", list(_SLURM_PIECES))
+@pytest.mark.parametrize("torchrun", list(_TORCHRUN_PIECES))
+def test_the_doctor_names_the_launcher_init_reads_the_world_from(torchrun: str, slurm: str) -> None:
+    # agang.init reads the world with world_from_env; the doctor must see the same
+    # launcher, or none where init sees none (once, a lone SLURM_NTASKS was SLURM's to
+    # the doctor and no launcher to init).
+    env = {**_TORCHRUN_PIECES[torchrun], **_SLURM_PIECES[slurm], **_SLURM_JOB}
+    world = world_from_env(env, expand_hostnames=lambda nodelist: [nodelist])
+
+    seen = only(run(env, FakeNetwork(names={"node001": ["10.0.0.1"]})), "launcher").seen
+
+    named = {
+        source for source, start in _NAMED.items() if seen.startswith((f"{start}:", f"{start} ("))
+    }
+    assert named == ({world.source} if world is not None else set()), seen
+    if world is None:
+        assert "in-process gang" in seen
 
 
 def test_torchrun_variables_take_precedence_over_slurm() -> None:

@@ -81,6 +81,16 @@ def test_no_launcher_means_no_world() -> None:
     assert world_from_env({"PATH": "/bin"}) is None
 
 
+@pytest.mark.parametrize("marker", ["SLURM_PROCID", "SLURM_NTASKS"])
+def test_one_slurm_marker_alone_is_no_world(marker: str) -> None:
+    # A process srun did not start (salloc's shell, say) sees the job's SLURM_NTASKS
+    # only; SLURM_PROCID alone gives no size. Neither is a rank of a SLURM world.
+    env = {**SLURM, "MASTER_ADDR": "10.0.0.1"}
+    del env[({"SLURM_PROCID", "SLURM_NTASKS"} - {marker}).pop()]
+
+    assert world_from_env(env, expand_hostnames=_no_scontrol) is None
+
+
 @pytest.mark.parametrize(
     ("env", "named"),
     [

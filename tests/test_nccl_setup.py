@@ -24,8 +24,7 @@ import torch.distributed as dist
 
 import agang
 from agang._backends.c10d import children as c10d_children
-from agang._setup.device import resolve_device
-from agang._setup.process import prepare_process
+from agang._setup.process import prepare_process, resolve_device
 
 
 def _world(local_rank: int) -> agang.WorldInfo:

@@ -1,16 +1,26 @@
-"""Set-up: everything that happens before a process has its root gang.
+"""Set-up: everything that happens before a process has its root gang, and again each
+time an elastic gang is re-formed.
 
-Set-up reads the world from the launcher, meets the other ranks at a TCP store, makes
-the process group and proves it with a barrier, all within one deadline and off the
-caller's event loop. Its modules:
+Set-up reads the world from the launcher, prepares the process, meets the other ranks
+at a TCP store, makes the process group and proves it with a barrier, all within one
+deadline and off the caller's event loop; a failure becomes a ``GangInitError`` that
+names what went wrong. It makes gangs, so it sits above them: it imports from the
+backends, the gangs and the runtime below it, never from the commands (``_cli``) or
+``agang.testing``.
 
-- :mod:`agang._setup.env`: the world (rank, size, store address) from torchrun's or
-  SLURM's environment variables.
-- :mod:`agang._setup.device`: the gang's device and c10d backend.
-- :mod:`agang._setup.rendezvous`: the store (hosted or connected to) and the check-in
-  that names every rank that never came.
-- :mod:`agang._backends.c10d.retry`: which failures are transient (a type, decided where c10d is
-  called) and the user's retry policy, always bounded by the deadline.
-- :mod:`agang._setup.init`: ``agang.init`` and ``agang.init_sync``, which plan, run the
+In the order set-up runs:
+
+- :mod:`~agang._setup.env`: the launchers agang knows, as one table, and the world
+  (rank, size, store address) read from their variables.
+- :mod:`~agang._setup.process`: the device and c10d backend, and what the process is set
+  up with before its group exists (NCCL's settings, as a table the doctor reads too).
+- :mod:`~agang._setup.interface`: the network interface the ranks' connections use.
+- :mod:`~agang._setup.c10d_log`: c10d's C++ log, kept quiet while the store is opened.
+- :mod:`~agang._setup.rendezvous`: the store, the check-in that names every rank that
+  never came, and the barrier that proves the new group.
+- :mod:`~agang._setup.init`: ``agang.init`` and ``agang.init_sync``, which plan, run the
   above on a daemon thread and turn any failure into a ``GangInitError``.
+- :mod:`~agang._setup.membership`, :mod:`~agang._setup.elastic` and
+  :mod:`~agang._setup.elastic_gang`: an elastic gang's epochs, who belongs to each, and
+  the gang re-formed from its survivors and joiners.
 """

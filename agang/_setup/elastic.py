@@ -43,7 +43,7 @@ from agang._setup import membership
 from agang._setup.c10d_log import quiet_c10d
 from agang._setup.env import WorldInfo
 from agang._setup.membership import Candidate
-from agang._setup.proof import prove
+from agang._setup.rendezvous import prove
 
 log = logging.getLogger("agang")
 

@@ -1,14 +1,24 @@
 """The world a process belongs to, read from its launcher's environment.
 
-Sources, in order:
+The launchers agang knows are one table, :data:`LAUNCHERS`, in the order they are tried:
+each with its name, the variables that show it started this process, every variable it
+reads, and the function that reads them. ``agang doctor`` reads the same table, so it
+cannot see a launcher where ``agang.init`` sees none, or the other way round.
+
 1. torchrun's contract: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
-   MASTER_PORT (and TORCHELASTIC_USE_AGENT_STORE when torchrun's agent hosts the store).
+   MASTER_PORT (and TORCHELASTIC_USE_AGENT_STORE when torchrun's agent, or ``agang
+   store``, hosts the store). Seen when RANK *or* WORLD_SIZE is set: one without the
+   other is a half-made launch, and fails naming the missing one.
 2. SLURM's, for ``srun``-launched jobs: SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID,
    SLURM_NTASKS_PER_NODE, SLURM_JOB_NODELIST and SLURM_JOB_ID. The first host of the node
    list is the store host (expanded by ``scontrol show hostnames`` when that is
    installed, else by agang's own parser), and the port is derived from the job id, so
    every rank of the job agrees without talking. MASTER_ADDR/MASTER_PORT, when set,
-   win over the derived values.
+   win over the derived values. Seen only when SLURM_PROCID *and* SLURM_NTASKS are set:
+   a process inside an allocation that srun did not start (from ``salloc``'s shell,
+   say) can see the job's SLURM_NTASKS without a SLURM_PROCID of its own; it is one
+   process, not a rank of a world whose other ranks would never come, and SLURM_PROCID
+   alone gives no world size.
 3. None of them: no world (the caller decides: explicit arguments, or an in-process gang).
 The mapping is injectable, so all of this is tested with plain dicts, and so is the
 ``scontrol`` runner.
@@ -104,14 +114,18 @@ def world_from_env(
         GangInitError: A variable is set but invalid (not an integer, a rank not below the
             world size, one of a required pair missing); the message names it and its value.
     """
-    if "RANK" in env or "WORLD_SIZE" in env:
-        return _torchrun_world(env)
-    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-        return _slurm_world(env, expand_hostnames or expand_nodelist)
-    return None
+    launcher = detect_launcher(env)
+    if launcher is None:
+        return None
+    return launcher.read(env, expand_hostnames or expand_nodelist)
 
 
-def _torchrun_world(env: Mapping[str, str]) -> WorldInfo:
+def detect_launcher(env: Mapping[str, str]) -> Launcher | None:
+    """The first launcher of :data:`LAUNCHERS` that ``env`` shows; None when none does."""
+    return next((launcher for launcher in LAUNCHERS if launcher.detects(env)), None)
+
+
+def _torchrun_world(env: Mapping[str, str], _expand_hostnames: HostnameExpander) -> WorldInfo:
     for present, missing in (("RANK", "WORLD_SIZE"), ("WORLD_SIZE", "RANK")):
         if present in env and missing not in env:
             raise GangInitError(
@@ -207,6 +221,77 @@ def _slurm_tasks_per_node(env: Mapping[str, str]) -> int | None:
             f"`SLURM_NTASKS_PER_NODE` must be a positive integer, but is {value!r} instead."
         )
     return int(first.group(1))
+
+
+@dataclass(frozen=True)
+class Launcher:
+    """A launcher agang reads the world from: one row of :data:`LAUNCHERS`."""
+
+    #: Its name, as :attr:`WorldInfo.source` gives it.
+    name: str
+    #: How messages name it ("torchrun's variables").
+    owner: str
+    #: The variables that show it started this process.
+    markers: tuple[str, ...]
+    #: True: every marker must be set; False: any one is enough.
+    needs_all_markers: bool
+    #: Every variable of its own that :attr:`read` reads, markers first.
+    variables: tuple[str, ...]
+    #: Reads the world from the environment; raises ``GangInitError`` naming a bad variable.
+    read: Callable[[Mapping[str, str], HostnameExpander], WorldInfo]
+
+    def detects(self, env: Mapping[str, str]) -> bool:
+        """Whether ``env`` shows this launcher (its markers, by :attr:`needs_all_markers`)."""
+        present = [name in env for name in self.markers]
+        return all(present) if self.needs_all_markers else any(present)
+
+    def describe_markers(self) -> str:
+        """What :meth:`detects` looks for, for messages: "`A` or `B`", "both `A` and `B`"."""
+        names = [f"`{name}`" for name in self.markers]
+        if not self.needs_all_markers:
+            return " or ".join(names)
+        return ("both " if len(names) == 2 else "all of ") + " and ".join(names)
+
+
+TORCHRUN = Launcher(
+    name="torchrun",
+    owner="torchrun's",
+    markers=("RANK", "WORLD_SIZE"),
+    needs_all_markers=False,
+    variables=(
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "TORCHELASTIC_USE_AGENT_STORE",
+        "TORCHELASTIC_RUN_ID",
+    ),
+    read=_torchrun_world,
+)
+SLURM = Launcher(
+    name="slurm",
+    owner="SLURM's",
+    markers=("SLURM_PROCID", "SLURM_NTASKS"),
+    needs_all_markers=True,
+    variables=(
+        "SLURM_PROCID",
+        "SLURM_NTASKS",
+        "SLURM_LOCALID",
+        "SLURM_NTASKS_PER_NODE",
+        "SLURM_TASKS_PER_NODE",
+        "SLURM_JOB_NODELIST",
+        "SLURM_NODELIST",
+        "SLURM_JOB_ID",
+    ),
+    read=_slurm_world,
+)
+
+#: The launchers agang knows, in the order they are tried: torchrun first, so that
+#: ``srun torchrun`` (both sets of variables) reads torchrun's. ``agang store`` is no
+#: launcher of its own: its ranks are started with torchrun's variables.
+LAUNCHERS: tuple[Launcher, ...] = (TORCHRUN, SLURM)
 
 
 def expand_nodelist(nodelist: str) -> list[str]:

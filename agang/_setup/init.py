@@ -45,14 +45,19 @@ from agang._gang import Gang
 from agang._policy import CheckOrder, GangPolicy, InFlightLimits, OnTimeout, make_policy
 from agang._runtime.future import Future
 from agang._runtime.threads import start_thread
-from agang._setup.device import resolve_backend, resolve_device
 from agang._setup.elastic import Elastic
 from agang._setup.elastic_gang import form_first
 from agang._setup.env import WorldInfo, world_from_env
 from agang._setup.interface import own_link
-from agang._setup.process import prepare_process
-from agang._setup.proof import clear_frames, prove
-from agang._setup.rendezvous import InitCancelled, check_in, end_round, open_store
+from agang._setup.process import prepare_process, resolve_backend, resolve_device
+from agang._setup.rendezvous import (
+    InitCancelled,
+    check_in,
+    clear_frames,
+    end_round,
+    open_store,
+    prove,
+)
 from agang._validate import check_timeout
 
 log = logging.getLogger("agang")

@@ -1,32 +1,117 @@
-"""What a rank's process is set up with before its process group exists.
+"""What a rank's process is set up with before its process group exists: its device and
+c10d backend, and the settings c10d, NCCL and torch read from the process.
 
-Each setting is made only where the user has not made it, and logged:
+Which device and backend (:func:`resolve_device`, :func:`resolve_backend`): the
+arguments of ``agang.init`` where given, else from the world and this machine (a CUDA
+device and NCCL where CUDA is available, else the CPU and Gloo).
+
+Each setting :func:`prepare_process` makes is made only where the user has not made it,
+and logged:
 1. The network interface of the ranks' connections (``agang._setup.interface``): the one
    that reaches ``MASTER_ADDR``, for Gloo (and NCCL); a loopback ``MASTER_ADDR`` in a
    job across hosts fails at once.
-2. On NCCL, the GPU as this thread's device and the settings of
-   ``agang._setup.nccl_env`` (abort the communicator and keep the process; no heartbeat
-   monitor that kills it), so an agang deadline is survivable.
+2. On NCCL, the GPU as this thread's device and the settings of :data:`NCCL_SETTINGS`
+   (abort the communicator and keep the process; no heartbeat monitor that kills it), so
+   an agang deadline is survivable.
 3. With several local ranks and no ``OMP_NUM_THREADS``, each rank gets its share of the
    CPUs, so they do not oversubscribe the machine.
 4. c10d's C++ log stays quiet while the store is opened, unless the user asked for it
    (``agang._setup.c10d_log``); what set-up does with it is logged.
+
+The NCCL settings are data, a name mapped to (value, why), because two readers need
+them: :func:`apply_nccl_settings` here, and ``agang doctor``, which reports a user's value
+that differs. One table keeps the two from drifting apart. Why each one:
+
+- ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2``: on a failed or timed-out op, c10d aborts the
+  communicator and keeps the process (1 and 3 kill it), so an agang deadline is
+  survivable and the gang can report ``GangTimeoutError``.
+- ``TORCH_NCCL_ENABLE_MONITORING=0``: the default group's heartbeat monitor kills every
+  rank (SIGABRT) some minutes after any c10d-side timeout or error was signalled, whatever
+  the error-handling mode. agang's own deadlines fail and abort the gang instead.
+- ``TORCH_NCCL_DUMP_ON_TIMEOUT=0``: no flight-recorder dump signal to every rank on a
+  c10d-side timeout (the first step towards that kill); agang's ``GangTimeoutError``
+  carries its own flight recorder.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 
 import torch
 
 from agang._setup import c10d_log
 from agang._setup.env import WorldInfo
 from agang._setup.interface import apply_interface, check_master_reachable
-from agang._setup.nccl_env import apply_nccl_settings
 
 log = logging.getLogger("agang")
+
+#: Name -> (agang's value, why), in the order they are applied.
+NCCL_SETTINGS: dict[str, tuple[str, str]] = {
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": ("2", "survive a timeout in-process"),
+    "TORCH_NCCL_ENABLE_MONITORING": (
+        "0",
+        "agang's deadlines replace the heartbeat monitor, which kills the process",
+    ),
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": ("0", "agang's timeout errors carry the flight recorder"),
+}
+
+
+# The device and the backend.
+
+
+def resolve_device(device: object, backend: str | None, world: WorldInfo | None) -> torch.device:
+    """The gang's device: ``device`` if given, else ``cuda:LOCAL_RANK`` (modulo the GPUs
+    here) when CUDA is available and the backend allows it, else the CPU.
+
+    A bare ``"cuda"`` means this rank's GPU, as ``None`` does: every later step needs an
+    index (``torch.cuda.set_device``, ``init_process_group(device_id=...)``, and the
+    check that a tensor is on the gang's device, which ``cuda`` and ``cuda:0`` fail).
+    """
+    if device is not None:
+        try:
+            chosen = torch.device(device)  # type: ignore[call-overload]
+        except (RuntimeError, TypeError) as exc:
+            raise ValueError(
+                f"`device` must be a torch.device or a device string, but is {device!r} instead."
+            ) from exc
+        if chosen.type != "cuda" or chosen.index is not None:
+            return chosen  # type: ignore[no-any-return]
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"`device` must be a device this machine has, but is {device!r} and CUDA is "
+                f"not available here."
+            )
+        return torch.device("cuda", _local_gpu(world))
+    if backend != "gloo" and torch.cuda.is_available():
+        return torch.device("cuda", _local_gpu(world))
+    return torch.device("cpu")
+
+
+def _local_gpu(world: WorldInfo | None) -> int:
+    local_rank = world.local_rank if world is not None else 0
+    return local_rank % torch.cuda.device_count()
+
+
+def resolve_backend(backend: object, device: torch.device) -> str:
+    """The c10d backend: ``backend`` if given and it fits ``device``, else by device."""
+    if backend is None:
+        return "nccl" if device.type == "cuda" else "gloo"
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"`backend` must be 'gloo', 'nccl' or None, but is {backend!r} instead.")
+    if backend == "nccl" and device.type != "cuda":
+        raise ValueError(
+            f"`device` must be a CUDA device for the 'nccl' backend, but is {device} instead."
+        )
+    if backend == "gloo" and device.type != "cpu":
+        raise ValueError(
+            f"`device` must be the CPU for the 'gloo' backend, but is {device} instead."
+        )
+    return str(backend)
+
+
+# The process's settings.
 
 
 def prepare_process(
@@ -49,3 +134,14 @@ def prepare_process(
             local,
             threads,
         )
+
+
+def apply_nccl_settings(environ: MutableMapping[str, str]) -> dict[str, str]:
+    """Sets every NCCL setting the user left unset; returns what it set."""
+    made = {}
+    for name, (value, why) in NCCL_SETTINGS.items():
+        if name not in environ:
+            environ[name] = value
+            made[name] = value
+            log.info("agang: set %s=%s (%s).", name, value, why)
+    return made

@@ -34,6 +34,9 @@ Rules (all of this runs on init's daemon thread, never on the loop):
 10. Opening the store (hosting it, or connecting) keeps c10d's C++ log quiet
    (:mod:`agang._setup.c10d_log`): each retry is one INFO line of agang's instead of
    c10d's stack traces.
+11. Meeting ends with proof: a barrier on the new default group (:func:`prove`), within
+   the set-up's deadline, and the group destroyed if it fails. It lives here, not in
+   init, because both init and an elastic re-formation end their meeting with it.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ import os
 import socket
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -75,6 +79,8 @@ WAIT_SLICE = 0.25
 # After its deadline the host keeps its store up this long, so that ranks still waiting
 # can read who was missing.
 HOST_LINGER = 0.5
+#: The most the proving barrier waits (seconds), within the set-up's deadline (rule 11).
+BARRIER_SECONDS = 30.0
 _OWNER_KEY = "agang/owner"
 
 
@@ -293,6 +299,30 @@ def end_round(store: Any, world: WorldInfo, prefix: str) -> None:
     """Marks a successful round over on its store (rule 6), on the host only."""
     if world.rank == 0 and not world.launcher_hosts_store:
         store.set(f"{prefix}/missing", "")
+
+
+def prove(deadline: float) -> None:
+    """A barrier on the new default group, before any gang exists (so it takes no seq
+    number); the group is destroyed if it fails (rule 11)."""
+    options = dist.BarrierOptions()
+    seconds = max(0.1, min(BARRIER_SECONDS, deadline - time.monotonic()))
+    options.timeout = timedelta(seconds=seconds)
+    try:
+        dist.distributed_c10d._get_default_group().barrier(options).wait(timedelta(seconds=seconds))
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+
+
+def clear_frames(error: BaseException) -> None:
+    """Drops the frames of ``error`` and its causes: their locals (a hosted store, its
+    port) would otherwise live as long as the caller keeps the error."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        traceback.clear_frames(current.__traceback__)
+        current = current.__cause__ or current.__context__
 
 
 def check_in(

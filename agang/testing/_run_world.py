@@ -6,6 +6,10 @@ torchrun's agent does (TORCHELASTIC_USE_AGENT_STORE). Every rank runs under the 
 async backend; the parent collects each rank's result or formatted traceback, and at the
 deadline, or once any rank failed and the others did not finish soon after, it kills the
 ranks it started (SIGKILL, by pid) and raises with the tracebacks tagged by rank.
+
+With ``make_gang=False`` a rank makes no gang and runs no event loop: it calls a plain
+``fn()`` with the world's environment set, for code that makes its own gangs (several in
+turn, or with ``agang.init_sync``) or times its own set-up, as the benchmarks do.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import time
 import traceback
 from collections.abc import Awaitable, Callable, Mapping
 from datetime import timedelta
-from typing import Any, TypeVar, cast
+from typing import Any, Literal, TypeVar, cast, overload
 
 import torch.distributed as dist
 
@@ -50,19 +54,22 @@ class WorldRunError(GangError):
 
 
 def _rank_main(
-    fn: Callable[[Gang], Awaitable[Any]],
+    fn: Callable[..., Any],
     env: dict[str, str],
     backend: str,
     async_backend: str,
-    init_options: dict[str, Any],
+    init_options: dict[str, Any] | None,
     connection: multiprocessing.connection.Connection,
 ) -> None:
+    """A rank's process: ``fn(gang)`` under ``async_backend``, or ``fn()`` alone where
+    ``init_options`` is None (``make_gang=False``)."""
     os.environ.update(env)
     import anyio
 
     import agang
 
     async def main() -> Any:
+        assert init_options is not None
         gang = await agang.init(backend=backend, in_process=False, **init_options)
         try:
             return await fn(gang)
@@ -70,7 +77,9 @@ def _rank_main(
             await gang.close()
 
     try:
-        if async_backend == "trio":
+        if init_options is None:
+            result = fn()
+        elif async_backend == "trio":
             result = anyio.run(main, backend="trio")
         else:
             result = anyio.run(
@@ -90,8 +99,35 @@ def _rank_main(
     connection.close()
 
 
+@overload
 def run_world(
     fn: Callable[[Gang], Awaitable[T]],
+    world_size: int,
+    *,
+    backend: str = ...,
+    async_backend: str = ...,
+    timeout: float = ...,
+    init_timeout: float | None = ...,
+    op_timeout: float | None = ...,
+    env: Mapping[str, str] | None = ...,
+    init_options: Mapping[str, Any] | None = ...,
+    make_gang: Literal[True] = ...,
+) -> list[T]: ...
+
+
+@overload
+def run_world(
+    fn: Callable[[], T],
+    world_size: int,
+    *,
+    timeout: float = ...,
+    env: Mapping[str, str] | None = ...,
+    make_gang: Literal[False],
+) -> list[T]: ...
+
+
+def run_world(
+    fn: Callable[..., Any],
     world_size: int,
     *,
     backend: str = "gloo",
@@ -101,10 +137,12 @@ def run_world(
     op_timeout: float | None = 60.0,
     env: Mapping[str, str] | None = None,
     init_options: Mapping[str, Any] | None = None,
-) -> list[T]:
+    make_gang: bool = True,
+) -> list[Any]:
     """Runs ``async def fn(gang)`` on ``world_size`` local ranks and returns their results.
 
-    ``fn`` must be importable by name (a module-level function): ranks are new processes.
+    ``fn`` must be importable by name (a module-level function, or a
+    ``functools.partial`` of one): ranks are new processes.
 
     Args:
         fn: The function each rank runs with its root gang; its result must pickle.
@@ -118,6 +156,11 @@ def run_world(
         env: Extra environment variables for the ranks.
         init_options: More keyword arguments for the ranks' :func:`agang.init`, such
             as ``on_timeout``, ``limits`` or ``check_order``; they must pickle.
+        make_gang: False: each rank calls a plain ``fn()`` instead, with no gang and no
+            event loop, in a process whose environment is the world's (torchrun's
+            variables), so ``agang.init_sync()`` there joins the others. ``backend``,
+            ``async_backend``, ``init_timeout`` and ``op_timeout`` then have no use (the
+            type checker refuses them), and ``init_options`` must be None.
 
     Returns:
         The results, indexed by rank.
@@ -140,6 +183,11 @@ def run_world(
         raise ValueError("`timeout` must be a number of seconds, but is None instead.")
     if not callable(fn):
         raise TypeError(f"`fn` must be an async function, but is {fn!r} instead.")
+    if not make_gang and init_options is not None:
+        raise ValueError(
+            f"`init_options` must be None when `make_gang` is False (no rank makes a gang), "
+            f"but is {init_options!r} instead."
+        )
 
     store = dist.TCPStore(  # type: ignore[attr-defined]
         "127.0.0.1",
@@ -158,11 +206,12 @@ def run_world(
         "TORCHELASTIC_USE_AGENT_STORE": "True",
         **(env or {}),
     }
-    init_options = {
-        "timeout": init_timeout,
-        "op_timeout": op_timeout,
-        **(init_options or {}),
-    }
+    # None tells each rank to make no gang (make_gang=False).
+    rank_init_options = (
+        {"timeout": init_timeout, "op_timeout": op_timeout, **(init_options or {})}
+        if make_gang
+        else None
+    )
     processes = []
     connections: dict[Any, int] = {}  # receiving end of each rank's pipe -> rank
     for rank in range(world_size):
@@ -170,7 +219,7 @@ def run_world(
         rank_env = {**base_env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
         process = context.Process(
             target=_rank_main,
-            args=(fn, rank_env, backend, async_backend, init_options, sender),
+            args=(fn, rank_env, backend, async_backend, rank_init_options, sender),
             name=f"agang-rank-{rank}",
             daemon=True,
         )

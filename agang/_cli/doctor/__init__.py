@@ -1,15 +1,10 @@
-"""``agang doctor``: checks a job's environment and this host before ``agang.init`` runs.
+"""``agang doctor``: what ``agang.init`` would make of this process's job, checked before
+it runs: the launcher's variables, this host's torch build and hardware, and whether the
+ranks can meet at the store's address and port.
 
-The checks are pure functions of plain data (the environment, this host's facts, a
-network probe), so tests drive them without a real job. Its modules:
-
-- :mod:`agang._cli.doctor.diagnose`: the entry point, :func:`~agang._cli.doctor.diagnose.diagnose`,
-  and the checks of the world itself (launcher variables, local ranks, threads).
-- :mod:`agang._cli.doctor.host`: what this host's torch build and hardware offer (Gloo, NCCL,
-  CUDA), probed once and checked.
-- :mod:`agang._cli.doctor.network`: whether the ranks can meet at the store's address and
-  port.
-- :mod:`agang._cli.doctor.links`: this host's interfaces, up or down, and their networks (to
-  name the one toward MASTER_ADDR).
-- :mod:`agang._cli.doctor.findings`: the findings, and their rendering as text or JSON.
+Its checks are pure functions of plain data (the environment, this host's facts, a
+network probe passed in as a value), so tests drive them without a real job, and the
+findings are rendered apart from them, as text or JSON. Where set-up has a rule (which
+launcher started the process, the NCCL settings ``agang.init`` makes, the interface it
+chooses), the doctor reads set-up's own table or function, so the two cannot disagree.
 """

@@ -9,8 +9,11 @@ rendering in :mod:`agang._cli.doctor.findings`. The rules:
 1. The world comes from :func:`agang._setup.env.world_from_env`, exactly as ``agang.init``
    reads it, so the doctor and init cannot disagree; an error it raises is a problem,
    with a fix chosen by the variable its message names.
-2. torchrun's variables win over SLURM's (as ``srun torchrun`` relies on); no launcher
-   variables at all mean an in-process gang, which is fine.
+2. Which launcher started the process, and which of its variables to show, comes from
+   the launcher table init reads (:data:`agang._setup.env.LAUNCHERS`): torchrun's
+   variables win over SLURM's (as ``srun torchrun`` relies on), and SLURM is seen only
+   with both SLURM_PROCID and SLURM_NTASKS, as init sees it. No launcher seen means an
+   in-process gang, which is fine.
 3. Several ranks on one node each size torch's thread pool to the whole node unless
    ``OMP_NUM_THREADS`` says otherwise, so an unset value with several local ranks is a
    warning that names the per-rank share (CPUs // local ranks).
@@ -22,30 +25,19 @@ rendering in :mod:`agang._cli.doctor.findings`. The rules:
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 from agang._cli.doctor.findings import Finding, Status
 from agang._cli.doctor.host import HostFacts, backend_findings
 from agang._cli.doctor.network import NetworkProbe, network_findings
 from agang._errors import GangInitError
-from agang._setup.env import WorldInfo, world_from_env
-
-TORCHRUN_VARIABLES = (
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "TORCHELASTIC_USE_AGENT_STORE",
-)
-SLURM_VARIABLES = (
-    "SLURM_PROCID",
-    "SLURM_NTASKS",
-    "SLURM_LOCALID",
-    "SLURM_NTASKS_PER_NODE",
-    "SLURM_JOB_NODELIST",
-    "SLURM_JOB_ID",
+from agang._setup.env import (
+    LAUNCHERS,
+    TORCHRUN,
+    Launcher,
+    WorldInfo,
+    detect_launcher,
+    world_from_env,
 )
 
 
@@ -86,24 +78,38 @@ def diagnose(env: Mapping[str, str], facts: HostFacts, network: NetworkProbe) ->
 # Launcher.
 
 
-def _present(env: Mapping[str, str], names: Sequence[str]) -> str:
-    return ", ".join(f"{name}={env[name]}" for name in names if name in env)
+def _present(env: Mapping[str, str], launcher: Launcher) -> str:
+    return ", ".join(f"{name}={env[name]}" for name in launcher.variables if name in env)
 
 
 def _launcher_finding(env: Mapping[str, str]) -> Finding:
-    torchrun = _present(env, TORCHRUN_VARIABLES)
-    slurm = _present(env, SLURM_VARIABLES)
-    if "RANK" in env or "WORLD_SIZE" in env:
-        also = " (they take precedence over SLURM's, as under `srun torchrun`)" if slurm else ""
-        return Finding("launcher", Status.OK, f"torchrun's variables{also}: {torchrun}.")
-    if "SLURM_PROCID" in env or "SLURM_NTASKS" in env:
-        return Finding("launcher", Status.OK, f"SLURM's variables: {slurm}.")
+    launcher = detect_launcher(env)
+    if launcher is not None:
+        # Another launcher's variables beside it: it wins, by the table's order.
+        others = [o for o in LAUNCHERS if o is not launcher and _present(env, o)]
+        also = ""
+        if launcher is TORCHRUN and others:
+            owners = " and ".join(o.owner for o in others)
+            also = f" (they take precedence over {owners}, as under `srun torchrun`)"
+        return Finding(
+            "launcher", Status.OK, f"{launcher.owner} variables{also}: {_present(env, launcher)}."
+        )
+    for seen in LAUNCHERS:
+        if any(name in env for name in seen.markers):
+            # Some of its markers, not enough: init sees no launcher, so neither does this.
+            return Finding(
+                "launcher",
+                Status.OK,
+                f"No launcher: {seen.owner} variables are set ({_present(env, seen)}), but "
+                f"not {seen.describe_markers()}, so agang makes an in-process gang (a world "
+                f"of 1).",
+            )
     if "MASTER_ADDR" in env or "MASTER_PORT" in env:
         return Finding(
             "launcher",
             Status.WARN,
-            f"{torchrun} set, but neither `RANK` nor `WORLD_SIZE`: agang makes an in-process "
-            f"gang (a world of 1).",
+            f"{_present(env, TORCHRUN)} set, but neither `RANK` nor `WORLD_SIZE`: agang makes "
+            f"an in-process gang (a world of 1).",
             causes=("the program was started directly instead of through torchrun",),
             fix="Start it with torchrun (or srun), or unset MASTER_ADDR/MASTER_PORT if one "
             "process is meant.",

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from agang._cli.doctor.findings import Finding, Status
 from agang._setup.c10d_log import DEBUG_VARIABLE, c10d_output_wanted
-from agang._setup.nccl_env import NCCL_SETTINGS
+from agang._setup.process import NCCL_SETTINGS
 
 
 @dataclass(frozen=True)
@@ -191,9 +191,9 @@ def _async_error_handling_finding(env: Mapping[str, str], facts: HostFacts) -> F
 
 
 def _monitoring_findings(env: Mapping[str, str], facts: HostFacts) -> list[Finding]:
-    """The NCCL settings besides error handling that ``agang.init`` makes (see
-    ``agang._setup.nccl_env``): whether the user's values keep a c10d-side timeout from
-    killing the process."""
+    """The NCCL settings besides error handling that ``agang.init`` makes (the table
+    ``agang._setup.process.NCCL_SETTINGS``): whether the user's values keep a c10d-side
+    timeout from killing the process."""
     used = facts.nccl_available and facts.cuda_available
     findings = []
     for name, (agangs, why) in NCCL_SETTINGS.items():

@@ -2,6 +2,14 @@
 
 Every kernel reads all its inputs before writing any output, in rank order, and writes
 in place: the data moves when the device runs the kernel, not when the op is issued.
+
+A reducing kernel reduces as ``FakeWorld`` does, with :func:`agang.testing.reduce_tensors`,
+so the two simulations cannot drift apart: in rank order, in the tensors' dtype, rounding
+after each rank's contribution (as NCCL's ring rounds at each hop, in its own order).
+c10d's op is mapped back to agang's through agang's own mapping (:func:`to_c10d`), so the
+simulation reduces with exactly the ops agang issues on NCCL, AVG included; any other op
+is an error when the kernel runs. ``MEAN`` on integers and booleans never gets here:
+agang refuses it before issuing (``agang._validate``).
 """
 
 from __future__ import annotations
@@ -10,32 +18,23 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from agang._reduce_op import ReduceOp, to_c10d
+from agang.testing._reduce import reduce_tensors
 from agang.testing._sim_nccl.device import Part
 
 Kernel = Callable[[dict[int, Part]], None]
 
-_RED = dist.ReduceOp  # its members compare equal to the RedOpType options hold
 
-
-def _reduce(tensors: list[torch.Tensor], op: Any) -> torch.Tensor:
-    stacked = torch.stack([t.clone() for t in tensors])
-    if op == _RED.SUM:
-        return stacked.sum(0).to(tensors[0].dtype)
-    if op == _RED.AVG:
-        return (stacked.sum(0) / len(tensors)).to(tensors[0].dtype)
-    if op == _RED.PRODUCT:
-        return stacked.prod(0).to(tensors[0].dtype)
-    if op == _RED.MIN:
-        return stacked.amin(0)
-    if op == _RED.MAX:
-        return stacked.amax(0)
-    raise NotImplementedError(f"Simulated NCCL does not reduce with {op}.")
-
-
-def _op(options: Any) -> Any:
-    return _RED.SUM if options is None else options.reduceOp
+def _op(options: Any) -> ReduceOp:
+    """agang's op for ``options.reduceOp`` (SUM where an op has no options)."""
+    if options is None:
+        return ReduceOp.SUM
+    for op in ReduceOp:
+        # The options' op on the left: its class, not the enum's, knows how to compare.
+        if options.reduceOp == to_c10d(op, backend="nccl")[0]:
+            return op
+    raise NotImplementedError(f"Simulated NCCL does not reduce with {options.reduceOp}.")
 
 
 def _ranked(parts: dict[int, Part]) -> list[Part]:
@@ -48,7 +47,7 @@ def kernel_for(kind: str, options: Any) -> Kernel:
     def allreduce(parts: dict[int, Part]) -> None:
         ranked = _ranked(parts)
         for index in range(len(ranked[0].inputs)):
-            result = _reduce([p.inputs[index] for p in ranked], _op(options))
+            result = reduce_tensors([p.inputs[index] for p in ranked], _op(options))
             for p in ranked:
                 p.outputs[index].copy_(result)
 
@@ -70,7 +69,7 @@ def kernel_for(kind: str, options: Any) -> Kernel:
 
     def reduce_scatter_single(parts: dict[int, Part]) -> None:
         ranked = _ranked(parts)
-        total = _reduce([p.inputs.reshape(-1) for p in ranked], _op(options))
+        total = reduce_tensors([p.inputs.reshape(-1) for p in ranked], _op(options))
         for rank, chunk in enumerate(total.chunk(len(ranked))):
             ranked[rank].outputs.view(-1).copy_(chunk)
 
@@ -105,7 +104,7 @@ def kernel_for(kind: str, options: Any) -> Kernel:
     # The rooted ops write on their root only (reduce, gather) or read from it (scatter).
 
     def reduce(parts: dict[int, Part]) -> None:
-        result = _reduce([p.inputs[0] for p in _ranked(parts)], _op(options))
+        result = reduce_tensors([p.inputs[0] for p in _ranked(parts)], _op(options))
         parts[options.rootRank].outputs[0].copy_(result)
 
     def gather(parts: dict[int, Part]) -> None:

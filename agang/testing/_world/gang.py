@@ -1,8 +1,8 @@
 """``FakeWorld``: n ranks in one event loop, with the real semantics of collectives.
 
-The simulation itself is a backend (``_world_backend``); a ``FakeWorldGang``
-is the one gang implementation over it, so a test on a FakeWorld runs the same engine,
-numbering and statistics as production does on c10d.
+The simulation itself is a backend (``agang.testing._world.backend``); a
+``FakeWorldGang`` is the one gang implementation over it, so a test on a FakeWorld runs
+the same engine, numbering and statistics as production does on c10d.
 """
 
 from __future__ import annotations
