@@ -50,6 +50,7 @@ from agang._backends.c10d.calls import (
     real,
     reduce_scatter_flat,
     then,
+    to_c10d,
 )
 from agang._backends.c10d.children import create_groups
 from agang._backends.c10d.completion import WorkWaiter
@@ -63,7 +64,7 @@ from agang._backends.contract import (
     holding,
 )
 from agang._backends.cuda.runtime import DeviceRuntime, StreamOrder, torch_runtime
-from agang._reduce_op import ReduceOp, to_c10d
+from agang._reduce_op import ReduceOp
 from agang._runtime import threads
 
 log = logging.getLogger("agang")
