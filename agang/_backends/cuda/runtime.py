@@ -1,6 +1,6 @@
 """The device runtime: every stream, event and device call the NCCL paths make.
 
-``cuda_completion`` and ``C10dBackend``'s NCCL branches reach the device only through a
+``agang._backends.c10d.completion`` and ``C10dBackend`` reach the device only through a
 ``DeviceRuntime``, chosen per backend: ``TorchCudaRuntime`` (torch.cuda) in production,
 ``agang.testing.SimulatedNccl``'s runtime in tests, so the real completion code runs on
 a CPU against simulated streams.
