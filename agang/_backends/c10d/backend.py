@@ -29,7 +29,6 @@ from agang._backends.c10d import mailbox as c10d_blame
 from agang._backends.c10d import order as c10d_order
 from agang._backends.c10d import world as c10d_peers
 from agang._backends.c10d.abort import Aborter
-from agang._backends.c10d.backstop import backstop_for
 from agang._backends.c10d.calls import (
     all_gather_flat,
     all_reduce_options,
@@ -55,6 +54,26 @@ from agang._reduce_op import ReduceOp
 from agang._runtime import threads
 
 log = logging.getLogger("agang")
+
+# c10d's own timeout, kept behind agang's deadlines (``allow_timeout``): c10d fails an
+# op, and on NCCL may end the process, when its process-group timeout passes, so the
+# group's timeout sits this far behind the longest deadline asked for, and agang's
+# deadline always fires first.
+_BACKSTOP_FACTOR = 1.5
+_BACKSTOP_MARGIN = 30.0
+# Behind an op with no agang deadline, c10d's timeout must not fire either: when it does,
+# NCCL's watchdog fails the op and signals every rank to dump its flight recorder, and
+# the default group's heartbeat monitor then kills the process minutes later whatever
+# the error handling mode. So "no deadline" lifts it to what is never reached in practice.
+_NO_DEADLINE_BACKSTOP = 30 * 86400.0
+
+
+def backstop_for(timeout: float | None) -> float:
+    """The c10d timeout to use behind an agang deadline of ``timeout`` seconds (None: no
+    deadline)."""
+    if timeout is None:
+        return _NO_DEADLINE_BACKSTOP
+    return max(timeout * _BACKSTOP_FACTOR + _BACKSTOP_MARGIN, _BACKSTOP_MARGIN)
 
 
 @final
