@@ -64,9 +64,8 @@ from typing import Any
 import torch
 
 from agang._backends import fingerprint as flows
-from agang._backends.contract import Backend, Done
+from agang._backends.contract import Backend, Done, Progress, State
 from agang._backends.fingerprint import call_site
-from agang._blame import Progress, State
 from agang._engine import busy, ending, reports
 from agang._engine import deadlines as deadline
 from agang._engine.expiry import Expiry

@@ -40,8 +40,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from agang._backends.contract import BLAME_BOUND, Blamed, ProgressOf
-from agang._blame import Progress
+from agang._backends.contract import BLAME_BOUND, Blamed, Progress, ProgressOf
 from agang._runtime.threads import start_thread
 
 log = logging.getLogger("agang")
