@@ -37,6 +37,7 @@ from typing import Any
 import torch.distributed as dist
 
 from agang._backends.c10d import mailbox as c10d_blame
+from agang._backends.c10d import world as c10d_world
 from agang._backends.c10d.retry import TransientSetupError, call_c10d, one_line
 from agang._errors import GangInitError
 from agang._setup import membership
@@ -259,12 +260,18 @@ def _wait_for_check_ins(formed: Formed, until: float) -> None:
 def make_group(formed: Formed, backend: str, deadline: float, device: Any) -> None:
     """The epoch's process group (rule 2); raises ``TransientSetupError`` where a member
     is gone (rule 3)."""
-    c10d_blame.store_override = dist.PrefixStore(  # type: ignore[attr-defined]
-        membership.epoch_key(formed.epoch, "blame"), formed.store
+    # The epoch's world, for the c10d backend: its mailboxes live on the epoch's prefix
+    # (rule 2), and no member hosts the store (rule 1).
+    c10d_world.publish(
+        c10d_world.World(
+            roster=tuple(c.where for c in formed.members),
+            store_address=f"{formed.world.master_addr}:{formed.world.master_port}",
+            hosts_store=False,
+            store_override=dist.PrefixStore(  # type: ignore[attr-defined]
+                membership.epoch_key(formed.epoch, "blame"), formed.store
+            ),
+        )
     )
-    c10d_blame.roster[:] = [c.where for c in formed.members]
-    c10d_blame.hosts_store = False
-    c10d_blame.store_address = f"{formed.world.master_addr}:{formed.world.master_port}"
     membership.check_in(formed.store, formed.epoch, formed.me)
     _wait_for_check_ins(formed, min(deadline, time.monotonic() + GROUP_ATTEMPT_SECONDS))
     # Every member is alive and making the group: give it the rest of the deadline (a

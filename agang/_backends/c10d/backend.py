@@ -27,7 +27,7 @@ import torch.distributed as dist
 from agang._backends.c10d import calls as c10d_calls
 from agang._backends.c10d import mailbox as c10d_blame
 from agang._backends.c10d import order as c10d_order
-from agang._backends.c10d import world as c10d_peers
+from agang._backends.c10d import world as c10d_world
 from agang._backends.c10d.abort import Aborter
 from agang._backends.c10d.calls import (
     all_gather_flat,
@@ -127,7 +127,7 @@ class C10dBackend:
         self._registered = registered
         self._progress: ProgressOf | None = None  # what this gang answers blames with
         self._owned = owned
-        self._world_ranks = c10d_blame.world_ranks(process_group, registered and not is_world)
+        self._world_ranks = c10d_world.world_ranks(process_group, registered and not is_world)
         self._completion = Completion(
             process_group,
             device=device,
@@ -354,10 +354,10 @@ class C10dBackend:
         c10d_blame.start_blame(self._group_name, seq, peers, report)
 
     def where(self, rank: int) -> str:
-        return c10d_blame.where(self._world_ranks, rank)
+        return c10d_world.where(self._world_ranks, rank)
 
     def explain(self, error: BaseException) -> str:
-        return c10d_peers.lost_peer(error, self._world_ranks, self._rank, self.where)
+        return c10d_world.lost_peer(error, self._world_ranks, self._rank, self.where)
 
     # Failure and lifecycle.
 
@@ -396,7 +396,7 @@ class C10dBackend:
                 self._group_name,
                 self._progress,
                 world=self._is_world,
-                hosts_store=self._is_world and c10d_blame.hosts_store,
+                hosts_store=self._is_world and c10d_world.current().hosts_store,
             )
         try:
             if unfinished:

@@ -40,6 +40,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from agang._backends.c10d import world
 from agang._backends.contract import BLAME_BOUND, Blamed, Progress, ProgressOf
 from agang._runtime.threads import start_thread
 
@@ -182,6 +183,7 @@ def start_blame(
             reported = True
         report(answers, note)
 
+    store_address = world.current().store_address
     silent = (
         f"the store at {store_address} did not answer within {BLAME_BOUND} s (its host "
         f"may be stopped, or this rank cut off from it)"
@@ -228,6 +230,7 @@ def _ask(group_name: str, seq: int, peers: Mapping[int, int]) -> dict[int, Progr
 
 
 def _store() -> Any:
+    store_override = world.current().store_override
     if store_override is not None:
         return store_override
     try:
@@ -271,34 +274,5 @@ def ping(store: Any, world_ranks: list[int], seconds: float) -> set[int]:
     return alive
 
 
-#: Set by init: where each world rank runs ("host, address, pid"), as it checked in;
-#: the store's address; whether this process hosts the store.
-roster: list[str] = []
-store_address = "of the default group"
-hosts_store = False
-#: An elastic gang's epoch store: questions go there, not to the default group's store.
-store_override: Any = None
 #: What an elastic gang does when another member starts a reform (breaks itself).
 on_reform: Callable[[str], None] | None = None
-
-
-def forget_world() -> None:
-    """A world agang did not set up: nothing is known of where its ranks run."""
-    global store_address, hosts_store
-    roster.clear()
-    store_address, hosts_store = "of the default group", False
-
-
-def world_ranks(group: dist.ProcessGroup, registered_child: bool) -> list[int]:
-    """The world rank of each of ``group``'s ranks (a child's, through c10d)."""
-    if registered_child:
-        return list(dist.get_process_group_ranks(group))
-    return list(range(group.size()))
-
-
-def where(world_ranks: list[int], rank: int) -> str:
-    """``rank`` of a gang, named with where its process runs when init learned it."""
-    world_rank = world_ranks[rank] if 0 <= rank < len(world_ranks) else -1
-    if 0 <= world_rank < len(roster) and roster[world_rank]:
-        return f"rank {rank} ({roster[world_rank]})"
-    return f"rank {rank}"
