@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 import math
 import time
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -162,7 +162,23 @@ class ElasticGang(ProcessGroupGang):
         return boxed[0]
 
 
-def form_first(plan: Any, world: WorldInfo, elastic: setup.Elastic, deadline: float) -> ElasticGang:
+class Plan(Protocol):
+    """What ``form_first`` reads of init's plan (``agang._setup.init._Plan``), which
+    cannot be named here: init imports this module."""
+
+    @property
+    def backend(self) -> str: ...
+    @property
+    def device(self) -> torch.device: ...
+    @property
+    def policy(self) -> GangPolicy: ...
+    @property
+    def stream_ordered(self) -> bool: ...
+
+
+def form_first(
+    plan: Plan, world: WorldInfo, elastic: setup.Elastic, deadline: float
+) -> ElasticGang:
     """``agang.init(elastic=...)``'s set-up (on its thread): formation 0, or the next
     reform as a joiner; a group that cannot be made is formed again (rule 1)."""
     store = setup.connect_store(world, deadline)
