@@ -3,11 +3,11 @@
 A gang (``agang._collective.gang.CollectiveGang``) validates the user's call, and its
 engine (``agang._engine.engine``) numbers the op, admits it under the in-flight bounds,
 arms its deadline and hands it to the backend with one of the ``start_*`` methods below.
-The backend only moves bytes and reports the end. c10d (``c10d.C10dBackend``: Gloo and
-NCCL), the in-process ``fake.FakeBackend`` and the simulated world of
-``agang.testing._world.backend.FakeWorldBackend`` implement it; a new transport (a simulated NCCL, a
-subprocess-isolated group, torch's newer communicators) implements it too, and nothing
-else in agang changes.
+The backend only moves bytes and reports the end. c10d (``c10d.backend.C10dBackend``:
+Gloo and NCCL), the in-process ``fake.FakeBackend`` and the simulated world of
+``agang.testing._world.backend.FakeWorldBackend`` implement it; a new transport (a
+simulated NCCL, a subprocess-isolated group, torch's newer communicators) implements it
+too, and nothing else in agang changes.
 
 What a backend promises:
 

@@ -340,7 +340,8 @@ def _start(
         return plan, None
     check_no_open_world()  # rule 6: before anything touches the network
     plan.started = time.monotonic()
-    return plan, start_thread(plan.connect, name="init")  # joined at exit: see _exit
+    # Joined at exit (``agang._runtime.threads``).
+    return plan, start_thread(plan.connect, name="init")
 
 
 async def init(

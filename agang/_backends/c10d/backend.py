@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from agang._backends.c10d import calls as c10d_calls
-from agang._backends.c10d import mailbox as c10d_blame
+from agang._backends.c10d import mailbox
 from agang._backends.c10d import order as c10d_order
 from agang._backends.c10d import world as c10d_world
 from agang._backends.c10d.abort import Aborter
@@ -325,7 +325,7 @@ class C10dBackend:
             return
         self._completion.watch(self._group().barrier(dist.BarrierOptions()), done)
 
-    # Order checking (``c10d_order``).
+    # Order checking (``order``).
 
     def start_order_check(self, index: int, fingerprint: str, checked: Checked) -> None:
         assert self._order_group is not None  # the policy checks order: the gang made it
@@ -340,18 +340,18 @@ class C10dBackend:
             give_up=lambda: self._stopped,
         )
 
-    # Blame (``c10d_blame``).
+    # Blame (``mailbox``).
 
     def serve_progress(self, progress: ProgressOf) -> None:
         if self._registered:
             self._progress = progress
-            c10d_blame.serve(self._group_name, self._rank, progress)
+            mailbox.serve(self._group_name, self._rank, progress)
 
     def start_blame(self, seq: int, report: Blamed) -> None:
         if self._stopped or not self._registered:
             return report(None, "the gang's communicator is released")
         peers = {r: world for r, world in enumerate(self._world_ranks) if r != self._rank}
-        c10d_blame.start_blame(self._group_name, seq, peers, report)
+        mailbox.start_blame(self._group_name, seq, peers, report)
 
     def where(self, rank: int) -> str:
         return c10d_world.where(self._world_ranks, rank)
@@ -392,7 +392,7 @@ class C10dBackend:
         self._stopped = True
         self._completion.release()
         if self._registered:
-            c10d_blame.unserve(
+            mailbox.unserve(
                 self._group_name,
                 self._progress,
                 world=self._is_world,

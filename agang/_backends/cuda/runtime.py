@@ -59,8 +59,8 @@ class DeviceRuntime(Protocol):
 
     def side_stream(self, device: torch.device, key: object) -> Any:
         """A stream of agang's own on ``device``, one per ``key``, made on first use: no
-        other code can be handed the same stream (``cuda_streams``); it may be dropped
-        once ``key`` (weakly referenced) is gone."""
+        other code can be handed the same stream (``streams``); it may be dropped once
+        ``key`` (weakly referenced) is gone."""
 
     def run_on(self, stream: Any, fn: Callable[[], None]) -> None:
         """Runs ``fn`` with its device work ordered on ``stream`` (rule 2)."""
