@@ -178,7 +178,7 @@ class _Plan:
 
     def _check_in(self, store: Any, world: WorldInfo, deadline: float) -> None:
         link = own_link(world.master_addr, os.environ)
-        members = check_in(
+        self.members = check_in(
             store,
             world,
             self.prefix,
@@ -187,7 +187,6 @@ class _Plan:
             on_missing=self._note_missing,
             link=link,
         )
-        self.members = members
 
     def _make_group(self, world: WorldInfo, deadline: float) -> None:
         try:
@@ -199,8 +198,7 @@ class _Plan:
                 on_attempt=self._count_attempt,
                 then=lambda store: self._check_in(store, world, deadline),
             )
-            # What the c10d backend names ranks, lost peers and the store with, and
-            # whether this process stops every rank's mailbox before its store goes.
+            # What the c10d backend names ranks, lost peers and the store with.
             c10d_world.publish(
                 c10d_world.World(
                     roster=tuple(member.describe() for member in self.members),
@@ -340,8 +338,7 @@ def _start(
         return plan, None
     check_no_open_world()  # rule 6: before anything touches the network
     plan.started = time.monotonic()
-    # Joined at exit (``agang._runtime.threads``).
-    return plan, start_thread(plan.connect, name="init")
+    return plan, start_thread(plan.connect, name="init")  # joined at exit: _runtime.threads
 
 
 async def init(
