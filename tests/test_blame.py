@@ -19,7 +19,8 @@ import pytest
 import torch
 
 import agang
-from agang._blame import Progress, absent, describe, verdict
+from agang._backends.contract import Progress
+from agang._engine.reports import absent, describe, verdict
 from agang.testing import FakeWorld, run_world
 
 LATE = "has not issued it (last op issued: #0 `all_reduce`)"

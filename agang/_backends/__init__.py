@@ -1,13 +1,12 @@
-"""Backends: the communicators a gang's engine drives, behind one contract.
+"""Backends: what a gang's engine drives to move bytes, and the one contract it drives
+them through.
 
-- :mod:`agang._backends.contract`: the ``Backend`` protocol, the whole contract.
-- :mod:`agang._backends.c10d.backend`: c10d process groups (Gloo, NCCL), with
-  :mod:`~agang._backends.c10d.order` (order checks), :mod:`~agang._backends.c10d.mailbox` (blame),
-  :mod:`~agang._backends.c10d.children` (sub-gangs, lanes),
-  :mod:`~agang._backends.c10d.abort` (ending Gloo work), :mod:`~agang._backends.c10d.completion`
-  (Work without a future), :mod:`~agang._backends.c10d.world` (naming a lost peer) and
-  :mod:`~agang._backends.c10d.cuda_completion` (learning that an NCCL op finished).
-- :mod:`agang._backends.fake`: ``FakeGang``'s one-process simulation.
+The contract (``contract``: the ``Backend`` protocol and its vocabulary) and the order
+check's fingerprint format (``fingerprint``) are the seam: the engine above and every
+backend below speak them, and nothing else crosses it. Behind the seam stand the
+backends themselves: c10d process groups (``c10d/``: Gloo and NCCL), what the NCCL path
+needs of a CUDA device (``cuda/``), and ``FakeGang``'s one-process simulation (``fake``).
+FakeWorld's backend lives with the testing tools (``agang.testing``).
 
-FakeWorld's backend lives with the testing tools (``agang.testing._world.backend``).
+Nothing here imports the engine, the gangs or set-up: a backend knows only the contract.
 """

@@ -3,11 +3,11 @@
 A gang (``agang._collective.gang.CollectiveGang``) validates the user's call, and its
 engine (``agang._engine.engine``) numbers the op, admits it under the in-flight bounds,
 arms its deadline and hands it to the backend with one of the ``start_*`` methods below.
-The backend only moves bytes and reports the end. c10d (``c10d.C10dBackend``: Gloo and
-NCCL), the in-process ``fake.FakeBackend`` and the simulated world of
-``agang.testing._world.backend.FakeWorldBackend`` implement it; a new transport (a simulated NCCL, a
-subprocess-isolated group, torch's newer communicators) implements it too, and nothing
-else in agang changes.
+The backend only moves bytes and reports the end. c10d (``c10d.backend.C10dBackend``:
+Gloo and NCCL), the in-process ``fake.FakeBackend`` and the simulated world of
+``agang.testing._world.backend.FakeWorldBackend`` implement it; a new transport (a
+simulated NCCL, a subprocess-isolated group, torch's newer communicators) implements it
+too, and nothing else in agang changes.
 
 What a backend promises:
 
@@ -47,8 +47,10 @@ Order checks.
     itself failed.
 Blame.
     The engine tells the backend once, with ``serve_progress(progress)``, how to say
-    where this rank stands on the gang (``agang._blame.Progress`` of the op a peer asks
-    about); until a peer asks, this costs nothing. ``start_blame(seq, report)`` asks
+    where this rank stands on the gang (a ``Progress``, below, of the op a peer asks
+    about); until a peer asks, this costs nothing. A peer is asked about an op by its
+    sequence number, which is the same on every rank (ops are numbered in call order,
+    and the ranks issue the same ops in the same order). ``start_blame(seq, report)`` asks
     every other rank about op ``seq`` (once its deadline passed here) and calls
     ``report(peers, note)`` once, within ``BLAME_BOUND`` seconds whatever the peers or
     the channel do: ``peers`` maps each other rank to its answer, None for one that gave
@@ -79,15 +81,52 @@ Children.
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Callable, Mapping
-from typing import Protocol
+from dataclasses import asdict, dataclass
+from typing import Literal, Protocol
 
 import torch
 
 from agang._backends.cuda.runtime import StreamOrder
-from agang._blame import Progress
 from agang._reduce_op import ReduceOp
+
+#: A gang's state, as a peer's answer to a blame gives it.
+State = Literal["open", "broken", "closed"]
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Where one rank stands on one gang, asked about the op numbered ``asked``: what a
+    backend's blame carries from a peer (see "Blame")."""
+
+    asked: int
+    #: The last sequence number this rank issued on the gang (-1: none yet).
+    issued: int
+    #: That op's name (None before any).
+    op: str | None
+    #: The asked-about op is issued here and has not finished.
+    waiting: bool
+    #: How many of this rank's ops are issued and not finished.
+    num_in_flight: int
+    state: State
+
+    def to_text(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_text(cls, text: str) -> Progress:
+        fields = json.loads(text)
+        return cls(
+            asked=int(fields["asked"]),
+            issued=int(fields["issued"]),
+            op=None if fields["op"] is None else str(fields["op"]),
+            waiting=bool(fields["waiting"]),
+            num_in_flight=int(fields["num_in_flight"]),
+            state=fields["state"] if fields["state"] in ("open", "broken", "closed") else "open",
+        )
+
 
 #: How a backend reports the end of an op: None on success, else the error.
 Done = Callable[[BaseException | None], None]

@@ -1,11 +1,22 @@
-"""Split sizes in the order check: whether every pair of ranks agrees on the rows that
-an uneven all_to_all moves between them.
+"""The order check's fingerprints: the text each rank writes for an op, and how the
+ranks' texts are compared. Both sides of the backend seam speak it: the engine writes a
+fingerprint, a backend carries it and compares (``start_order_check``).
 
-Such an op's split sizes differ by rank, so its fingerprint cannot name them, and c10d
-does not compare them: on Gloo a receiver that expects more rows than its peer sends
-keeps stale rows, and one that expects fewer is killed (SIGABRT). With order checking
-on, each rank's sizes travel beside its fingerprint, and the op starts nowhere unless
-every pair agrees.
+Two things an op's name, shapes and dtypes cannot tell, each with its part of the text:
+
+- *The call site.* Swapped collectives of equal op, shape and dtype have equal
+  fingerprints, so order checking cannot tell them apart; in ``check_order="call_site"``
+  mode each fingerprint also names the first frame outside agang that issued the op
+  (file and line). Ranks that run one program issue each op from the same line; a
+  program whose ranks issue an op from different lines (``if rank == 0: ... else: ...``
+  with a collective in each branch) then fails the check, so the mode is for debugging,
+  not for every run.
+- *Split sizes.* An uneven all_to_all's split sizes differ by rank, so its fingerprint
+  cannot name them, and c10d does not compare them: on Gloo a receiver that expects
+  more rows than its peer sends keeps stale rows, and one that expects fewer is killed
+  (SIGABRT). With order checking on, each rank's sizes (its *flows*) travel beside its
+  fingerprint, and the op starts nowhere unless every pair of ranks agrees on the rows
+  moved between them.
 
 Rules:
 1. *Text.* The fingerprint of such an op is two lines: the op (compared across ranks
@@ -28,13 +39,16 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import sys
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from types import FrameType
 
 import torch
 
 _SEPARATOR = "\n"
 _MASK = (1 << 64) - 1
+_OWN = "agang."
 
 
 @dataclass(frozen=True)
@@ -73,6 +87,18 @@ def at_call_site(fingerprint: str, site: str) -> str:
     """``fingerprint`` with the call site on its first line (rule 1)."""
     op, separator, flows = fingerprint.partition(_SEPARATOR)
     return f"{op} at {site}{separator}{flows}"
+
+
+def call_site() -> str:
+    """``file:line`` of the innermost frame outside agang (``<unknown>`` if none: an op
+    issued from a C++ callback such as an autograd hook)."""
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        name = frame.f_globals.get("__name__", "")
+        if not (name == "agang" or name.startswith(_OWN)):
+            return f"{frame.f_code.co_filename}:{frame.f_lineno}"
+        frame = frame.f_back
+    return "<unknown>"
 
 
 def split(text: str) -> tuple[str, Flows | None]:

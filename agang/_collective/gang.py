@@ -54,8 +54,8 @@ from agang._validate import (
 
 # How long ``close`` waits for the backend's release at most: on NCCL the release's
 # abort waits until this rank's device reached the gang's queued kernels
-# (``agang._backends.c10d.abort`` rule 1); past this, close returns and the release ends
-# on its thread.
+# (``agang._backends.c10d.abort`` rule 1); past this, close returns and the release
+# ends on its thread.
 _CLOSE_SECONDS = 5.0
 _SUM = ReduceOp.SUM  # an enum member's lookup costs per call
 

@@ -45,9 +45,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
-from agang import _blame
-from agang._backends.contract import Backend
-from agang._blame import Progress
+from agang._backends.contract import Backend, Progress
 from agang._engine import reports
 from agang._engine.scheduler import Entry
 from agang._errors import OpContext
@@ -329,7 +327,7 @@ class Expiry:
         if peers is None:
             blamed = f"The peers could not be asked where they stand: {note}."
         else:
-            blamed = _blame.describe(peers, where)
+            blamed = reports.describe(peers, where)
             if asked != handle.seq and blamed:
                 blamed = f"{blamed[:-1]} (asked about #{asked}, the oldest late op)."
         error = reports.timed_out(
@@ -339,7 +337,7 @@ class Expiry:
             recent=recent,
             abort=abort,
             index=index,
-            absent=None if peers is None else _blame.absent(peers),
+            absent=None if peers is None else reports.absent(peers),
             blamed=blamed,
             peers=dict(peers) if peers is not None else None,
         )

@@ -64,9 +64,8 @@ from typing import Any
 import torch
 
 from agang._backends import fingerprint as flows
-from agang._backends.call_site import call_site
-from agang._backends.contract import Backend, Done
-from agang._blame import Progress, State
+from agang._backends.contract import Backend, Done, Progress, State
+from agang._backends.fingerprint import call_site
 from agang._engine import busy, reports
 from agang._engine.deadlines import Expiry
 from agang._engine.ops import Fingerprint, OpEnd, SecondPhase, Start, start_guarded

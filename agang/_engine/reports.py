@@ -2,13 +2,61 @@
 
 Pure: plain data in, an error out. Each message names the gang, rank, op and seq (the
 ``OpContext``), says what happened and what it did to the gang.
+
+A timeout also says where each peer stands on the late op: the backend's blame
+(``start_blame`` in ``agang._backends.contract``) brings every peer's ``Progress``, and
+the verdicts below turn them into words, one per peer. Rules of the verdicts:
+1. A peer that gives no answer within the backend's bound is said to have given none
+   (dead, stopped, or cut off from the store); a rank that could not ask at all says so.
+2. Absent ranks are those that had not issued the op, or did not answer: the ones a
+   user looks at first. ``check_order``'s census names the same ranks.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+
 from agang._backends import fingerprint as flows
-from agang._blame import Progress, verdict
+from agang._backends.contract import Progress
 from agang._errors import CollectiveMismatchError, GangTimeoutError, OpContext
+
+#: Every peer's answer (None: no answer in time); the whole is None where the peers
+#: could not be asked at all (the store did not answer).
+Peers = Mapping[int, Progress | None]
+
+
+def verdict(progress: Progress | None) -> str:
+    """What one peer's answer says about the op it was asked about (rule 1)."""
+    if progress is None:
+        return "no answer (dead, stopped, or cut off from the store)"
+    last = "nothing yet" if progress.issued < 0 else f"#{progress.issued} `{progress.op}`"
+    if progress.state == "closed":
+        return f"has closed the gang (last op issued: {last})"
+    if progress.state == "broken":
+        return f"its gang is broken by an earlier failure (last op issued: {last})"
+    if progress.waiting:
+        return "issued it and is waiting for it"
+    if progress.issued < progress.asked:
+        busy = f", {progress.num_in_flight} in flight" if progress.num_in_flight else ""
+        return f"has not issued it (last op issued: {last}{busy})"
+    return f"has finished it (last op issued: {last})"
+
+
+def absent(peers: Peers) -> list[int]:
+    """The peers that had not issued the op asked about, or did not answer (rule 2)."""
+    return sorted(
+        rank
+        for rank, progress in peers.items()
+        if progress is None or (progress.issued < progress.asked and progress.state == "open")
+    )
+
+
+def describe(peers: Peers, where: Callable[[int], str]) -> str:
+    """One sentence naming every peer with its verdict, for the timeout's message."""
+    if not peers:
+        return ""
+    parts = [f"{where(rank)}: {verdict(peers[rank])}" for rank in sorted(peers)]
+    return "Peers: " + "; ".join(parts) + "."
 
 
 def mismatch(
@@ -52,7 +100,7 @@ def timed_out(
     blamed: str,
     peers: dict[int, Progress | None] | None,
 ) -> GangTimeoutError:
-    """An op's deadline passed. ``blamed`` is what the peers said (``agang._blame``);
+    """An op's deadline passed. ``blamed`` is what the peers said (``describe``);
     ``absent`` the ranks that had not issued the op or did not answer, None where the
     peers could not be asked; ``index`` the op's order check, when it was still in it."""
     consequence = (

@@ -24,11 +24,19 @@ Rules (blocking, on set-up threads; never on the loop):
    (one that returns while the process exits aborts it).
 5. Connecting keeps c10d's C++ log quiet (:mod:`agang._setup.c10d_log`); each failed
    try is one INFO line of agang's.
+6. Elastic set-up talks to the members through their mailboxes
+   (:mod:`agang._backends.c10d.mailbox`), with letters of its own kinds, registered
+   here: ``ping <key>`` asks whether a member is alive (its responder answers its index
+   under the key: ``ping``); ``joining <id>`` says a process waits to join the next
+   epoch (counted locally: ``noticed``); ``reforming <who>`` says a member started the
+   next epoch, and is the elastic gang's own to handle
+   (:mod:`agang._setup.elastic_gang`).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -36,9 +44,11 @@ from typing import Any
 
 import torch.distributed as dist
 
-from agang._backends.c10d import mailbox as c10d_blame
+from agang._backends.c10d import mailbox
+from agang._backends.c10d import world as c10d_world
 from agang._backends.c10d.retry import TransientSetupError, call_c10d, one_line
 from agang._errors import GangInitError
+from agang._runtime import fork
 from agang._setup import membership
 from agang._setup.c10d_log import quiet_c10d
 from agang._setup.env import WorldInfo
@@ -51,6 +61,60 @@ log = logging.getLogger("agang")
 #: it (seconds; rule 3). Once all have, making the group may take the rest of the deadline.
 GROUP_ATTEMPT_SECONDS = 3.0
 _CHECK_IN_POLL = 0.02
+
+
+# Rule 6: the mailbox letters of elastic set-up.
+
+
+def _answer_ping(responder: mailbox.Responder, key: str) -> None:
+    responder.reply(key, str(responder.world_rank))
+
+
+_noticed_lock = threading.Lock()
+_noticed: set[str] = set()
+
+
+def _notice_joiner(responder: mailbox.Responder, uid: str) -> None:
+    with _noticed_lock:
+        _noticed.add(uid)
+
+
+def _forget_in_child() -> None:
+    # The notices were the parent's members'; a parent thread may have held the lock.
+    global _noticed_lock, _noticed
+    _noticed_lock = threading.Lock()
+    _noticed = set()
+
+
+mailbox.register("ping", _answer_ping)
+mailbox.register("joining", _notice_joiner)
+fork.on_fork_in_child(_forget_in_child)
+
+
+def noticed() -> set[str]:
+    """The processes that said they wait to join the next elastic epoch."""
+    with _noticed_lock:
+        return set(_noticed)
+
+
+def forget_noticed() -> None:
+    """Forgets every notice (a reform begins: joiners still waiting notify again)."""
+    with _noticed_lock:
+        _noticed.clear()
+
+
+def ping(store: Any, world_ranks: list[int], seconds: float) -> set[int]:
+    """The ``world_ranks`` whose responder (on ``store``, an elastic epoch's) answers
+    within ``seconds``: alive, and not stopped."""
+    key = mailbox.reply_key("pings")
+    mailbox.post(store, world_ranks, "ping", key)
+    alive: set[int] = set()
+    give_up_at = time.monotonic() + seconds
+    while time.monotonic() < give_up_at and len(alive) < len(world_ranks):
+        if store.check([key]):
+            alive = {int(line) for line in store.get(key).decode().split()}
+        time.sleep(mailbox.POLL_SECONDS)
+    return alive
 
 
 @dataclass(frozen=True)
@@ -193,7 +257,7 @@ def _tell_members(store: Any, epoch: int, me: Candidate) -> None:
     epoch_store = dist.PrefixStore(  # type: ignore[attr-defined]
         membership.epoch_key(epoch, "blame"), store
     )
-    c10d_blame.notify(epoch_store, list(range(size)), "joining", me.uid)
+    mailbox.post(epoch_store, list(range(size)), "joining", me.uid)
 
 
 def reform_membership(
@@ -210,7 +274,7 @@ def reform_membership(
 
     def alive(indices: list[int]) -> set[int]:
         if made:
-            return c10d_blame.ping(old_epoch_store, indices, membership.PING_SECONDS)
+            return ping(old_epoch_store, indices, membership.PING_SECONDS)
         first_asked.append(time.monotonic())
         if time.monotonic() - first_asked[0] > GROUP_ATTEMPT_SECONDS:
             return set()
@@ -222,7 +286,7 @@ def reform_membership(
     # next to a dead one see its connection drop): tell them, so they come at once.
     others = [i for i in range(len(formed.members)) if i != formed.rank]
     text = f"{following} by rank {formed.rank} ({formed.me.where})"
-    c10d_blame.notify(old_epoch_store, others, "reforming", text)
+    mailbox.post(old_epoch_store, others, "reforming", text)
     members = membership.form(
         store,
         formed.me,
@@ -259,12 +323,18 @@ def _wait_for_check_ins(formed: Formed, until: float) -> None:
 def make_group(formed: Formed, backend: str, deadline: float, device: Any) -> None:
     """The epoch's process group (rule 2); raises ``TransientSetupError`` where a member
     is gone (rule 3)."""
-    c10d_blame.store_override = dist.PrefixStore(  # type: ignore[attr-defined]
-        membership.epoch_key(formed.epoch, "blame"), formed.store
+    # The epoch's world, for the c10d backend: its mailboxes live on the epoch's prefix
+    # (rule 2), and no member hosts the store (rule 1).
+    c10d_world.publish(
+        c10d_world.World(
+            roster=tuple(c.where for c in formed.members),
+            store_address=f"{formed.world.master_addr}:{formed.world.master_port}",
+            hosts_store=False,
+            store_override=dist.PrefixStore(  # type: ignore[attr-defined]
+                membership.epoch_key(formed.epoch, "blame"), formed.store
+            ),
+        )
     )
-    c10d_blame.roster[:] = [c.where for c in formed.members]
-    c10d_blame.hosts_store = False
-    c10d_blame.store_address = f"{formed.world.master_addr}:{formed.world.master_port}"
     membership.check_in(formed.store, formed.epoch, formed.me)
     _wait_for_check_ins(formed, min(deadline, time.monotonic() + GROUP_ATTEMPT_SECONDS))
     # Every member is alive and making the group: give it the rest of the deadline (a

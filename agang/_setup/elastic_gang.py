@@ -21,12 +21,12 @@ from __future__ import annotations
 import functools
 import math
 import time
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
-from agang._backends.c10d import mailbox as c10d_blame
+from agang._backends.c10d import mailbox
 from agang._backends.c10d.retry import TransientSetupError
 from agang._collective.process_group_gang import ProcessGroupGang
 from agang._errors import GangBrokenError, GangInitError
@@ -79,10 +79,12 @@ class ElasticGang(ProcessGroupGang):
             "stream_ordered": stream_ordered,
         }
         self._waiting = set(waiting)
-        c10d_blame.on_reform = self._another_member_reforms
+        # Rule 4: this process's mailbox tells the newest epoch's gang (this one).
+        mailbox.register("reforming", self._another_member_reforms)
 
-    def _another_member_reforms(self, text: str) -> None:
-        """A member started the next epoch: ops pending here will never finish (rule 4)."""
+    def _another_member_reforms(self, responder: mailbox.Responder, text: str) -> None:
+        """A member started the next epoch: ops pending here will never finish (rule 4).
+        ``text`` says which epoch, started by whom."""
         cause = GangBrokenError(
             f"Gang '{self.name}' (epoch {self.epoch}) was left by its peers: epoch {text} "
             f"started. Call reform() to join it.",
@@ -98,7 +100,7 @@ class ElasticGang(ProcessGroupGang):
     def waiting_to_join(self) -> int:
         """How many processes wait to join at the next reform (rule 3: local, no I/O)."""
         admitted = {c.uid for c in self._formed.members}
-        return len((self._waiting | c10d_blame.noticed()) - admitted)
+        return len((self._waiting | setup.noticed()) - admitted)
 
     # The reform's deadline is part of its contract, as init's is (not a cancel scope).
     async def reform(self, timeout: float | None = None) -> ElasticGang:  # noqa: ASYNC109
@@ -115,7 +117,7 @@ class ElasticGang(ProcessGroupGang):
         seconds = check_timeout(timeout, name="timeout")
         seconds = DEFAULT_REFORM_TIMEOUT if seconds is None or math.isinf(seconds) else seconds
         deadline = time.monotonic() + seconds
-        c10d_blame.forget_noticed()  # rule 3: the joiners still waiting say so again
+        setup.forget_noticed()  # rule 3: the joiners still waiting say so again
         formed = await self._blocking(
             lambda: setup.reform_membership(self._formed, self._elastic, deadline), deadline
         )
@@ -142,7 +144,7 @@ class ElasticGang(ProcessGroupGang):
                 )
         # Made on a thread, as init makes it: its responder connects to the store (a
         # network round trip), which must not hold the event loop.
-        waiting = c10d_blame.noticed()  # rule 3: only notices since this reform began
+        waiting = setup.noticed()  # rule 3: only notices since this reform began
         gang: ElasticGang = await self._blocking(
             lambda: ElasticGang(formed, elastic=self._elastic, waiting=waiting, **self._settings),
             deadline,
@@ -160,7 +162,23 @@ class ElasticGang(ProcessGroupGang):
         return boxed[0]
 
 
-def form_first(plan: Any, world: WorldInfo, elastic: setup.Elastic, deadline: float) -> ElasticGang:
+class Plan(Protocol):
+    """What ``form_first`` reads of init's plan (``agang._setup.init._Plan``), which
+    cannot be named here: init imports this module."""
+
+    @property
+    def backend(self) -> str: ...
+    @property
+    def device(self) -> torch.device: ...
+    @property
+    def policy(self) -> GangPolicy: ...
+    @property
+    def stream_ordered(self) -> bool: ...
+
+
+def form_first(
+    plan: Plan, world: WorldInfo, elastic: setup.Elastic, deadline: float
+) -> ElasticGang:
     """``agang.init(elastic=...)``'s set-up (on its thread): formation 0, or the next
     reform as a joiner; a group that cannot be made is formed again (rule 1)."""
     store = setup.connect_store(world, deadline)

@@ -35,8 +35,7 @@ import anyio
 import torch
 import torch.distributed as dist
 
-from agang._backends.c10d import mailbox as c10d_blame
-from agang._backends.c10d import world as c10d_peers
+from agang._backends.c10d import world as c10d_world
 from agang._backends.c10d.retry import PortInUseError, RetryPolicy, TransientSetupError, call_c10d
 from agang._collective.fake_gang import FakeGang
 from agang._collective.process_group_gang import ProcessGroupGang, check_no_open_world
@@ -52,6 +51,7 @@ from agang._setup.interface import own_link
 from agang._setup.process import prepare_process, resolve_backend, resolve_device
 from agang._setup.rendezvous import (
     InitCancelled,
+    Member,
     check_in,
     clear_frames,
     end_round,
@@ -120,6 +120,7 @@ class _Plan:
         self.started = time.monotonic()
         self.attempts = 0
         self.last_missing: tuple[int, ...] = ()  # as the store host last reported them
+        self.members: list[Member] = []  # as they checked in, at the last attempt
         # A store the launcher keeps across inits (torchrun's agent, which restarts all
         # ranks together) holds earlier inits' keys: count inits into the prefix. A store
         # rank 0 hosts is new at every attempt, so ranks with different histories (a
@@ -153,7 +154,7 @@ class _Plan:
             prove(deadline)
         else:
             log.info("agang: torch.distributed is already initialized; wrapping its world.")
-            c10d_blame.forget_world()
+            c10d_world.forget()
         order_group = None
         if self.policy.check_order:
             # The side channel of order checks: a Gloo group over the world, so a check
@@ -183,7 +184,7 @@ class _Plan:
 
     def _check_in(self, store: Any, world: WorldInfo, deadline: float) -> None:
         link = own_link(world.master_addr, os.environ)
-        members = check_in(
+        self.members = check_in(
             store,
             world,
             self.prefix,
@@ -192,9 +193,6 @@ class _Plan:
             on_missing=self._note_missing,
             link=link,
         )
-        # What a timeout's blame names a rank with (``agang._backends.c10d.mailbox``).
-        c10d_blame.roster[:] = [member.describe() for member in members]
-        c10d_peers.addresses[:] = [member.link.address for member in members]
 
     def _make_group(self, world: WorldInfo, deadline: float) -> None:
         try:
@@ -206,8 +204,15 @@ class _Plan:
                 on_attempt=self._count_attempt,
                 then=lambda store: self._check_in(store, world, deadline),
             )
-            c10d_blame.store_address = f"{world.master_addr}:{port}"
-            c10d_blame.hosts_store = world.rank == 0 and not world.launcher_hosts_store
+            # What the c10d backend names ranks, lost peers and the store with.
+            c10d_world.publish(
+                c10d_world.World(
+                    roster=tuple(member.describe() for member in self.members),
+                    addresses=tuple(member.link.address for member in self.members),
+                    store_address=f"{world.master_addr}:{port}",
+                    hosts_store=world.rank == 0 and not world.launcher_hosts_store,
+                )
+            )
             if port != world.master_port:
                 log.info(
                     "agang: port %d was taken; the store is on port %d.", world.master_port, port
@@ -339,7 +344,7 @@ def _start(
         return plan, None
     check_no_open_world()  # rule 6: before anything touches the network
     plan.started = time.monotonic()
-    return plan, start_thread(plan.connect, name="init")  # joined at exit: see _exit
+    return plan, start_thread(plan.connect, name="init")  # joined at exit: _runtime.threads
 
 
 async def init(

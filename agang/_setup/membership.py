@@ -7,7 +7,7 @@ Rules (all of it runs on a set-up thread, never on the loop):
    a *joiner*: it registers, and waits for the next reform.
 2. *A reform* (epoch N) is joined by the members of epoch N-1 that call it and by the
    joiners waiting then. The members that have not arrived are pinged through their
-   responders (``agang._backends.c10d.mailbox.ping``): one that answers is alive and is
+   responders (``agang._setup.elastic.ping``): one that answers is alive and is
    waited for, until the deadline; one that does not (dead, stopped) is left out.
    Joiners get a short grace to arrive, since they poll.
 3. *One decision.* Every old member that arrived decides on its own, from the store,

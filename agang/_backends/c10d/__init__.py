@@ -1,2 +1,4 @@
-"""The backend over c10d process groups (Gloo on CPU, NCCL on CUDA): issuing, learning
-that an op ended, order checks, blame, sub-gangs, abort and what a fork must forget."""
+"""The backend over c10d process groups (Gloo on CPU, NCCL on CUDA): issuing the raw
+calls, learning that an op ended, order checks on a side channel, each process's store
+mailbox (blame), sub-gangs and lanes, abort, what a fork must forget, what set-up
+learned about the world, and the retries of c10d's transient failures."""

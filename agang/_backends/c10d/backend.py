@@ -1,47 +1,34 @@
 """The backend over a c10d process group: Gloo on CPU, NCCL on CUDA.
 
-It implements the contract of ``contract``; ``agang.ProcessGroupGang`` is the gang over it.
-
-How an op's end reaches agang:
-1. Gloo collectives: the Work future's callback, on a Gloo worker thread (or inline when
-   already done). It only finishes the op's post-processing and calls ``done``.
-2. Gloo send/recv and reduce_scatter have no future ("Work::getFuture not implemented"),
-   so a waiter thread per gang and kind waits on them in issue order. A later send that
-   finishes before an earlier one is reported after it: late, never wrong. An exchange
-   is one Work per transfer there (Gloo cannot coalesce), done once all of them are.
-3. NCCL: the future only means "enqueued", so completion goes through
-   ``cuda_completion`` (an event on the gang's side stream, the gang's watcher thread).
-   Every stream, event and device call goes through the backend's ``DeviceRuntime``
-   (torch.cuda, or a simulation in tests).
-4. NCCL barrier: c10d's barrier Work blocks the CPU in ``wait()`` until every peer
-   arrived, so the barrier is an all-reduce of one element instead, which completes
-   like any other op.
+It implements the contract of ``agang._backends.contract``; ``agang.ProcessGroupGang``
+is the gang over it. Each op starts here (its c10d call, in ``calls``) and hands its
+Work to the backend's ``Completion``, which says how its end reaches agang, every way
+(``completion``). On NCCL, c10d's barrier Work blocks the CPU in ``wait()`` until every
+peer arrived, so the barrier is an all-reduce of one element instead, which completes
+like any other op.
 
 c10d's own timeout is a backstop behind agang's deadline: it is raised (``set_timeout``)
 past the longest deadline asked for (``allow_timeout``), so c10d never fails an op
 before agang would, and an op whose waiters are all gone still ends, and frees its
 threads, eventually. A gang that breaks, or closes with work running, aborts its groups
-(``c10d_abort``), which on Gloo too ends the running work at once.
+(``abort``), which on Gloo too ends the running work at once.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, final
+from typing import final
 
 import torch
 import torch.distributed as dist
 
 from agang._backends.c10d import calls as c10d_calls
-from agang._backends.c10d import cuda_completion
-from agang._backends.c10d import mailbox as c10d_blame
+from agang._backends.c10d import mailbox
 from agang._backends.c10d import order as c10d_order
-from agang._backends.c10d import world as c10d_peers
+from agang._backends.c10d import world as c10d_world
 from agang._backends.c10d.abort import Aborter
-from agang._backends.c10d.backstop import backstop_for
 from agang._backends.c10d.calls import (
     all_gather_flat,
     all_reduce_options,
@@ -50,23 +37,43 @@ from agang._backends.c10d.calls import (
     real,
     reduce_scatter_flat,
     then,
+    to_c10d,
 )
 from agang._backends.c10d.children import create_groups
-from agang._backends.c10d.completion import WorkWaiter
+from agang._backends.c10d.completion import Completion
 from agang._backends.contract import (
     Blamed,
     Checked,
     Done,
     ProgressOf,
-    after_post,
     countdown,
     holding,
 )
 from agang._backends.cuda.runtime import DeviceRuntime, StreamOrder, torch_runtime
-from agang._reduce_op import ReduceOp, to_c10d
+from agang._reduce_op import ReduceOp
 from agang._runtime import threads
 
 log = logging.getLogger("agang")
+
+# c10d's own timeout, kept behind agang's deadlines (``allow_timeout``): c10d fails an
+# op, and on NCCL may end the process, when its process-group timeout passes, so the
+# group's timeout sits this far behind the longest deadline asked for, and agang's
+# deadline always fires first.
+_BACKSTOP_FACTOR = 1.5
+_BACKSTOP_MARGIN = 30.0
+# Behind an op with no agang deadline, c10d's timeout must not fire either: when it does,
+# NCCL's watchdog fails the op and signals every rank to dump its flight recorder, and
+# the default group's heartbeat monitor then kills the process minutes later whatever
+# the error handling mode. So "no deadline" lifts it to what is never reached in practice.
+_NO_DEADLINE_BACKSTOP = 30 * 86400.0
+
+
+def backstop_for(timeout: float | None) -> float:
+    """The c10d timeout to use behind an agang deadline of ``timeout`` seconds (None: no
+    deadline)."""
+    if timeout is None:
+        return _NO_DEADLINE_BACKSTOP
+    return max(timeout * _BACKSTOP_FACTOR + _BACKSTOP_MARGIN, _BACKSTOP_MARGIN)
 
 
 @final
@@ -115,17 +122,20 @@ class C10dBackend:
         self._group_name = process_group.group_name
         self._backstop = 0.0
         self._stopped = False  # aborted or released: give up every wait of ours
-        self._lock = threading.Lock()
-        # Waiters by kind of Work: a recv that waits for its peer must not hold back the
-        # report of a finished collective, so the two kinds never share one.
-        self._waiters: dict[str, WorkWaiter] = {}
         self._aborter = Aborter()
         self._runtime: DeviceRuntime = torch_runtime() if runtime is None else runtime
         self._registered = registered
         self._progress: ProgressOf | None = None  # what this gang answers blames with
         self._owned = owned
-        self._world_ranks = c10d_blame.world_ranks(process_group, registered and not is_world)
-        self._completion = cuda_completion.Completion(self._runtime, device, process_group, name)
+        self._world_ranks = c10d_world.world_ranks(process_group, registered and not is_world)
+        self._completion = Completion(
+            process_group,
+            device=device,
+            kind=kind,
+            name=name,
+            stream_ordered=stream_ordered,
+            runtime=self._runtime,
+        )
         # c10d copies the options on each call, so one object per op serves every call.
         self._all_reduce_options = {op: all_reduce_options(op, kind) for op in ReduceOp}
 
@@ -183,46 +193,6 @@ class C10dBackend:
             return None
         return StreamOrder(self._runtime, self._device, stream_ordered=self._stream_ordered)
 
-    # Completion routing.
-
-    def _watch(
-        self,
-        work: Any,
-        done: Done,
-        post: Callable[[], None] | None = None,
-        *,
-        to_host: bool = False,
-    ) -> None:
-        if self._kind == "nccl":
-            stream_ordered = self._stream_ordered and not to_host
-            self._completion.watch(work, done, post, stream_ordered=stream_ordered)
-            return
-
-        finish = after_post(post, done)
-
-        def on_future(future: Any) -> None:
-            try:
-                future.value()  # raises c10d's error, if any
-            except Exception as exc:
-                finish(exc)
-            else:
-                finish(None)
-
-        try:
-            future = work.get_future()
-        except RuntimeError:
-            # Gloo's reduce_scatter Work has no future ("Work::getFuture not implemented").
-            self._waiter("collectives").watch(work, finish)
-            return
-        future.add_done_callback(on_future)
-
-    def _waiter(self, kind: str) -> WorkWaiter:
-        with self._lock:
-            waiter = self._waiters.get(kind)
-            if waiter is None:
-                waiter = self._waiters[kind] = WorkWaiter(f"{self._name} {kind}")
-            return waiter
-
     def _group(self) -> dist.ProcessGroup:
         group = self._pg
         assert group is not None  # the engine starts nothing once the gang is closed
@@ -241,7 +211,7 @@ class C10dBackend:
         work = self._group().allreduce([real(tensor)], options)
         if divide:
             post = then(divider(tensor, self._size), post)
-        self._watch(work, done, post)
+        self._completion.watch(work, done, post)
 
     def start_all_gather(
         self, output: torch.Tensor, input: torch.Tensor, done: Done, *, to_host: bool = False
@@ -250,20 +220,20 @@ class C10dBackend:
         # output, or a 2-D or 0-dim input fails ("invalid tensor size at index 0").
         flat_input = real(input.view(-1))
         work = all_gather_flat(self._group(), real(output), flat_input)
-        self._watch(work, done, to_host=to_host)
+        self._completion.watch(work, done, to_host=to_host)
 
     def start_all_gather_to_list(
         self, outputs: list[torch.Tensor], input: torch.Tensor, done: Done
     ) -> None:
         work = self._group().allgather([[real(t) for t in outputs]], [real(input)])
-        self._watch(work, done)
+        self._completion.watch(work, done)
 
     def start_reduce_scatter(
         self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp, done: Done
     ) -> None:
         c10d_op, divide = to_c10d(op, backend=self._kind)
         work = reduce_scatter_flat(self._group(), real(output.view(-1)), real(input), c10d_op)
-        self._watch(work, done, divider(output, self._size) if divide else None)
+        self._completion.watch(work, done, divider(output, self._size) if divide else None)
 
     def start_broadcast(
         self, tensor: torch.Tensor, source_rank: int, done: Done, *, to_host: bool = False
@@ -272,14 +242,14 @@ class C10dBackend:
         options.rootRank = source_rank
         options.rootTensor = 0
         work = self._group().broadcast([real(tensor)], options)
-        self._watch(work, done, to_host=to_host)
+        self._completion.watch(work, done, to_host=to_host)
 
     def start_all_gather_uneven(
         self, output: torch.Tensor, input: torch.Tensor, split_sizes: list[int], done: Done
     ) -> None:
         group = self._group()
         work, repeated = c10d_calls.all_gather_uneven(group, real(output), real(input), split_sizes)
-        self._watch(work, holding(done, repeated))
+        self._completion.watch(work, holding(done, repeated))
 
     def start_all_to_all(
         self,
@@ -293,7 +263,7 @@ class C10dBackend:
         # Split sizes count rows (dim 0), which a complex tensor's real view keeps.
         splits = (output_split_sizes, input_split_sizes)
         work = all_to_all_flat(self._group(), real(output), real(input), *splits)
-        self._watch(work, done)
+        self._completion.watch(work, done)
 
     # The rooted collectives: MEAN is divided on the destination only, where the sum is.
 
@@ -303,7 +273,7 @@ class C10dBackend:
         c10d_op, divide = to_c10d(op, backend=self._kind)
         work = c10d_calls.reduce(self._group(), tensor, destination_rank, c10d_op)
         divide = divide and self._rank == destination_rank
-        self._watch(work, done, divider(tensor, self._size) if divide else None)
+        self._completion.watch(work, done, divider(tensor, self._size) if divide else None)
 
     def start_gather(
         self,
@@ -312,7 +282,8 @@ class C10dBackend:
         destination_rank: int,
         done: Done,
     ) -> None:
-        self._watch(c10d_calls.gather(self._group(), outputs, input, destination_rank), done)
+        work = c10d_calls.gather(self._group(), outputs, input, destination_rank)
+        self._completion.watch(work, done)
 
     def start_scatter(
         self,
@@ -321,19 +292,14 @@ class C10dBackend:
         source_rank: int,
         done: Done,
     ) -> None:
-        self._watch(c10d_calls.scatter(self._group(), output, inputs, source_rank), done)
-
-    def _watch_p2p(self, work: Any, done: Done) -> None:
-        if self._kind == "nccl":
-            self._watch(work, done)
-            return
-        self._waiter("send/recv").watch(work, done)
+        work = c10d_calls.scatter(self._group(), output, inputs, source_rank)
+        self._completion.watch(work, done)
 
     def start_send(self, tensor: torch.Tensor, destination_rank: int, done: Done) -> None:
-        self._watch_p2p(self._group().send([real(tensor)], destination_rank, 0), done)
+        self._completion.watch_p2p(self._group().send([real(tensor)], destination_rank, 0), done)
 
     def start_recv(self, tensor: torch.Tensor, source_rank: int, done: Done) -> None:
-        self._watch_p2p(self._group().recv([real(tensor)], source_rank, 0), done)
+        self._completion.watch_p2p(self._group().recv([real(tensor)], source_rank, 0), done)
 
     def start_exchange(
         self,
@@ -347,18 +313,19 @@ class C10dBackend:
         works = c10d_calls.exchange(self._group(), sends, recvs, device)
         each = countdown(len(works), done)
         for work in works:
-            self._watch_p2p(work, each)
+            self._completion.watch_p2p(work, each)
 
     def start_barrier(self, done: Done) -> None:
         if self._kind == "nccl":
-            # Rule 4. The one-element tensor lives until the op's end: ``done`` holds it.
+            # The one-element tensor lives until the op's end: ``done`` holds it.
             token = torch.zeros(1, device=self._device)
             options, _ = self._all_reduce_options[ReduceOp.SUM]
-            self._watch(self._group().allreduce([token], options), holding(done, token))
+            work = self._group().allreduce([token], options)
+            self._completion.watch(work, holding(done, token))
             return
-        self._watch(self._group().barrier(dist.BarrierOptions()), done)
+        self._completion.watch(self._group().barrier(dist.BarrierOptions()), done)
 
-    # Order checking (``c10d_order``).
+    # Order checking (``order``).
 
     def start_order_check(self, index: int, fingerprint: str, checked: Checked) -> None:
         assert self._order_group is not None  # the policy checks order: the gang made it
@@ -373,24 +340,24 @@ class C10dBackend:
             give_up=lambda: self._stopped,
         )
 
-    # Blame (``c10d_blame``).
+    # Blame (``mailbox``).
 
     def serve_progress(self, progress: ProgressOf) -> None:
         if self._registered:
             self._progress = progress
-            c10d_blame.serve(self._group_name, self._rank, progress)
+            mailbox.serve(self._group_name, self._rank, progress)
 
     def start_blame(self, seq: int, report: Blamed) -> None:
         if self._stopped or not self._registered:
             return report(None, "the gang's communicator is released")
         peers = {r: world for r, world in enumerate(self._world_ranks) if r != self._rank}
-        c10d_blame.start_blame(self._group_name, seq, peers, report)
+        mailbox.start_blame(self._group_name, seq, peers, report)
 
     def where(self, rank: int) -> str:
-        return c10d_blame.where(self._world_ranks, rank)
+        return c10d_world.where(self._world_ranks, rank)
 
     def explain(self, error: BaseException) -> str:
-        return c10d_peers.lost_peer(error, self._world_ranks, self._rank, self.where)
+        return c10d_world.lost_peer(error, self._world_ranks, self._rank, self.where)
 
     # Failure and lifecycle.
 
@@ -423,15 +390,13 @@ class C10dBackend:
     def release(self, *, unfinished: bool) -> None:
         self._bind()  # runs on a closing thread of agang's, or the caller's
         self._stopped = True
-        for waiter in self._waiters.values():
-            waiter.stop()
         self._completion.release()
         if self._registered:
-            c10d_blame.unserve(
+            mailbox.unserve(
                 self._group_name,
                 self._progress,
                 world=self._is_world,
-                hosts_store=self._is_world and c10d_blame.hosts_store,
+                hosts_store=self._is_world and c10d_world.current().hosts_store,
             )
         try:
             if unfinished:

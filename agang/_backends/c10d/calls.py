@@ -1,4 +1,5 @@
-"""The raw calls ``C10dBackend`` makes on a c10d group: options built, complex viewed.
+"""The raw calls ``C10dBackend`` makes on a c10d group: options built, agang's reduce
+ops mapped onto c10d's (``to_c10d``), complex viewed.
 
 Each call uses the group's own method, not ``torch.distributed``'s function, so a group
 double (``agang.testing.SimulatedNccl``'s) works too, and returns the group's Work
@@ -16,7 +17,26 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions
 
-from agang._reduce_op import ReduceOp, to_c10d
+from agang._reduce_op import ReduceOp
+
+_NATIVE = {
+    ReduceOp.SUM: dist.ReduceOp.SUM,
+    ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT,
+    ReduceOp.MIN: dist.ReduceOp.MIN,
+    ReduceOp.MAX: dist.ReduceOp.MAX,
+}
+
+
+def to_c10d(op: ReduceOp, *, backend: str) -> tuple[dist.ReduceOp.RedOpType, bool]:
+    """Returns the c10d op to issue, and whether the result must then be divided by size.
+
+    ``AVG`` exists on NCCL only; elsewhere MEAN is a SUM followed by a division.
+    """
+    if op is ReduceOp.MEAN:
+        if backend == "nccl":
+            return dist.ReduceOp.AVG, False
+        return dist.ReduceOp.SUM, True
+    return _NATIVE[op], False
 
 
 def all_reduce_options(op: ReduceOp, backend: str) -> tuple[dist.AllreduceOptions, bool]:

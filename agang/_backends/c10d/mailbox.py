@@ -1,30 +1,43 @@
-"""Blame on c10d: each process answers its peers' questions through the store.
+"""Each process's mailbox in the store, and blame, the first thing it answers.
 
-When an op's deadline passes, the rank asks every peer where it stands on that op
-(``agang._blame``). The question and the answers travel through the store of the
-world's default group, which every rank already reaches, so no channel is added.
+Peers reach a rank through the store every rank already reaches, so no channel is
+added: each world rank has a queue there, and a thread of the rank's own empties it.
 
 Rules:
-1. *Nothing until asked.* One responder per process (a thread with a store connection
+1. *Nothing until needed.* One responder per process (a thread with a store connection
    of its own, from ``clone()``) blocks on this rank's queue in the store
    (``queue_pop``): no traffic per op, no polling. It starts when the process's first
    c10d gang serves its progress and stops when the last is released.
-2. *A question* names the gang (c10d's group name: the same on every rank), the op's
-   sequence number and a key to answer under; the responder appends one line there:
-   its rank in that gang and its ``Progress``. A question about a gang this process
-   does not serve (closed, or never made) gets no answer. Two live gangs over one group
-   (a ``DeviceMesh`` wrapped twice) share its name: the one served last answers, with
-   its own op numbers, and closing either leaves the other answering.
-3. *Asking* pushes one question per peer, then polls the answer key until every peer
+2. *Letters.* A letter is one line, its kind, a space, then text the kind gives meaning
+   to. The responder looks the kind up in a table of handlers (``register``), and
+   calls the handler on its own thread with the letter's text; a kind nobody
+   registered is dropped. A handler replies, where the kind asks for it, by appending a
+   line under a key the letter names (``Responder.reply``). Blame registers ``ask``
+   here; elastic set-up registers its own kinds (who is alive, who waits to join, who
+   started the next epoch), so the mailbox knows none of their words.
+3. *Stopping.* A process stops its own responder with a stop letter naming it (a token
+   of its own), so a stale stop never ends another responder. The rank hosting the
+   store, before it destroys the store, stops every rank's responder, so theirs end
+   quietly rather than on a dropped connection (which c10d logs at length).
+4. Keys live in the world's store (the default group's, or an elastic epoch's:
+   ``World.store_override``), under the prefix agang gives each init, so a store that
+   outlives inits (torchrun's agent's) never mixes them.
+5. A forked child forgets the parent's responder (``agang._runtime.fork``): the thread is
+   the parent's; the child's first gang starts its own.
+
+Blame: when an op's deadline passes, the rank asks every peer where it stands on that op
+(``Progress``, in ``agang._backends.contract``).
+
+6. *A question* (kind ``ask``) names the gang (c10d's group name: the same on every
+   rank), the op's sequence number and a key to answer under; the responder appends
+   one line there: its rank in that gang and its ``Progress``. A question about a gang
+   this process does not serve (closed, or never made) gets no answer. Two live gangs
+   over one group (a ``DeviceMesh`` wrapped twice) share its name: the one served last
+   answers, with its own op numbers, and closing either leaves the other answering.
+7. *Asking* pushes one question per peer, then polls the answer key until every peer
    has answered or ``ASK_SECONDS`` passed. A timer bounds the whole by ``BLAME_BOUND``
    whatever the store does (a stopped store host holds a store call for the store's
    whole timeout): past it, the report says the store did not answer, and names it.
-4. *Stopping.* A process stops its own responder with a stop naming it (a token of its
-   own), so a stale stop never ends another responder. The rank hosting the store,
-   before it destroys the store, stops every rank's responder, so theirs end quietly
-   rather than on a dropped connection (which c10d logs at length).
-5. Keys live in the default group's store, under the prefix agang gives each init, so
-   a store that outlives inits (torchrun's agent's) never mixes them.
 """
 
 from __future__ import annotations
@@ -36,18 +49,20 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from datetime import timedelta
-from typing import Any
+from typing import Any, final
 
 import torch.distributed as dist
 
-from agang._backends.contract import BLAME_BOUND, Blamed, ProgressOf
-from agang._blame import Progress
+from agang._backends.c10d import world as c10d_world
+from agang._backends.contract import BLAME_BOUND, Blamed, Progress, ProgressOf
+from agang._runtime import fork
 from agang._runtime.threads import start_thread
 
 log = logging.getLogger("agang")
 
 ASK_SECONDS = 0.3
-_POLL = 0.005
+#: How often a sender looks for the replies under its key (seconds).
+POLL_SECONDS = 0.005
 _PREFIX = "agang/blame"
 _STOP = "stop"
 _tokens = itertools.count()
@@ -57,72 +72,104 @@ def _queue(world_rank: int) -> str:
     return f"{_PREFIX}/{world_rank}/queue"
 
 
-class _Responder:
-    """The thread that answers peers' questions for this process (rules 1, 2, 4)."""
+def reply_key(kind: str) -> str:
+    """A key of this process's own, new at each call, for replies to letters it posts."""
+    return f"{_PREFIX}/{kind}/{os.getpid()}.{next(_tokens)}"
+
+
+def post(store: Any, world_ranks: list[int], kind: str, text: str) -> None:
+    """Leaves a letter of ``kind`` with ``text`` in the mailbox of each of ``world_ranks``
+    on ``store`` (rule 2)."""
+    for world_rank in world_ranks:
+        store.queue_push(_queue(world_rank), f"{kind} {text}")
+
+
+@final
+class Responder:
+    """The thread that empties this process's mailbox (rules 1 to 3)."""
 
     def __init__(self, store: Any, world_rank: int) -> None:
         self.token = f"{os.getpid()}.{next(_tokens)}"
+        #: The rank whose mailbox this is, in the world of the store.
         self.world_rank = world_rank
-        # Per group name, every live gang over it, the last served answering (rule 2).
+        # Per group name, every live gang over it, the last served answering (rule 6).
         self.served: dict[str, list[tuple[int, ProgressOf]]] = {}
         self._client = store.clone()  # its own connection: a blocking pop holds it
         self._client.set_timeout(timedelta(days=365))
         self.thread = start_thread(self._serve, name="blame responder")
 
+    def reply(self, key: str, line: str) -> None:
+        """Appends ``line`` (and a newline) under ``key``, on the responder's own
+        connection; for handlers, on the responder's thread."""
+        assert self._client is not None
+        self._client.append(key, f"{line}\n")
+
     def _serve(self) -> None:
         try:
             while True:
-                question = self._client.queue_pop(_queue(self.world_rank)).decode()
-                kind, _, rest = question.partition(" ")
+                letter = self._client.queue_pop(_queue(self.world_rank)).decode()
+                kind, _, text = letter.partition(" ")
                 if kind == _STOP:
-                    if rest in ("*", self.token):
+                    if text in ("*", self.token):
                         return
                     continue
-                if kind == "ping":  # an elastic reform asks who is alive
-                    self._client.append(rest, f"{self.world_rank}\n")
-                    continue
-                if kind == "joining":  # a process waits to join the next elastic epoch
-                    with _lock:
-                        _noticed.add(rest)
-                    continue
-                if kind == "reforming":  # a member started the next epoch: stop waiting
-                    interrupt = on_reform
-                    if interrupt is not None:
-                        interrupt(rest)
-                    continue
-                self._answer(rest)
+                handler = _handlers.get(kind)
+                if handler is not None:
+                    handler(self, text)
         except Exception:
             # The store went away (its host closed or died): nobody can ask any more.
             log.debug("agang: the blame responder's store connection ended.", exc_info=True)
         finally:
             self._client = None
 
-    def _answer(self, question: str) -> None:
-        group, seq, reply = question.split(" ", 2)
-        with _lock:
-            served = self.served.get(group)
-            if not served:
-                return
-            rank, progress = served[-1]
-        assert self._client is not None
-        self._client.append(reply, f"{rank} {progress(int(seq)).to_text()}\n")
+
+#: What the responder does with a letter's text, by the letter's kind (rule 2).
+Handler = Callable[[Responder, str], None]
+_handlers: dict[str, Handler] = {}
+
+
+def register(kind: str, handler: Handler) -> None:
+    """Makes the responder call ``handler`` with every letter of ``kind`` (rule 2): one
+    handler per kind, the last registered. It runs on the responder's thread, so it must
+    not wait long: no other letter is read meanwhile."""
+    if not kind or " " in kind or kind == _STOP:
+        raise ValueError(f"`kind` must be one word other than {_STOP!r}, but is {kind!r} instead.")
+    _handlers[kind] = handler
 
 
 _lock = threading.Lock()
-_responder: _Responder | None = None
-_noticed: set[str] = set()
+_responder: Responder | None = None
+
+
+def _forget_in_child() -> None:  # rule 5
+    global _lock, _responder
+    _lock = threading.Lock()  # a parent thread may have held it at the fork
+    _responder = None
+
+
+fork.on_fork_in_child(_forget_in_child)
+
+
+def _store() -> Any:
+    store_override = c10d_world.current().store_override
+    if store_override is not None:
+        return store_override
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:
+        return None
 
 
 def serve(group_name: str, rank: int, progress: ProgressOf) -> None:
-    """This process answers for its ``rank`` of group ``group_name`` (rule 1)."""
+    """This process answers for its ``rank`` of group ``group_name`` (rules 1, 6)."""
     global _responder
     store = _store()
     if store is None:
         return
     with _lock:
-        if _responder is None or _responder.token.split(".")[0] != str(os.getpid()):
+        if _responder is None:
             try:
-                _responder = _Responder(store, dist.get_rank())
+                _responder = Responder(store, dist.get_rank())
             except Exception:
                 log.debug("agang: peers cannot ask this rank (no store clone).", exc_info=True)
                 return
@@ -134,7 +181,7 @@ def unserve(
 ) -> None:
     """Stops answering for the gang over ``group_name`` that serves ``progress``; the
     world's release stops the responder, and the store's host stops every rank's
-    (rule 4)."""
+    (rule 3)."""
     global _responder
     with _lock:
         responder = _responder
@@ -165,13 +212,27 @@ def unserve(
         log.debug("agang: the blame responder did not stop in time.", exc_info=True)
 
 
+def _answer(responder: Responder, question: str) -> None:
+    """Rule 6: ``question`` is ``<group> <seq> <key>``."""
+    group, seq, key = question.split(" ", 2)
+    with _lock:
+        served = responder.served.get(group)
+        if not served:
+            return
+        rank, progress = served[-1]
+    responder.reply(key, f"{rank} {progress(int(seq)).to_text()}")
+
+
+register("ask", _answer)
+
+
 def start_blame(
     group_name: str,
     seq: int,
     peers: Mapping[int, int],
     report: Blamed,
 ) -> None:
-    """Asks ``peers`` (rank in the gang -> world rank) about op ``seq`` (rule 3)."""
+    """Asks ``peers`` (rank in the gang -> world rank) about op ``seq`` (rule 7)."""
     lock = threading.Lock()
     reported = False
 
@@ -183,6 +244,7 @@ def start_blame(
             reported = True
         report(answers, note)
 
+    store_address = c10d_world.current().store_address
     silent = (
         f"the store at {store_address} did not answer within {BLAME_BOUND} s (its host "
         f"may be stopped, or this rank cut off from it)"
@@ -208,14 +270,13 @@ def _ask(group_name: str, seq: int, peers: Mapping[int, int]) -> dict[int, Progr
     store = _store()
     if store is None:
         raise RuntimeError("no default group, so no store")
-    reply = f"{_PREFIX}/answers/{os.getpid()}.{next(_tokens)}"
-    for world_rank in peers.values():
-        store.queue_push(_queue(world_rank), f"ask {group_name} {seq} {reply}")
+    key = reply_key("answers")
+    post(store, list(peers.values()), "ask", f"{group_name} {seq} {key}")
     answers: dict[int, Progress | None] = dict.fromkeys(peers)
     give_up_at = time.monotonic() + ASK_SECONDS
     while True:
-        if store.check([reply]):
-            for line in store.get(reply).decode().splitlines():
+        if store.check([key]):
+            for line in store.get(key).decode().splitlines():
                 rank, _, text = line.partition(" ")
                 if int(rank) in answers:
                     answers[int(rank)] = Progress.from_text(text)
@@ -223,83 +284,6 @@ def _ask(group_name: str, seq: int, peers: Mapping[int, int]) -> dict[int, Progr
             break
         if time.monotonic() >= give_up_at:
             break
-        time.sleep(_POLL)
-    store.delete_key(reply)
+        time.sleep(POLL_SECONDS)
+    store.delete_key(key)
     return answers
-
-
-def _store() -> Any:
-    if store_override is not None:
-        return store_override
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except Exception:
-        return None
-
-
-def noticed() -> set[str]:
-    """The processes that said they wait to join the next elastic epoch."""
-    with _lock:
-        return set(_noticed)
-
-
-def forget_noticed() -> None:
-    """Forgets every notice (a reform begins: joiners still waiting notify again)."""
-    with _lock:
-        _noticed.clear()
-
-
-def notify(store: Any, world_ranks: list[int], kind: str, text: str) -> None:
-    """Tells the responders of ``world_ranks`` (on an elastic epoch's ``store``) that a
-    process waits to join (``kind="joining"``, ``text`` its id), or that a member
-    started the next epoch (``"reforming"``, ``text`` saying who)."""
-    for world_rank in world_ranks:
-        store.queue_push(_queue(world_rank), f"{kind} {text}")
-
-
-def ping(store: Any, world_ranks: list[int], seconds: float) -> set[int]:
-    """The ``world_ranks`` whose responder (on ``store``, an elastic epoch's) answers
-    within ``seconds``: alive, and not stopped."""
-    reply = f"{_PREFIX}/pings/{os.getpid()}.{next(_tokens)}"
-    for world_rank in world_ranks:
-        store.queue_push(_queue(world_rank), f"ping {reply}")
-    alive: set[int] = set()
-    give_up_at = time.monotonic() + seconds
-    while time.monotonic() < give_up_at and len(alive) < len(world_ranks):
-        if store.check([reply]):
-            alive = {int(line) for line in store.get(reply).decode().split()}
-        time.sleep(_POLL)
-    return alive
-
-
-#: Set by init: where each world rank runs ("host, address, pid"), as it checked in;
-#: the store's address; whether this process hosts the store.
-roster: list[str] = []
-store_address = "of the default group"
-hosts_store = False
-#: An elastic gang's epoch store: questions go there, not to the default group's store.
-store_override: Any = None
-#: What an elastic gang does when another member starts a reform (breaks itself).
-on_reform: Callable[[str], None] | None = None
-
-
-def forget_world() -> None:
-    """A world agang did not set up: nothing is known of where its ranks run."""
-    global store_address, hosts_store
-    roster.clear()
-    store_address, hosts_store = "of the default group", False
-
-
-def world_ranks(group: dist.ProcessGroup, registered_child: bool) -> list[int]:
-    """The world rank of each of ``group``'s ranks (a child's, through c10d)."""
-    if registered_child:
-        return list(dist.get_process_group_ranks(group))
-    return list(range(group.size()))
-
-
-def where(world_ranks: list[int], rank: int) -> str:
-    """``rank`` of a gang, named with where its process runs when init learned it."""
-    world_rank = world_ranks[rank] if 0 <= rank < len(world_ranks) else -1
-    if 0 <= world_rank < len(roster) and roster[world_rank]:
-        return f"rank {rank} ({roster[world_rank]})"
-    return f"rank {rank}"

@@ -16,7 +16,7 @@ Rules:
    the side group: a later op's check may already be in flight there, on some ranks and
    not others.
 4. Which ranks never reached a check, when a deadline passes in it, is the blame's to
-   say (``c10d_blame``): a rank that has not issued the op has not reached its check.
+   say (``mailbox``): a rank that has not issued the op has not reached its check.
 """
 
 from __future__ import annotations

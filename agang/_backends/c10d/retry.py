@@ -186,12 +186,7 @@ def retrying(
         stop=policy.stop | _StopAtDeadline(deadline),
         wait=policy.wait,
         sleep=policy.sleep,
-        retry=(
-            tenacity.retry_if_exception_type(TransientSetupError)
-            | tenacity.retry_if_exception(
-                lambda error: isinstance(error, PortInUseError) and error.port_is_ours
-            )
-        ),
+        retry=tenacity.retry_if_exception(is_transient),
         before_sleep=None if on_retry is None else _before_sleep(on_retry),
         reraise=True,
     )

@@ -1,6 +1,6 @@
 """The device runtime: every stream, event and device call the NCCL paths make.
 
-``cuda_completion`` and ``C10dBackend``'s NCCL branches reach the device only through a
+``agang._backends.c10d.completion`` and ``C10dBackend`` reach the device only through a
 ``DeviceRuntime``, chosen per backend: ``TorchCudaRuntime`` (torch.cuda) in production,
 ``agang.testing.SimulatedNccl``'s runtime in tests, so the real completion code runs on
 a CPU against simulated streams.
@@ -59,8 +59,8 @@ class DeviceRuntime(Protocol):
 
     def side_stream(self, device: torch.device, key: object) -> Any:
         """A stream of agang's own on ``device``, one per ``key``, made on first use: no
-        other code can be handed the same stream (``cuda_streams``); it may be dropped
-        once ``key`` (weakly referenced) is gone."""
+        other code can be handed the same stream (``streams``); it may be dropped once
+        ``key`` (weakly referenced) is gone."""
 
     def run_on(self, stream: Any, fn: Callable[[], None]) -> None:
         """Runs ``fn`` with its device work ordered on ``stream`` (rule 2)."""

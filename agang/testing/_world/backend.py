@@ -38,12 +38,12 @@ from agang._backends.contract import (
     Blamed,
     Checked,
     Done,
+    Progress,
     ProgressOf,
     after_post,
     countdown,
 )
 from agang._backends.cuda.runtime import StreamOrder
-from agang._blame import Progress
 from agang._engine import deadlines as deadline
 from agang._errors import GangError, GangInitError
 from agang._reduce_op import ReduceOp
