@@ -1,13 +1,23 @@
 """Shared test set-up: every async test runs on asyncio, asyncio+uvloop and trio; tests
-of many nodes (``tests/netns.py``) take the ``netns`` fixture."""
+of many nodes (``tests/support/netns.py``) take the ``netns`` fixture.
+
+The helper modules in ``tests/support`` are importable by name from every test (and from
+the ranks that ``run_world`` spawns, which inherit ``sys.path``).
+"""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from agang._engine import busy
+
+SUPPORT = Path(__file__).resolve().parent / "support"
+if str(SUPPORT) not in sys.path:
+    sys.path.insert(0, str(SUPPORT))
 
 
 @pytest.fixture(

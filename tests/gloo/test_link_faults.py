@@ -36,9 +36,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 from netns import Cluster
 from noderun import Lines, node_env, reach, start
 

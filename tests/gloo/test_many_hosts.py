@@ -22,9 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 from netns import Cluster
 from noderun import ROOT, node_env, reach_from, start
 
