@@ -1,7 +1,7 @@
 """``agang doctor`` across nodes: run on node 1 as rank 1 of 2, against node 0's store port.
 
 Node 0 holds a plain listening socket at MASTER_PORT on its data address (no rank 0 is
-needed: the doctor only connects). The doctor then runs on node 1 (``tests/netns.py``)
+needed: the doctor only connects). The doctor then runs on node 1 (``tests/support/netns.py``)
 four times, as ``python -m agang doctor --json``:
 
 - reachable: MASTER_ADDR is node 0's data address; everything is fine (exit 0), and the

@@ -1,9 +1,9 @@
-"""Processes on the test cluster's nodes (``tests/netns.py``): their environment, their
+"""Processes on the test cluster's nodes (``tests/support/netns.py``): their environment, their
 output read line by line, and a probe of whether an address and port can be reached.
 
 A rank program prints ``READY`` (or other markers) as it goes and ends with one
 ``RESULT <json>`` line; :class:`Lines` waits for each within a bound. Run as a script,
-``python tests/noderun.py reach ADDRESS PORT`` prints what :func:`reach` returns.
+``python tests/support/noderun.py reach ADDRESS PORT`` prints what :func:`reach` returns.
 """
 
 from __future__ import annotations

@@ -653,7 +653,7 @@ def test_no_interface_found_is_a_warning_and_a_users_choice_is_kept() -> None:
 
 
 # The state of the interface toward MASTER_ADDR (agang._cli.doctor.links); across real
-# nodes in tests/test_doctor_nodes.py.
+# nodes in tests/gloo/test_doctor_nodes.py.
 
 ETH0_UP = LinkState("eth0", up=True, carrier=True, networks=("10.0.0.5/24",))
 ETH0_NO_CARRIER = LinkState("eth0", up=True, carrier=False, networks=("10.0.0.5/24",))
