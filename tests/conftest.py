@@ -1,13 +1,37 @@
 """Shared test set-up: every async test runs on asyncio, asyncio+uvloop and trio; tests
-of many nodes (``tests/netns.py``) take the ``netns`` fixture."""
+of many nodes (``tests/support/netns.py``) take the ``netns`` fixture.
+
+The helper modules in ``tests/support`` are importable by name from every test (and from
+the ranks that ``run_world`` spawns, which inherit ``sys.path``).
+"""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from agang._engine import busy
+
+TESTS = Path(__file__).resolve().parent
+SUPPORT = TESTS / "support"
+if str(SUPPORT) not in sys.path:
+    sys.path.insert(0, str(SUPPORT))
+# Tests that start processes (Gloo ranks, subprocesses, namespaces) or need a GPU.
+SLOW_FOLDER = TESTS / "gloo"
+SLOW_MARKERS = ("gloo", "cuda")
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marker
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Marks ``slow`` every test under ``tests/gloo`` and every ``gloo`` or ``cuda`` test
+    wherever it lives, so that ``-m "not slow"`` is the fast lane: in process only."""
+    for item in items:
+        in_slow_folder = item.path.is_relative_to(SLOW_FOLDER)
+        if in_slow_folder or any(item.get_closest_marker(name) for name in SLOW_MARKERS):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(

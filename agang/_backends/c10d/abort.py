@@ -9,7 +9,7 @@ Rules:
 2. Gloo: ``abort()`` and ``shutdown()`` leave running work alone (torch 2.13: an
    all_reduce that the peer never joins still runs after both, and dropping the group
    then waits in its destructor until the peer's connections close; see
-   ``tests/test_abort.py``). What does end it is Gloo's own reaction to a timeout: a
+   ``tests/gloo/test_abort.py``). What does end it is Gloo's own reaction to a timeout: a
    receive that times out makes Gloo close every pair of its context ("Application
    timeout caused pair closure"), and every op on those pairs then fails at once. So a
    Gloo group is aborted by posting, on each of its contexts, a receive that no peer

@@ -5,7 +5,7 @@ runs rank 2. With node 1's data link cut mid-training, every rank gets an agang 
 the two ranks on node 0 reform into epoch 1 and train on, exactly; rank 2, cut off from
 the store, cannot reform and fails within its reform deadline, naming the store. When
 its link comes back, its old gang still refuses every op, and the new gang's results
-stay exact. Nodes are network namespaces (``tests/netns.py``).
+stay exact. Nodes are network namespaces (``tests/support/netns.py``).
 """
 
 from __future__ import annotations

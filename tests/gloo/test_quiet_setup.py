@@ -21,7 +21,7 @@ from agang._backends.c10d.retry import one_line
 from agang._cli.doctor.host import c10d_log_finding
 from agang._setup import c10d_log
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # A C++ frame as c10d prints it ("frame #3: ..."), or symbolized ("#3 c10::Error ...").
 TRACE_LINE = re.compile(r"^(frame )?#\d+", re.MULTILINE)
 RETRY_LINE = "retrying in"
@@ -42,7 +42,7 @@ def _clean_env(extra: dict[str, str]) -> dict[str, str]:
     """This environment without the variables that choose c10d's log, plus ``extra``."""
     chosen = {c10d_log.DEBUG_VARIABLE, *c10d_log.TORCH_LOG_VARIABLES}
     env = {k: v for k, v in os.environ.items() if k not in chosen}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "tests")])
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "tests" / "support")])
     return {**env, **extra}
 
 

@@ -12,6 +12,7 @@ from agang._cli.selfcheck.harness import Harness, SimulatedHarness
 from agang._cli.selfcheck.report import Result, Row, merge, passed, render
 
 
+@pytest.mark.slow  # runs the command in a process of its own
 def test_selfcheck_without_a_gpu_runs_the_simulation_and_passes() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "agang", "selfcheck"],

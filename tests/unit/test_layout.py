@@ -30,6 +30,7 @@ import pytest
 import agang
 
 ROOT = Path(agang.__file__).parent
+TESTS = Path(__file__).resolve().parents[1]  # tests/, above unit/
 MODULES = sorted(ROOT.rglob("*.py"))
 MAX_CODE_LINES = 500
 MAX_TOP_LEVEL_PRIVATE_MODULES = 10
@@ -288,7 +289,9 @@ def test_every_folder_is_a_regular_package_that_says_what_it_holds() -> None:
 
 def test_the_code_cites_no_document_outside_the_repository() -> None:
     outside = re.compile(r"design\.md|facts\.md|fault[- ]matrix|nccl-audit|style\.md|\.\./shared")
-    tests = sorted(Path(__file__).parent.rglob("*.py"))
+    tests = sorted(TESTS.rglob("*.py"))  # every folder of tests, support included
+    seen = {p.relative_to(TESTS).parts[0] for p in tests}
+    assert {"conftest.py", "unit", "world", "gloo", "support"} <= seen, seen
     cited = [
         f"{p.name}:{i}"
         for p in [*MODULES, *tests]

@@ -12,7 +12,11 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-ROOT = Path(__file__).resolve().parent.parent
+SUPPORT = Path(__file__).resolve().parent  # tests/support
+ROOT = SUPPORT.parents[1]  # the repository
+# For a test file run as a script (its own folder first on sys.path): agang, and these
+# helpers by name.
+PYTHONPATH = os.pathsep.join([str(ROOT), str(SUPPORT)])
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -22,7 +26,7 @@ def clean_env(**extra: str) -> dict[str, str]:
         if name not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
         and not name.startswith("TORCHELASTIC_")
     }
-    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **extra)
+    env.update(PYTHONPATH=PYTHONPATH, OMP_NUM_THREADS="1", **extra)
     return env
 
 

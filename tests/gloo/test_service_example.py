@@ -17,7 +17,7 @@ from netutil import free_port
 
 pytestmark = pytest.mark.gloo
 
-SERVICE = Path(__file__).resolve().parent.parent / "examples" / "service.py"
+SERVICE = Path(__file__).resolve().parents[2] / "examples" / "service.py"
 
 
 def _start(

@@ -3,7 +3,7 @@
 The interface choice is a pure function of the interface table and the route, tested
 with plain data; the store is hosted for real on 127.0.0.1 and reached (or not) through
 another loopback address, 127.0.0.2, which a socket bound to 127.0.0.1 does not accept.
-The namespace tests of ``tests/test_many_hosts.py`` run the same code across "hosts".
+The namespace tests of ``tests/gloo/test_many_hosts.py`` run the same code across "hosts".
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Faults an elastic gang must survive, on real Gloo processes around an ``agang store``.
 
-Each scenario forms a gang of ranks forked from one warm process (``tests/elasticrun.py``,
-whose ranks run ``tests/elasticworker.py``), drives them one command at a time, and
+Each scenario forms a gang of ranks forked from one warm process (``tests/support/elasticrun.py``,
+whose ranks run ``tests/support/elasticworker.py``), drives them one command at a time, and
 kills or stops ranks by pid at a chosen point: mid-collective, mid-64 MiB all-reduce,
 mid-``recv``, the old rank 0, two at once, one during the reform itself, one stopped
 (SIGSTOP) and woken after the others moved on. The survivors must get an error, reform

@@ -1,7 +1,7 @@
 """``agang doctor`` across nodes: run on node 1 as rank 1 of 2, against node 0's store port.
 
 Node 0 holds a plain listening socket at MASTER_PORT on its data address (no rank 0 is
-needed: the doctor only connects). The doctor then runs on node 1 (``tests/netns.py``)
+needed: the doctor only connects). The doctor then runs on node 1 (``tests/support/netns.py``)
 four times, as ``python -m agang doctor --json``:
 
 - reachable: MASTER_ADDR is node 0's data address; everything is fine (exit 0), and the
@@ -19,13 +19,9 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 from netns import Cluster
 from noderun import node_env
 

@@ -596,6 +596,7 @@ def agang_command(*arguments: str, env: Mapping[str, str]) -> subprocess.Complet
     )
 
 
+@pytest.mark.slow  # runs the command in a process of its own
 def test_the_command_reports_a_taken_port_and_exits_1(listening_port: int) -> None:
     env = command_env(**torchrun_env(rank=0, MASTER_PORT=str(listening_port)))
 
@@ -607,6 +608,7 @@ def test_the_command_reports_a_taken_port_and_exits_1(listening_port: int) -> No
     assert "Found 1 problem." in result.stdout
 
 
+@pytest.mark.slow  # runs the command in a process of its own
 def test_the_command_exits_0_without_a_launcher_and_speaks_json() -> None:
     result = agang_command("doctor", "--json", env=command_env())
 
@@ -651,7 +653,7 @@ def test_no_interface_found_is_a_warning_and_a_users_choice_is_kept() -> None:
 
 
 # The state of the interface toward MASTER_ADDR (agang._cli.doctor.links); across real
-# nodes in tests/test_doctor_nodes.py.
+# nodes in tests/gloo/test_doctor_nodes.py.
 
 ETH0_UP = LinkState("eth0", up=True, carrier=True, networks=("10.0.0.5/24",))
 ETH0_NO_CARRIER = LinkState("eth0", up=True, carrier=False, networks=("10.0.0.5/24",))

@@ -1,6 +1,6 @@
 """A node whose link comes back cannot corrupt the gang its peers made without it.
 
-Three ranks on two nodes (``tests/netns.py``): ranks 0 and 1 on node 0, rank 2 on node 1,
+Three ranks on two nodes (``tests/support/netns.py``): ranks 0 and 1 on node 0, rank 2 on node 1,
 meeting at node 0's data address, all-reducing rank-dependent values in a loop (every
 sum checked). Node 1's data link is cut, and then:
 
@@ -20,9 +20,9 @@ changes none of its results.
 This is the plain gang's way back: close, then ``init`` again. With an elastic gang
 (``agang.init(elastic=agang.Elastic(...))``, on an ``agang store`` no rank hosts) the
 survivors would ``reform()`` into the next epoch instead, and the stray rank would have to
-wait to be admitted at a reform; ``tests/test_elastic.py`` covers that path on one node.
+wait to be admitted at a reform; ``tests/gloo/test_elastic.py`` covers that path on one node.
 
-The ranks' programs are in this file too (``python tests/test_link_faults.py ROLE``).
+The ranks' programs are in this file too (``python tests/gloo/test_link_faults.py ROLE``).
 """
 
 from __future__ import annotations
@@ -36,9 +36,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 from netns import Cluster
 from noderun import Lines, node_env, reach, start
 

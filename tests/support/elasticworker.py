@@ -1,4 +1,4 @@
-"""One elastic rank's program (forked by ``tests/elasticrun.py``): it runs the commands
+"""One elastic rank's program (forked by ``tests/support/elasticrun.py``): it runs the commands
 its test sends over the control connection and answers with events.
 
 Commands (``{"do": ...}``) and their events (``{"what": ...}``):

@@ -516,7 +516,7 @@ RANK_CASES = [
 ]
 
 # Objects that cannot be encoded are not refused before issue: the op is issued all the
-# same so that the other ranks learn of it (tests/test_objects.py).
+# same so that the other ranks learn of it (tests/world/test_objects.py).
 OBJECT_CASES = [
     case("broadcast_objects", TypeError, "objects", id="a-tuple", objects=("config",)),
     case("broadcast_objects", ValueError, "serializer", id="serializer", serializer="json"),

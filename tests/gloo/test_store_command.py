@@ -32,7 +32,7 @@ from agang.__main__ import main
 
 pytestmark = pytest.mark.gloo
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 LISTENING = re.compile(r"agang store listening on (\S+):(\d+)")
 STOP_BOUND = 5.0  # seconds; typically about 0.5 (most of it the interpreter's exit)
 

@@ -47,6 +47,7 @@ async def test_call_site_mode_fails_swapped_ops_of_equal_shape() -> None:
         assert "test_order_call_site.py:" in result["error"]
 
 
+@pytest.mark.gloo
 def test_call_site_mode_fails_swapped_ops_on_gloo() -> None:
     results = run_world(_swapped, 2, timeout=90.0, init_options={"check_order": "call_site"})
     assert all("different collectives" in r["error"] for r in results), results

@@ -2,7 +2,7 @@
 
 Starting a Python process that imports torch costs about 1.5 s of CPU here; the fault
 tests need dozens of ranks (every kill is followed by a replacement). So a *zygote*
-(``python tests/elasticrun.py zygote``) imports torch and agang once and forks each rank
+(``python tests/support/elasticrun.py zygote``) imports torch and agang once and forks each rank
 on request; a fork costs milliseconds. Each rank connects back to the test's
 :class:`Control` socket (127.0.0.1), says hello with its pid, and then runs the commands
 the test sends it (JSON lines), answering with events (JSON lines): ``init`` makes it

@@ -20,7 +20,7 @@ import torch
 import agang
 from agang.testing import FakeWorld, run_world
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def make_model(seed: int = 0) -> torch.nn.Module:

@@ -49,6 +49,7 @@ def _expected(size: int) -> dict[str, Any]:
     }
 
 
+@pytest.mark.gloo
 def test_mean_into_a_leaf_that_requires_grad_on_gloo() -> None:
     results = run_world(_results_into_leaves_that_require_grad, 2, timeout=90.0)
     assert results == [_expected(2)] * 2

@@ -37,6 +37,7 @@ async def sim() -> AsyncIterator[SimulatedNccl]:
     simulation.close()
 
 
+@pytest.mark.slow  # waits out a device stall of STALL (3 s)
 async def test_abort_waits_for_the_ranks_own_stall_but_not_for_a_late_peer(
     sim: SimulatedNccl,
 ) -> None:
@@ -78,6 +79,7 @@ async def test_a_stall_counts_from_when_the_device_starts_it(sim: SimulatedNccl)
         sim.stall(0, -1.0)
 
 
+@pytest.mark.slow  # waits out a device stall of STALL (3 s)
 async def test_a_deadline_behind_the_ranks_own_stall_fires_on_time_and_close_waits_for_it(
     sim: SimulatedNccl,
 ) -> None:
@@ -116,6 +118,7 @@ async def test_a_deadline_behind_the_ranks_own_stall_fires_on_time_and_close_wai
         assert lag < STALL / 6
 
 
+@pytest.mark.slow  # waits out a device stall of STALL (3 s)
 async def test_close_behind_a_stall_longer_than_its_bound_returns_at_the_bound(
     sim: SimulatedNccl, monkeypatch: pytest.MonkeyPatch
 ) -> None:

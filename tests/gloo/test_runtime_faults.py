@@ -5,8 +5,8 @@ only) and returns plain data; the assertions run here. T is the deadline in forc
 eps = 0.5 s + 10 % of T, the promised slack. Time bounds keep about a 10x margin between the
 passing and the failing behaviour, or sit at the promised bound.
 
-Rows and tests (``F`` = this file, tests/test_runtime_faults.py; ``gloo_faults`` =
-tests/test_gloo_faults.py):
+Rows and tests (``F`` = this file, tests/gloo/test_runtime_faults.py; ``gloo_faults`` =
+tests/gloo/test_gloo_faults.py):
 
 | row | test (file::name) |
 | --- | --- |
@@ -372,7 +372,7 @@ def test_b5_op_timeout_shorter_than_the_default_fires_on_time(
     """The op's own 0.5 s deadline fires at 0.5 s + eps (1.05 s), not at the 30 s default.
 
     The other half of B5 (an op timeout longer than the default is honoured) is
-    tests/test_gloo_faults.py::test_op_timeout_longer_than_the_default_is_honoured.
+    tests/gloo/test_gloo_faults.py::test_op_timeout_longer_than_the_default_is_honoured.
     """
     report = straggler_reports[0]
 
@@ -739,7 +739,7 @@ def test_g_loop_lag_with_ops_in_flight(load_reports: list[dict[str, Any]]) -> No
     beside it (the suite runs on two workers). Issuing costs ~0.1-0.3 ms of loop time
     per op, so ops are issued ten per loop turn, as a service would pace a burst.
     1,000 awaiters on uvloop and trio:
-    tests/test_gloo_faults.py::test_a_thousand_ops_in_flight_complete_correctly.
+    tests/gloo/test_gloo_faults.py::test_a_thousand_ops_in_flight_complete_correctly.
     """
     for rank, report in enumerate(load_reports):
         levels = report["lag"]

@@ -23,7 +23,7 @@ from storeutil import clean_env
 
 pytestmark = pytest.mark.gloo
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "elastic_trainer.py"
 COMMAND = ["--workers", "4", "--kill", "2", "--at-step", "20", "--respawn"]  # the README's
 ROW = re.compile(r"^\s*(\d+)\s+(\d+)\s+(\d+)\s+(.*)$")  # step, epoch, size, event

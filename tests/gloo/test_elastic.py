@@ -2,7 +2,7 @@
 survivors reform, a replacement joins at a step boundary, and too few members fail with
 the missing named.
 
-The ranks run this file as a script (``python tests/test_elastic.py train``), each a
+The ranks run this file as a script (``python tests/gloo/test_elastic.py train``), each a
 process of its own; the test starts them, kills one by pid, starts the replacement, and
 ends every process it started.
 """

@@ -7,8 +7,8 @@ It runs unchanged on every Gang implementation (a rank of ``FakeWorld``, a Gloo 
 The assertions run in ``test_conformance.py``.
 
 It lives at module level, outside the test module, because ``run_world`` starts its
-ranks with ``spawn``: they import it by name (``tests/`` is on ``sys.path`` in pytest's
-default import mode, and spawned children inherit ``sys.path``).
+ranks with ``spawn``: they import it by name (``tests/conftest.py`` puts ``tests/support`` on
+``sys.path``, and spawned children inherit ``sys.path``).
 
 Inputs are small integers (in float dtypes too) that differ by element and by rank, so
 every result is exact and compared with ``torch.equal``; PRODUCT inputs stay within

@@ -1,14 +1,15 @@
-"""Processes on the test cluster's nodes (``tests/netns.py``): their environment, their
+"""Processes on the test cluster's nodes (``tests/support/netns.py``): their environment, their
 output read line by line, and a probe of whether an address and port can be reached.
 
 A rank program prints ``READY`` (or other markers) as it goes and ends with one
 ``RESULT <json>`` line; :class:`Lines` waits for each within a bound. Run as a script,
-``python tests/noderun.py reach ADDRESS PORT`` prints what :func:`reach` returns.
+``python tests/support/noderun.py reach ADDRESS PORT`` prints what :func:`reach` returns.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import queue
 import socket
 import subprocess
@@ -22,14 +23,17 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from netns import Cluster
 
-ROOT = Path(__file__).resolve().parent.parent
 THIS = str(Path(__file__).resolve())
+SUPPORT = Path(THIS).parent  # tests/support
+ROOT = SUPPORT.parents[1]  # the repository
 
 
 def node_env(**extra: str) -> dict[str, str | None]:
     """A process's environment on a node: agang importable, one compute thread, and no
-    interface, launcher or store variable inherited from the test's own environment."""
-    env: dict[str, str | None] = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    interface, launcher or store variable inherited from the test's own environment. A
+    test file run there as a script imports these helpers by name: they are on its path."""
+    path = os.pathsep.join([str(ROOT), str(SUPPORT)])
+    env: dict[str, str | None] = {"PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
     for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "AGANG_SOCKET_IFNAME"):
         env[name] = None  # never inherited: agang must choose by itself
     for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):

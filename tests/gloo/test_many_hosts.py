@@ -1,11 +1,11 @@
 """One program, many machines: real Gloo ranks on separate network namespaces ("nodes").
 
-Every node (``tests/netns.py``) has its own addresses on private switched networks, and
+Every node (``tests/support/netns.py``) has its own addresses on private switched networks, and
 its hostname resolves to loopback, as on many real machines: a rank that advertised the
 address its hostname resolves to could never be reached. Nothing here sets
 ``GLOO_SOCKET_IFNAME``: agang must find the interface that reaches ``MASTER_ADDR`` itself.
 
-The ranks' own programs are in this file too (``python tests/test_many_hosts.py PROGRAM``);
+The ranks' own programs are in this file too (``python tests/gloo/test_many_hosts.py PROGRAM``);
 each prints ``READY`` when its gang is up, may wait for a line on stdin, and ends with one
 ``RESULT <json>`` line. Bounds on time keep a wide margin between pass and fail.
 """
@@ -22,9 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 from netns import Cluster
 from noderun import ROOT, node_env, reach_from, start
 
