@@ -28,7 +28,7 @@ Rules of exit:
 3. At exit (an ``atexit`` handler: CPython runs those before finalizing), in order: the
    closers run (open world gangs close: their running work is aborted and their waiter
    threads told to end); then the stoppers (threads that otherwise live for ever, the
-   deadline timer and the gangs' CUDA watchers, end their loops); then every tracked
+   deadline timer and the gangs' completion waiters, end their loops); then every tracked
    thread is joined. All of it within ``EXIT_SECONDS``: a thread still busy then (c10d
    blocked on a hung peer) is left, with a warning, and exit goes on. Modules register
    both kinds with ``at_exit``.
