@@ -37,7 +37,7 @@ from agang._handle import (
     group_timeout,
 )
 from agang._reduce_op import ReduceOp
-from agang._runtime import loops as _asynclib
+from agang._runtime import loops
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
 
@@ -97,19 +97,19 @@ class Coalescer:
         """The open scope of the task (or thread) running now, if any."""
         if not self.scopes:
             return None
-        return self.scopes.get(_asynclib.current_owner())
+        return self.scopes.get(loops.current_owner())
 
     def flush(self) -> None:
         """Issues what the current owner's scope holds (other ops flush the scope)."""
         if not self.scopes:
             return
-        scope = self.scopes.get(_asynclib.current_owner())
+        scope = self.scopes.get(loops.current_owner())
         if scope is not None and scope.members:
             self._issue_members(scope.take(), scope.issued)
 
     @contextlib.contextmanager
     def coalesce(self) -> Iterator[Coalesced]:
-        owner = _asynclib.current_owner()
+        owner = loops.current_owner()
         engine = self._engine
         with engine.lock:
             scope = self.scopes.get(owner)

@@ -51,8 +51,7 @@ from agang._engine.scheduler import Entry
 from agang._errors import OpContext
 from agang._handle import Handle
 from agang._policy import GangPolicy
-from agang._runtime import fork, threads
-from agang._runtime import loops as _asynclib
+from agang._runtime import fork, loops, threads
 
 log = logging.getLogger("agang")
 
@@ -62,7 +61,7 @@ _running_loop = asyncio._get_running_loop
 
 def current_driver() -> object:
     """The running asyncio loop of this thread, or None for the timer thread."""
-    return _asynclib.asyncio_loop()
+    return loops.asyncio_loop()
 
 
 def alive(driver: object) -> bool:
@@ -87,7 +86,7 @@ def call_at(driver: object, when: float, callback: Callable[[], None]) -> Cancel
 
 def _cancel_on(loop: asyncio.AbstractEventLoop, timer: asyncio.TimerHandle) -> Cancel:
     def cancel() -> None:
-        if _asynclib.asyncio_loop() is loop:
+        if loops.asyncio_loop() is loop:
             timer.cancel()
         elif alive(loop):  # TimerHandle.cancel is not thread-safe
             with contextlib.suppress(RuntimeError):  # the loop closed meanwhile

@@ -24,7 +24,7 @@ import anyio.lowlevel
 
 from agang._errors import GangError, GangFullError
 from agang._policy import InFlightLimits
-from agang._runtime import loops as _asynclib
+from agang._runtime import loops
 from agang._runtime.future import Future
 
 _NO_WAITERS: list[Future[None]] = []  # returned, never changed: callers only iterate
@@ -64,7 +64,7 @@ class Room:
                 f"in-flight bound ({bounds}) and its policy is when_full='raise'. Await "
                 f"earlier ops first, or use when_full='queue'."
             )
-        if _asynclib.current_library() is not None:
+        if loops.current_library() is not None:
             raise RuntimeError(
                 f"`{op}` on gang '{self._gang_name}' would block the event loop: the gang "
                 f"is at its in-flight bound and its policy is when_full='block'. Use "

@@ -47,7 +47,7 @@ from agang._backends.cuda.runtime import StreamOrder
 from agang._engine import deadlines as deadline
 from agang._errors import GangError, GangInitError
 from agang._reduce_op import ReduceOp
-from agang._runtime import loops as _asynclib
+from agang._runtime import loops
 from agang._runtime.future import Future
 from agang.testing._world.compute import COMPUTE, Arrival
 
@@ -69,7 +69,7 @@ class Simulation:
             driver = deadline.current_driver()
             deadline.call_at(driver, time.monotonic() + self.latency, callback)
             return
-        if not _asynclib.call_soon(callback):
+        if not loops.call_soon(callback):
             callback()  # no loop here: synchronous callers see it done at once
 
 
