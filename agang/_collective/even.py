@@ -6,7 +6,7 @@ of ``all_reduce_bucketed``'s tensors. ``all_reduce`` itself is the gang's own
 decides whether an open ``coalesce()`` scope holds it.
 
 Each function checks its call against the gang's :class:`~agang._collective.checks.Group`
-and returns the :class:`~agang._engine.ops.Op` the gang issues; its fingerprint names
+and returns the ``Op`` (``agang._engine.ops``) the gang issues; its fingerprint names
 what every rank must agree on (op, shapes, dtypes, reduce op, root). Their documentation
 is the ``Gang``'s.
 """
@@ -57,7 +57,7 @@ def all_gather_to_list(
         check_same_dtype(output, input)
         check_shape(output, input.shape, name=f"outputs[{i}]")
     tensors = [(f"outputs[{i}]", t) for i, t in enumerate(checked)] + [("input", input)]
-    return Op(
+    return (
         "all_gather_to_list",
         tensors,
         checked,
@@ -76,7 +76,7 @@ def reduce_scatter(
     check_reduce_dtype(input, op, name="input")
     check_stacked_or_concatenated(input, group.size, output.shape, name="input")
     flat = input.view(-1)
-    return Op(
+    return (
         "reduce_scatter",
         [("output", output), ("input", input)],
         output,
@@ -88,7 +88,7 @@ def reduce_scatter(
 def broadcast(group: Group, backend: Backend, tensor: torch.Tensor, source_rank: int) -> Op:
     tensor = group.tensor(tensor, "tensor")
     source_rank = check_rank(source_rank, group.size, name="source_rank")
-    return Op(
+    return (
         "broadcast",
         [("tensor", tensor)],
         tensor,
@@ -98,4 +98,4 @@ def broadcast(group: Group, backend: Backend, tensor: torch.Tensor, source_rank:
 
 
 def barrier(backend: Backend) -> Op:
-    return Op("barrier", [], None, backend.start_barrier, "barrier()")
+    return ("barrier", [], None, backend.start_barrier, "barrier()")

@@ -6,7 +6,7 @@ One rank, the root, plays another role than the others: it alone receives the re
 mixes up the roles fails at once, naming it, instead of being ignored.
 
 Each function checks its call against the gang's :class:`~agang._collective.checks.Group`
-and returns the :class:`~agang._engine.ops.Op` the gang issues, with a fingerprint naming
+and returns the ``Op`` (``agang._engine.ops``) the gang issues, with a fingerprint naming
 the root, so ranks that disagree on it fail the order check. The root's blocks go to the
 backend as views of its stacked or concatenated tensor, one per rank, as c10d takes them.
 Their documentation is the ``Gang``'s.
@@ -61,7 +61,7 @@ def reduce(
     destination_rank = check_rank(destination_rank, group.size, name="destination_rank")
     op = check_reduce_op(op)
     check_reduce_dtype(tensor, op, name="tensor")
-    return Op(
+    return (
         "reduce",
         [("tensor", tensor)],
         tensor,
@@ -83,7 +83,7 @@ def gather(
         group, output, input, is_root=group.rank == destination_rank, name="output"
     )
     tensors = [("input", input)] if output is None else [("output", output), ("input", input)]
-    return Op(
+    return (
         "gather",
         tensors,
         output,
@@ -105,7 +105,7 @@ def scatter(
         group, input, output, is_root=group.rank == source_rank, name="input"
     )
     tensors = [("output", output)] if input is None else [("output", output), ("input", input)]
-    return Op(
+    return (
         "scatter",
         tensors,
         output,

@@ -14,7 +14,7 @@ fingerprint names them. The point-to-point ops are not order-checked: their peer
 the whole gang, must agree on them.
 
 Each function checks its call against the gang's :class:`~agang._collective.checks.Group`
-and returns the :class:`~agang._engine.ops.Op` the gang issues. Their documentation is
+and returns the ``Op`` (``agang._engine.ops``) the gang issues. Their documentation is
 the ``Gang``'s.
 """
 
@@ -124,7 +124,7 @@ def all_gather(
     if output_split_sizes is None:
         check_stacked_or_concatenated(output, group.size, input.shape, name="output")
         flat = output.view(-1)
-        return Op(
+        return (
             "all_gather",
             tensors,
             output,
@@ -140,7 +140,7 @@ def all_gather(
         )
     check_trailing_shape(output, input)
     check_rows(output, sizes, name="output", sizes_name="output_split_sizes")
-    return Op(
+    return (
         "all_gather",
         tensors,
         output,
@@ -169,7 +169,7 @@ def all_to_all(
                 f"`input` must have a first dimension that is a multiple of the gang's "
                 f"size ({size}), but has shape {tuple(input.shape)} instead."
             )
-        return Op(
+        return (
             "all_to_all",
             tensors,
             output,
@@ -190,7 +190,7 @@ def all_to_all(
             f"`input_split_sizes` ({input_splits[rank]} at index {rank}), but gives "
             f"{output_splits[rank]} instead."
         )
-    return Op(
+    return (
         "all_to_all",
         tensors,
         output,
@@ -212,22 +212,24 @@ def send(group: Group, backend: Backend, tensor: torch.Tensor, destination_rank:
     destination_rank = check_rank(
         destination_rank, group.size, name="destination_rank", self_rank=group.rank
     )
-    return Op(
+    return (
         "send",
         [("tensor", tensor)],
         None,
         lambda done: backend.start_send(tensor, destination_rank, done),
+        None,
     )
 
 
 def recv(group: Group, backend: Backend, tensor: torch.Tensor, source_rank: int) -> Op:
     tensor = group.tensor(tensor, "tensor")
     source_rank = check_rank(source_rank, group.size, name="source_rank", self_rank=group.rank)
-    return Op(
+    return (
         "recv",
         [("tensor", tensor)],
         tensor,
         lambda done: backend.start_recv(tensor, source_rank, done),
+        None,
     )
 
 
@@ -245,9 +247,10 @@ def exchange(
     tensors = [(f"sends[{i}][0]", t) for i, (t, _) in enumerate(checked_sends)]
     tensors += [(f"recvs[{i}][0]", t) for i, (t, _) in enumerate(checked_recvs)]
     received = [t for t, _ in checked_recvs]
-    return Op(
+    return (
         "exchange",
         tensors,
         received,
         lambda done: backend.start_exchange(checked_sends, checked_recvs, done),
+        None,
     )

@@ -1,8 +1,8 @@
 """What an op is to the engine: what a collective describes, how it starts, and how its
 end comes back.
 
-A collective is checked and described (``agang._collective``) as an :class:`Op`: its
-name, the tensors it uses, what its handle finishes with, a ``start`` (which calls a
+A collective is checked and described (``agang._collective``) as an ``Op``: its name,
+the tensors it uses, what its handle finishes with, a ``start`` (which calls a
 ``start_*`` of the backend) and its fingerprint. The engine numbers it and hands the
 backend the ``start`` and an ``OpEnd`` (the ``done`` the backend calls); see ``engine``'s
 rules "The end is reported once" and "Ordered, then done". ``OpEnd`` reports to an
@@ -12,7 +12,7 @@ rules "The end is reported once" and "Ordered, then done". ``OpEnd`` reports to 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -29,20 +29,20 @@ Fingerprint = str | Callable[[], str]
 SecondPhase = Callable[[Callable[[Start, Callable[[], Any]], None]], None]
 
 
-class Op(NamedTuple):
-    """One collective as checked and described, ready for the engine to issue."""
-
-    #: The collective's name, as its handle and errors show it (``"broadcast"``).
-    name: str
-    #: The tensors the op uses, named as the caller passed them: busy until it ends.
-    tensors: Sequence[tuple[str, torch.Tensor]]
-    #: What the op's handle finishes with.
-    output: Any
-    #: Starts the op in the backend.
-    start: Start
-    #: The op's order-check fingerprint; None for ops that are not order-checked
-    #: (point-to-point ones).
-    fingerprint: Fingerprint | None = None
+#: One collective as checked and described, ready for the engine to issue, in this order:
+#:
+#: - its name, as its handle and errors show it (``"broadcast"``);
+#: - the tensors it uses, named as the caller passed them: busy until it ends;
+#: - what its handle finishes with;
+#: - its ``start``, which starts it in the backend;
+#: - its order-check fingerprint, or None for ops that are not order-checked
+#:   (point-to-point ones).
+#:
+#: A plain tuple rather than a NamedTuple: one is made per call on the issue path. As a
+#: NamedTuple it made ``bench/bench_overhead.py``'s awaited broadcast 5-7% dearer than
+#: the mixins it replaced (asyncio, uvloop, trio); as a tuple, within 1.5% (the 2-core
+#: CPU machine, 2026-11-25).
+Op = tuple[str, Sequence[tuple[str, torch.Tensor]], Any, Start, Fingerprint | None]
 
 
 class OpOwner(Protocol):
