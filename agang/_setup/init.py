@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from agang._backends.c10d import world as c10d_world
+from agang._backends.c10d.calls import connect_eagerly
 from agang._backends.c10d.retry import PortInUseError, RetryPolicy, TransientSetupError, call_c10d
 from agang._collective.fake_gang import FakeGang
 from agang._collective.process_group_gang import ProcessGroupGang, check_no_open_world
@@ -155,6 +156,8 @@ class _Plan:
         else:
             log.info("agang: torch.distributed is already initialized; wrapping its world.")
             c10d_world.forget()
+            if self.backend == "nccl":  # here, not at the first op on the caller's loop
+                connect_eagerly(dist.distributed_c10d._get_default_group(), self.device)
         order_group = None
         if self.policy.check_order:
             # The side channel of order checks: a Gloo group over the world, so a check

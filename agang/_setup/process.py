@@ -31,6 +31,16 @@ that differs. One table keeps the two from drifting apart. Why each one:
 - ``TORCH_NCCL_DUMP_ON_TIMEOUT=0``: no flight-recorder dump signal to every rank on a
   c10d-side timeout (the first step towards that kill); agang's ``GangTimeoutError``
   carries its own flight recorder.
+
+A launcher's value is not the user's. torchrun's agent puts
+``TORCH_NCCL_ASYNC_ERROR_HANDLING=1`` (tear the process down) into every worker's
+environment unless the variable was set for the agent itself, so under torchrun agang
+would never see it unset, and an NCCL error would kill the process instead of reaching
+the program (an elastic gang could never re-form). A worker cannot tell that default
+from a 1 the user exported, so :data:`LAUNCHER_DEFAULTS` names it: where a worker of the
+launcher holds exactly the launcher's value, agang applies its own and logs why, unless
+``AGANG_KEEP_NCCL_SETTINGS=1`` asks it to keep every value as found. Any other value is
+the user's and is kept.
 """
 
 from __future__ import annotations
@@ -56,6 +66,12 @@ NCCL_SETTINGS: dict[str, tuple[str, str]] = {
     ),
     "TORCH_NCCL_DUMP_ON_TIMEOUT": ("0", "agang's timeout errors carry the flight recorder"),
 }
+#: Name -> (the launcher, the variable that marks its workers, the value it sets there).
+LAUNCHER_DEFAULTS: dict[str, tuple[str, str, str]] = {
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": ("torchrun", "TORCHELASTIC_RUN_ID", "1"),
+}
+#: Set to 1 to keep every NCCL setting as found, a launcher's default included.
+KEEP_NCCL_SETTINGS = "AGANG_KEEP_NCCL_SETTINGS"
 
 
 # The device and the backend.
@@ -136,12 +152,36 @@ def prepare_process(
         )
 
 
+def launcher_default(environ: Mapping[str, str], name: str) -> str | None:
+    """The launcher whose default ``name`` holds in ``environ``, which agang replaces with
+    its own value; None where the value is unset, the user's, or to be kept."""
+    if name not in LAUNCHER_DEFAULTS or environ.get(KEEP_NCCL_SETTINGS) == "1":
+        return None
+    launcher, marker, value = LAUNCHER_DEFAULTS[name]
+    return launcher if marker in environ and environ.get(name) == value else None
+
+
 def apply_nccl_settings(environ: MutableMapping[str, str]) -> dict[str, str]:
-    """Sets every NCCL setting the user left unset; returns what it set."""
+    """Sets every NCCL setting the user left unset, or a launcher set for them; returns
+    what it set."""
     made = {}
     for name, (value, why) in NCCL_SETTINGS.items():
-        if name not in environ:
-            environ[name] = value
-            made[name] = value
+        launcher = launcher_default(environ, name)
+        if name in environ and launcher is None:
+            continue
+        if launcher is not None:
+            log.warning(
+                "agang: %s=%s is %s's default for its workers; agang sets %s (%s). "
+                "Set %s=1 to keep it.",
+                name,
+                environ[name],
+                launcher,
+                value,
+                why,
+                KEEP_NCCL_SETTINGS,
+            )
+        else:
             log.info("agang: set %s=%s (%s).", name, value, why)
+        environ[name] = value
+        made[name] = value
     return made

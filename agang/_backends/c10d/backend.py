@@ -439,6 +439,7 @@ class C10dBackend:
             seconds=seconds,
             parent_name=self._name,
             bind=self._bind,
+            device=self._device,
         )
         if group is None:
             return None

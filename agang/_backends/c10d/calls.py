@@ -184,3 +184,18 @@ def scatter(
     options.rootRank = source_rank
     lists = [] if inputs is None else [[real(t) for t in inputs]]
     return group.scatter([real(output)], lists, options)
+
+
+def connect_eagerly(group: dist.ProcessGroup, device: torch.device) -> None:
+    """Makes ``group``'s NCCL communicator on ``device`` now, on the calling thread.
+
+    c10d makes an NCCL communicator lazily, at the group's first op, unless the group was
+    made bound to a device (``init_process_group(device_id=...)``). That first op runs on
+    the caller's event loop, under the gang's lock: a member that never comes would then
+    hold the loop until NCCL gives up. Set-up calls this on its own thread instead,
+    within its deadline; every member must call it (NCCL's communicator is made by all
+    of them together). A group already bound to a device is connected already.
+    """
+    if getattr(group, "bound_device_id", None) is not None:
+        return
+    group._get_backend(device).eager_connect_single_device(device)

@@ -8,7 +8,10 @@ Rules:
    ``new_group`` instead.
 2. Otherwise a child is a ``new_group``. Over the world, every rank of the world takes
    part (c10d's rule), and non-members drop the placeholder they get. Under a sub-gang,
-   only members take part (``use_local_synchronization``).
+   only members take part (``use_local_synchronization``). An NCCL ``new_group`` is
+   given its device, so c10d makes its communicator now, on this thread: made lazily,
+   at the first op, it would be made on the caller's loop, under the gang's lock, where
+   a member that never comes would hold the loop until NCCL gives up.
 3. With order checking on, each child gets its own side Gloo group for its checks. On
    NCCL only its members make it (``use_local_synchronization``): over an NCCL world
    bound to a device, c10d answers a ``new_group`` that a non-member joins by splitting
@@ -25,6 +28,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from agang._backends.c10d.retry import RetryPolicy, call_c10d, retrying
@@ -53,6 +57,7 @@ async def create_groups(
     seconds: float | None,
     parent_name: str,
     bind: Callable[[], None] = lambda: None,
+    device: torch.device | None = None,
 ) -> Groups:
     """The child's group and side group on members; ``(None, None)`` on non-members.
 
@@ -72,12 +77,20 @@ async def create_groups(
         )
         return group
 
+    # Rule 2: the NCCL group is made connected; the side Gloo group has no device.
+    nccl_device = device if kind == "nccl" and device is not None else None
+
     def new_group(
         backend: str | None, pg_options: Any, *, members_only: bool = False
     ) -> dist.ProcessGroup | None:  # rule 2
+        device_id = nccl_device if backend is None else None
         if is_world and not members_only:
             group = dist.new_group(
-                global_ranks, timeout=timeout, backend=backend, pg_options=pg_options
+                global_ranks,
+                timeout=timeout,
+                backend=backend,
+                pg_options=pg_options,
+                device_id=device_id,
             )
             return group if is_member else None
         if not is_member:
@@ -88,6 +101,7 @@ async def create_groups(
             backend=backend,
             pg_options=pg_options,
             use_local_synchronization=True,
+            device_id=device_id,
         )
         return local
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from agang._cli.doctor.findings import Finding, Status
 from agang._setup.c10d_log import DEBUG_VARIABLE, c10d_output_wanted
-from agang._setup.process import NCCL_SETTINGS
+from agang._setup.process import KEEP_NCCL_SETTINGS, NCCL_SETTINGS, launcher_default
 
 
 @dataclass(frozen=True)
@@ -175,6 +175,15 @@ def _async_error_handling_finding(env: Mapping[str, str], facts: HostFacts) -> F
             Status.PROBLEM if used else Status.WARN,
             f"`{name}` must be 0, 1, 2 or 3, but is {value!r} instead.",
             fix=f"Set {name}=2 (abort the communicator, keep the process) or unset it.",
+        )
+    launcher = launcher_default(env, name)
+    if launcher is not None:
+        agangs, why = NCCL_SETTINGS[name]
+        return Finding(
+            name,
+            Status.OK,
+            f"{value}, {launcher}'s default for its workers: agang.init sets {agangs} "
+            f"({why}; {KEEP_NCCL_SETTINGS}=1 keeps {value}).",
         )
     status, meaning = _ASYNC_ERROR_HANDLING["3" if value is None else value]
     shown = "unset, so torch's default 3" if value is None else value

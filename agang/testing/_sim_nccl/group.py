@@ -20,11 +20,19 @@ the caller's current stream, then gets the op's kernel. Its Work behaves like
    ``abort()`` take 1.46 s.) ``shutdown()`` blocks the same way; the simulated group has
    no destroy of its own (it is not registered with ``torch.distributed``), and a real
    ``destroy_process_group`` waits as ``abort()`` does.
+6. ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` is read when the group is made, as
+   ``ProcessGroupNCCL`` reads it. Under 1 or 3 (c10d's "tear down") an asynchronous error
+   or a watchdog timeout kills the process (SIGABRT), as c10d's watchdog does; under 0 or
+   2 the error stays in the Work and the error state, and the process lives. Unset, it is
+   taken as 2, the value ``agang.init`` sets where the user did not: the simulation
+   stands for agang's set-up, and a test that wants c10d's own default sets 3.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
 import threading
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -43,6 +51,11 @@ from agang.testing._sim_nccl.device import (
     WaitFor,
 )
 from agang.testing._sim_nccl.kernels import kernel_for
+
+log = logging.getLogger("agang")
+
+#: ``TORCH_NCCL_ASYNC_ERROR_HANDLING``'s values under which c10d tears the process down.
+_TEAR_DOWN = ("1", "3")
 
 
 class SimRuntime:
@@ -174,6 +187,8 @@ class SimProcessGroup:
         self._parts: list[Part] = []
         self.group_name = communicator.name
         self._group: list[Part] | None = None  # the parts of an open coalescing group
+        # Rule 6: read once, when the group is made.
+        self._tears_down = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2") in _TEAR_DOWN
         self._group_streams: dict[tuple[int, ...], SimStream] = {}
 
     def rank(self) -> int:
@@ -207,9 +222,11 @@ class SimProcessGroup:
 
     def async_error(self, message: str) -> BaseException:
         self._error = "COMM_ERROR"
+        self._tear_down_if_asked(f"NCCL error: {message}")
         return dist.DistBackendError(f"NCCL error: {message}")
 
     def watchdog_fired(self, timeout: float) -> None:
+        self._tear_down_if_asked(f"watchdog caught a collective timeout ({timeout} s)")
         self._error = "TIMEOUT"
         error = dist.DistBackendError(
             f"Watchdog caught collective operation timeout ({timeout} s)."
@@ -217,6 +234,19 @@ class SimProcessGroup:
         for part in self._parts:
             self._device.fail(part, error)
         self._aborted = True
+
+    def _tear_down_if_asked(self, why: str) -> None:
+        """Rule 6: c10d's watchdog, under a tear-down mode, ends the process."""
+        if self._tears_down:
+            log.critical(
+                "Simulated NCCL: rank %d of '%s': %s; TORCH_NCCL_ASYNC_ERROR_HANDLING tears "
+                "the process down.",
+                self._rank,
+                self.group_name,
+                why,
+            )
+            logging.shutdown()
+            os.abort()
 
     # Issuing.
 

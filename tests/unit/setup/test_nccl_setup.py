@@ -308,3 +308,123 @@ def test_c3_init_sync_binds_the_callers_thread_to_the_gangs_gpu(
     agang.init_sync(**_NCCL_INIT)
 
     assert (threading.get_ident(), torch.device("cuda", 1)) in bound
+
+
+# NCCL under torchrun: its agent sets TORCH_NCCL_ASYNC_ERROR_HANDLING=1 (tear down) in
+# every worker unless the variable was set for the agent itself.
+
+_TORCHRUN_WORKER = {"TORCHELASTIC_RUN_ID": "job", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
+
+
+def test_torchruns_error_handling_default_is_replaced_so_errors_reach_the_program(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from agang._setup.process import apply_nccl_settings
+
+    environ = dict(_TORCHRUN_WORKER)
+    with caplog.at_level("INFO", logger="agang"):
+        made = apply_nccl_settings(environ)
+
+    assert environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"
+    assert made["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"
+    assert "torchrun" in caplog.text
+    assert "AGANG_KEEP_NCCL_SETTINGS" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("environ", "kept"),
+    [
+        # The user asked to keep it: torchrun's default and a user's 1 look alike.
+        ({**_TORCHRUN_WORKER, "AGANG_KEEP_NCCL_SETTINGS": "1"}, "1"),
+        # A value torchrun never sets is the user's.
+        ({"TORCHELASTIC_RUN_ID": "job", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}, "3"),
+        ({"TORCHELASTIC_RUN_ID": "job", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}, "0"),
+        # Without torchrun's agent, a 1 is the user's.
+        ({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}, "1"),
+    ],
+    ids=["keep-asked", "torchrun-3", "torchrun-0", "no-agent-1"],
+)
+def test_a_value_the_user_set_is_kept(environ: dict[str, str], kept: str) -> None:
+    from agang._setup.process import apply_nccl_settings
+
+    made = apply_nccl_settings(environ)
+
+    assert environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == kept
+    assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in made
+
+
+def test_doctor_says_init_replaces_torchruns_default() -> None:
+    from agang._cli.doctor.findings import Status
+    from agang._cli.doctor.host import HostFacts, backend_findings
+
+    gpu = HostFacts("2.11.0", True, True, True, True, 1, "12.8", "2.27.3", 8)
+    name = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+
+    keep = {**_TORCHRUN_WORKER, "AGANG_KEEP_NCCL_SETTINGS": "1"}
+    replaced = {f.check: f for f in backend_findings(_TORCHRUN_WORKER, gpu)}[name]
+    kept = {f.check: f for f in backend_findings(keep, gpu)}[name]
+
+    assert replaced.status is Status.OK
+    assert "torchrun's default" in replaced.seen
+    assert "sets 2" in replaced.seen
+    assert kept.status is Status.WARN
+
+
+# A lazily made NCCL communicator: made by the first op, on the loop, under the engine
+# lock, where a missing member would hold the loop until NCCL gives up. agang makes it
+# on the creating thread instead, within the deadline.
+
+
+@pytest.mark.anyio
+async def test_a_child_made_by_new_group_connects_at_once_on_its_device(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls = _record_new_groups(monkeypatch)
+
+    class Unbound:
+        bound_device_id = None
+
+    monkeypatch.setattr(dist.distributed_c10d, "_get_default_group", lambda: Unbound())
+    device = torch.device("cuda", 1)
+
+    await c10d_children.create_groups(
+        _Group(),  # type: ignore[arg-type]
+        [0, 1],
+        kind="nccl",
+        is_world=True,
+        with_side_group=True,
+        high_priority=False,
+        backstop=60.0,
+        seconds=10.0,
+        parent_name="root",
+        device=device,
+    )
+
+    nccl, gloo = calls
+    assert nccl["device_id"] == device  # c10d connects a new group given its device
+    assert gloo.get("device_id") is None  # the side group is Gloo's: no device
+
+
+def test_a_world_made_without_a_device_connects_on_the_init_thread() -> None:
+    from agang._backends.c10d.calls import connect_eagerly
+
+    connected: list[torch.device] = []
+
+    class Backend:
+        def eager_connect_single_device(self, device: torch.device) -> None:
+            connected.append(device)
+
+    class World:
+        bound_device_id = None
+
+        def _get_backend(self, device: torch.device) -> Backend:
+            return Backend()
+
+    class Bound(World):
+        bound_device_id = torch.device("cuda", 0)
+
+    device = torch.device("cuda", 0)
+    connect_eagerly(World(), device)  # type: ignore[arg-type]
+    connect_eagerly(Bound(), device)  # type: ignore[arg-type]  # connected already
+
+    assert connected == [device]
