@@ -1,5 +1,5 @@
 """The simulated device of ``SimulatedNccl``: streams, events and the kernels of
-collectives, executed by one device thread for every simulated rank.
+collectives, for every simulated rank.
 
 The rules it keeps, NCCL's and CUDA's:
 1. A stream is a FIFO queue of kernels: a kernel runs only once every kernel queued
@@ -16,6 +16,17 @@ The rules it keeps, NCCL's and CUDA's:
 4. A stall (``Stall``, ``torch.cuda._sleep`` on a GPU) keeps its stream busy for its
    seconds from when it reaches the head of the stream, not from when it was queued:
    it stands in for a rank's own long kernel.
+5. *The device runs a kernel as soon as it can, on the thread that made it runnable.* A
+   GPU needs no CPU thread of the host to run its kernels, and on one rank a small op
+   ends within microseconds of its issue. So what becomes runnable when work is queued
+   (the last rank's part of a collective, an event behind finished work) runs there and
+   then, on the queuing thread, under the device's lock; the device thread runs only
+   what time or another thread releases (a stall that ends, a paused rank resumed, a
+   watchdog timeout). Neither a raw caller nor agang pays a thread hop the GPU would not
+   make them pay, so the simulation shows the host's own cost per op (its Python, its
+   thread hand-offs) fairly. What it cannot show: a kernel's own time (the host thread
+   that runs it is busy meanwhile, where a GPU would run it beside the host), and the
+   driver's costs (launches, events, interrupts).
 """
 
 from __future__ import annotations
@@ -159,6 +170,7 @@ class SimDevice:
         self._failures: deque[str] = deque()
         self._pending: list[Part] = []
         self._wake_at: float | None = None  # when the next running stall ends
+        self._stepping = False  # a thread is advancing the streams (rule 5)
         _devices.add(self)
         threads.start_daemon(self._run, name="agang-sim-nccl-device")
 
@@ -175,7 +187,21 @@ class SimDevice:
             stream.items.append(item)
             if isinstance(item, Part):
                 self._pending.append(item)
+            self.run_what_can_run()
+
+    def run_what_can_run(self) -> None:
+        """Runs every kernel that can run now, on this thread (rule 5); wakes whoever
+        waits on the device. The caller holds ``cond``."""
+        if self._stepping:  # queued by a host function the device is running
             self.cond.notify_all()
+            return
+        self._stepping = True
+        try:
+            while self._step():
+                pass
+        finally:
+            self._stepping = False
+        self.cond.notify_all()
 
     def pause(self, rank: int) -> None:
         with self.cond:
@@ -184,7 +210,7 @@ class SimDevice:
     def resume(self, rank: int) -> None:
         with self.cond:
             self.paused.discard(rank)
-            self.cond.notify_all()
+            self.run_what_can_run()
 
     def fail_next(self, message: str) -> None:
         with self.cond:
@@ -195,7 +221,7 @@ class SimDevice:
         with self.cond:
             if not part.done and part.error is None:
                 part.error = error
-                self.cond.notify_all()
+                self.run_what_can_run()
 
     def stall(self, stream: SimStream, seconds: float) -> Stall:
         """Queues a kernel keeping ``stream`` busy for ``seconds`` once it starts."""
@@ -212,7 +238,7 @@ class SimDevice:
         def release() -> None:
             with self.cond:
                 gate.done = True
-                self.cond.notify_all()
+                self.run_what_can_run()
 
         return release
 
@@ -226,7 +252,12 @@ class SimDevice:
     def _run(self) -> None:
         with self.cond:
             while not self.closed:
-                if self._step():
+                self._stepping = True
+                try:
+                    progress = self._step()
+                finally:
+                    self._stepping = False
+                if progress:
                     self.cond.notify_all()
                     continue
                 wait = self._watchdog()
