@@ -37,8 +37,17 @@ class HandleOwner(Protocol):
     #: The gang's policy; its ``wait_mode`` decides how an ``await`` waits.
     policy: GangPolicy
 
+    #: Whether a waiter learns of the op's end by asking (:meth:`settle`, :meth:`park_for`).
+    polls: bool
+
     def waiting(self) -> None:
         """A waiter starts on one of its pending ops (a lost deadline check is re-armed)."""
+
+    async def settle(self, handle: Handle[Any]) -> None:
+        """Learns of ``handle``'s end on the awaiting task's loop, within a budget."""
+
+    def park_for(self, handle: Handle[Any]) -> None:
+        """A plain thread is about to block on ``handle``: have its end reported."""
 
     def resumed(self, lag: float) -> None:
         """A waiter resumed ``lag`` seconds after its op finished (the loop's lag)."""
@@ -129,7 +138,9 @@ class Handle(Future[T]):
         brief = owner.policy.wait_mode == "block_briefly"
         if not self.done():
             owner.waiting()
-            if brief:
+            if owner.polls:
+                await owner.settle(self)
+            elif brief:
                 # Only timing changes: a finished handle takes the path below that an
                 # already finished one takes (``agang._runtime.brief_wait``, rule 4).
                 brief_wait.block_briefly(self, self.num_bytes, self.issued_at)
@@ -162,8 +173,11 @@ class Handle(Future[T]):
         seconds = check_timeout(timeout)
         self._check_not_held()
         if not self.done():
-            if self._owner is not None:
-                self._owner.waiting()
+            owner = self._owner
+            if owner is not None:
+                owner.waiting()
+                if owner.polls:
+                    owner.park_for(self)
             self._block(seconds)
         return self.result()
 

@@ -3,16 +3,20 @@
     python bench/bench_nccl_sim.py [--ops N] [--rounds R]
 
 No GPU needed: ``agang.testing.SimulatedNccl`` runs agang's real NCCL completion path
-(side stream, event, the gang's watcher thread, the error check) against two simulated
-ranks in this process. Each op is a 4-element all-reduce issued on both ranks. Three
-modes, interleaved round by round, ``N`` ops per mode and round:
+(polled on the loop, parked on the gang's watcher thread, the error check) against two
+simulated ranks in this process, whose device runs a kernel as soon as it can, on the
+thread that made it runnable (no thread hop a GPU would not make). Each op is a
+4-element all-reduce issued on both ranks. Three modes, interleaved round by round,
+``N`` ops per mode and round:
 - raw: the process group's own ``allreduce`` + ``Work.wait()`` + a device synchronize,
   what a blocking c10d caller pays on the same simulated device;
 - agang: ``await gang.all_reduce(t)`` on both ranks (done = finished on the device);
 - agang stream-ordered: the same with ``stream_ordered=True`` (done = ordered).
-Prints the median microseconds per op over the rounds and the ratio to raw. The
-simulated device's own time is in every mode; on a GPU a kernel's time takes its place,
-so agang's CPU cost per op there is about (ratio - 1) x raw's time here.
+Prints the median microseconds per op over the rounds, the ratio to raw, and agang's
+thread hand-offs per awaited op (``agang._runtime.handoffs``: a thread woken to wait for
+an op, or a loop woken from another thread). The simulated device's own time is in
+every mode; on a GPU a kernel's time takes its place, so agang's CPU cost per op there
+is about (ratio - 1) x raw's time here.
 """
 
 from __future__ import annotations
@@ -26,18 +30,25 @@ from typing import Any
 import torch
 
 import agang
+from agang._runtime import handoffs
 from agang.testing import SimulatedNccl
 
 
 async def _agang(
-    gangs: list[agang.ProcessGroupGang], tensors: list[torch.Tensor], ops: int
+    gangs: list[agang.ProcessGroupGang],
+    tensors: list[torch.Tensor],
+    ops: int,
+    handed_off: list[float],
 ) -> float:
+    before = handoffs.num_handoffs()
     started = time.perf_counter()
     for _ in range(ops):
         handles = [gang.all_reduce(t) for gang, t in zip(gangs, tensors, strict=True)]
         for handle in handles:
             await handle
-    return (time.perf_counter() - started) / ops
+    seconds = (time.perf_counter() - started) / ops
+    handed_off.append((handoffs.num_handoffs() - before) / (ops * len(gangs)))
+    return seconds
 
 
 def _raw(sim: SimulatedNccl, groups: list[Any], tensors: list[torch.Tensor], ops: int) -> float:
@@ -58,19 +69,23 @@ async def main(ops: int, rounds: int) -> None:
         raw_groups = [gang.process_group for gang in sim.gangs("raw")]
         tensors = [torch.zeros(4) for _ in range(2)]
         samples: dict[str, list[float]] = {"raw": [], "agang": [], "agang stream-ordered": []}
+        handed_off: dict[str, list[float]] = {"raw": [0.0], "agang": [], "agang stream-ordered": []}
         for _ in range(rounds + 1):  # the first round warms up
             samples["raw"].append(_raw(sim, raw_groups, tensors, ops))
-            samples["agang"].append(await _agang(default, tensors, ops))
-            samples["agang stream-ordered"].append(await _agang(ordered, tensors, ops))
+            samples["agang"].append(await _agang(default, tensors, ops, handed_off["agang"]))
+            samples["agang stream-ordered"].append(
+                await _agang(ordered, tensors, ops, handed_off["agang stream-ordered"])
+            )
         for gang in [*default, *ordered]:
             await gang.close()
     raw = statistics.median(samples["raw"][1:])
     header = f"SimulatedNccl, 2 ranks in one process, torch {torch.__version__}"
     print(f"{header}; {ops} ops x {rounds} rounds")
-    print(f"{'mode':<22} {'us per op':>10} {'ratio':>7}")
+    print(f"{'mode':<22} {'us per op':>10} {'ratio':>7} {'hand-offs per op':>17}")
     for mode, values in samples.items():
         median = statistics.median(values[1:])
-        print(f"{mode:<22} {1e6 * median:>10.1f} {median / raw:>6.2f}x")
+        per_op = statistics.mean(handed_off[mode][-rounds:])
+        print(f"{mode:<22} {1e6 * median:>10.1f} {median / raw:>6.2f}x {per_op:>17.2f}")
 
 
 if __name__ == "__main__":

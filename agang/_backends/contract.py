@@ -25,6 +25,19 @@ Ordered before done.
     they ran (NCCL's stream-ordered mode), calls ``report_ordered(done)`` then, and
     still calls ``done(error)`` once the op really ended: the handle finishes at the
     first, while the op stays in flight (deadlines, close, abort) until the second.
+Learning of an end.
+    A backend either calls ``done`` from a thread of its own as soon as the op ended
+    (``polls`` False: Gloo's callbacks, the fakes), or learns of an end only when asked
+    (``polls`` True: NCCL, whose ops end on a device that no host thread watches for
+    free). Then ``poll()`` calls, on the calling thread and without blocking, the
+    ``done`` of every op it finds ended, and ``park(issued_before)`` hands the ops not
+    yet reported that were issued before then to a thread of the backend's own, which
+    waits for each (sleeping, not spinning) and calls its ``done``; it returns when the
+    oldest op left was issued (``time.monotonic()``), or None. The engine polls at each
+    issue and while a task awaits an op, and parks what is still running when that
+    task's budget has passed, when a plain thread waits, and when the gang's timer finds
+    an op running longer than the park delay; so every op's ``done`` comes, awaited or
+    not, and an awaited op that ends soon needs no thread at all.
 Read on the host.
     ``to_host=True`` (the object collectives, whose bytes agang reads on the CPU) asks
     for ``done`` only once the result can be read on the host, even where the backend
@@ -82,6 +95,7 @@ Children.
 from __future__ import annotations
 
 import json
+import math
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
@@ -282,6 +296,18 @@ class Backend(Protocol):
     def explain(self, error: BaseException) -> str:
         """A sentence to add to ``error``'s message (the lost peer's rank, where the
         transport's error lets it be known), or ""."""
+
+    # Learning of an end.
+
+    #: Whether ops' ends are learned only when asked (``poll``, ``park``).
+    polls: bool
+
+    def poll(self) -> None:
+        """Calls, here and now, the ``done`` of every op found ended; never blocks."""
+
+    def park(self, issued_before: float = math.inf) -> float | None:
+        """Hands the unreported ops issued before ``issued_before`` to a waiting thread;
+        when the oldest op left was issued, or None."""
 
     # Deferred starts and deadlines.
 

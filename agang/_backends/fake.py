@@ -9,6 +9,7 @@ scatter off its source leave their tensor as it is. Every op finishes inside its
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import final
 
@@ -224,6 +225,14 @@ class FakeBackend:
 
     def explain(self, error: BaseException) -> str:
         return ""
+
+    polls = False  # every op reports its own end
+
+    def poll(self) -> None:
+        pass
+
+    def park(self, issued_before: float = math.inf) -> float | None:
+        return None
 
     def defer(self, start: Callable[[], None]) -> Callable[[], None]:
         return start

@@ -245,6 +245,10 @@ class Expiring(Protocol):
     policy: GangPolicy
     backend: Backend
 
+    def reap(self, now: float) -> float | None:
+        """Learns, outside the gang's lock, of ops that ended where the backend must be
+        asked, and parks those running too long; when to look again, or None."""
+
     def late(self, now: float, lag: float | None) -> tuple[list[Entry], float | None]:
         """Records the timer's ``lag`` (None: not the loop's), and returns the ops due at
         ``now`` (each once) and the next deadline after them; under the gang's lock."""
@@ -280,10 +284,13 @@ class Expiry:
         """The alarm's callback: finds the late ops and asks about them (rule 3)."""
         owner = self._owner
         now = time.monotonic()
+        look_again = owner.reap(now)  # ops that ended are not late
         with self._gang_lock:
             # The loop ran this timer late by however long it was busy or blocked.
             fired = self.alarm.fired(armed_for) and driver is not None
             due, following = owner.late(now, max(0.0, now - armed_for) if fired else None)
+        if look_again is not None and (following is None or look_again < following):
+            following = look_again
         if following is not None:
             self.alarm.arm(following)
         if not due:

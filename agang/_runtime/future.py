@@ -40,7 +40,7 @@ import time
 from collections.abc import Callable, Generator
 from typing import Any, Generic, TypeVar
 
-from agang._runtime import loops
+from agang._runtime import handoffs, loops
 from agang._validate import check_timeout
 
 T = TypeVar("T")
@@ -277,8 +277,13 @@ async def _wait_asyncio(future: Future[Any], loop: asyncio.AbstractEventLoop) ->
         await asyncio.sleep(0)
         return False
     woken: asyncio.Future[None] = loop.create_future()
+    here = threading.get_ident()
 
     def wake() -> None:
+        if threading.get_ident() == here:  # finished on the loop's own thread
+            loop.call_soon(_resolve, woken)
+            return
+        handoffs.count_handoff()
         # A closed loop raises RuntimeError: nobody is waiting any more.
         with contextlib.suppress(RuntimeError):
             loop.call_soon_threadsafe(_resolve, woken)
@@ -303,8 +308,13 @@ async def _wait_trio(future: Future[Any]) -> bool:
         await trio.lowlevel.checkpoint()
         return False
     event = trio.Event()
+    here = threading.get_ident()
 
     def wake() -> None:
+        if threading.get_ident() == here:  # finished on the run's own thread
+            event.set()
+            return
+        handoffs.count_handoff()
         # A finished run raises RunFinishedError: nobody is waiting any more.
         with contextlib.suppress(trio.RunFinishedError):
             token.run_sync_soon(event.set)

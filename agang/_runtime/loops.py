@@ -66,3 +66,13 @@ def call_soon(callback: Callable[[], None]) -> bool:
         return False
     token.run_sync_soon(callback)
     return True
+
+
+async def checkpoint() -> None:
+    """One pass of the running loop: lets every other ready task run, then resumes."""
+    if asyncio._get_running_loop() is not None:
+        await asyncio.sleep(0)
+        return
+    import trio
+
+    await trio.lowlevel.checkpoint()

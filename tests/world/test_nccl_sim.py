@@ -1,7 +1,8 @@
 """agang's NCCL paths on a CPU, against ``agang.testing.SimulatedNccl``.
 
 The gangs are real ``ProcessGroupGang`` objects with backend ``"nccl"``: the completion
-path (side stream, event, watcher thread, error check) is agang's own. Each test is
+path (polled on the loop, parked on the gang's watcher thread, the error check) is
+agang's own. Each test is
 named after the audit finding it guards (C1, C2, C8). Timing bounds leave 10x margins.
 """
 
@@ -17,6 +18,7 @@ import torch
 
 import agang
 from agang import ProcessGroupGang
+from agang._runtime import handoffs
 from agang.testing import SimulatedNccl
 
 pytestmark = pytest.mark.anyio
@@ -196,9 +198,14 @@ async def test_each_gang_has_its_own_watcher_which_ends_when_the_gang_closes(
     gangs_a = sim.gangs("wa")
     gangs_b = sim.gangs("wb")
     with anyio.fail_after(BOUND):
+        # Ops that outlast the poll budget are parked on their gang's watcher.
+        sim.pause(0)
         handles = [g.all_reduce(torch.ones(1)) for g in (*gangs_a, *gangs_b)]
+        resume = threading.Timer(0.05, sim.resume, args=(0,))
+        resume.start()
         for handle in handles:
             await handle
+        resume.join()
         assert {"agang-nccl-watch wa", "agang-nccl-watch wb"} <= watchers()
         await close_all(*gangs_a, *gangs_b)
         for _ in range(1000):  # the watchers end soon after the close (10 s bound)
@@ -434,3 +441,67 @@ async def test_c3_agang_threads_bind_the_gangs_device_before_touching_it(
         assert seen == kinds
     sim.resume(1)
     await gangs[1].close()
+
+
+# Learning of an end on the loop (the engine's rule 11): no thread hand-off for an awaited
+# op that ends soon; a parked thread for the rest, so every end still comes.
+
+
+@pytest.mark.parametrize("stream_ordered", [False, True], ids=["default", "stream-ordered"])
+async def test_an_awaited_op_that_ends_soon_is_learned_without_a_thread_hand_off(
+    sim: SimulatedNccl, stream_ordered: bool
+) -> None:
+    gangs = sim.gangs(stream_ordered=stream_ordered)
+    tensors = [torch.ones(2) for _ in gangs]
+    with anyio.fail_after(BOUND):
+        before = handoffs.num_handoffs()
+        for _ in range(20):
+            handles = [g.all_reduce(t) for g, t in zip(gangs, tensors, strict=True)]
+            for handle in handles:
+                await handle
+            objects = [g.all_gather_objects(g.rank) for g in gangs]  # two phases, to the host
+            assert [await h for h in objects] == [[0, 1]] * 2
+        assert handoffs.num_handoffs() - before == 0
+        assert tensors[0].tolist() == [2.0**20] * 2
+        await close_all(*gangs)
+
+
+async def test_an_op_that_outlasts_its_poll_budget_is_parked_and_still_ends(
+    sim: SimulatedNccl,
+) -> None:
+    gangs = sim.gangs()
+    with anyio.fail_after(BOUND):
+        sim.pause(1)  # rank 1's kernel cannot run: rank 0's op outlasts any budget
+        handles = [g.all_reduce(torch.ones(2)) for g in gangs]
+        resume = threading.Timer(0.05, sim.resume, args=(1,))
+        resume.start()
+        before = handoffs.num_handoffs()
+        assert (await handles[0]).tolist() == [2.0, 2.0]
+        resume.join()
+        # Parked on the watcher, and the loop woken from there: two hand-offs at least.
+        assert handoffs.num_handoffs() - before >= 2
+        await handles[1]
+        await close_all(*gangs)
+
+
+async def test_an_op_nobody_awaits_is_learned_by_the_gangs_timer(sim: SimulatedNccl) -> None:
+    gangs = sim.gangs()
+    tensors = [torch.ones(2) for _ in gangs]
+    with anyio.fail_after(BOUND):
+        handles = [g.all_reduce(t) for g, t in zip(gangs, tensors, strict=True)]
+        for _ in range(1000):  # the timer parks it 2 ms after its issue (10 s bound)
+            if all(h.done() for h in handles):
+                break
+            await anyio.sleep(0.01)
+        assert all(h.done() for h in handles)
+        assert all(g.statistics().num_in_flight == 0 for g in gangs)
+        await close_all(*gangs)
+
+
+async def test_a_plain_thread_waiting_on_an_op_gets_its_end(sim: SimulatedNccl) -> None:
+    gangs = sim.gangs()
+    with anyio.fail_after(BOUND):
+        handles = [g.all_reduce(torch.ones(2)) for g in gangs]
+        results = await anyio.to_thread.run_sync(lambda: [h.wait(BOUND) for h in handles])
+        assert [r.tolist() for r in results] == [[2.0, 2.0]] * 2
+        await close_all(*gangs)

@@ -17,6 +17,7 @@ threads, eventually. A gang that breaks, or closes with work running, aborts its
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from datetime import timedelta
 from typing import final
@@ -54,6 +55,10 @@ from agang._reduce_op import ReduceOp
 from agang._runtime import threads
 
 log = logging.getLogger("agang")
+
+# How long a release waits, after ending the work still running, for its ops' ends to
+# be reported (so their memory is free once close returns); within close's own bound.
+_REPORT_SECONDS = 2.0
 
 # c10d's own timeout, kept behind agang's deadlines (``allow_timeout``): c10d fails an
 # op, and on NCCL may end the process, when its process-group timeout passes, so the
@@ -138,6 +143,8 @@ class C10dBackend:
         )
         # c10d copies the options on each call, so one object per op serves every call.
         self._all_reduce_options = {op: all_reduce_options(op, kind) for op in ReduceOp}
+        # NCCL's ends are learned by asking (``completion``'s rule 3); Gloo reports its own.
+        self.polls = kind == "nccl"
 
     @property
     def rank(self) -> int:
@@ -163,6 +170,14 @@ class C10dBackend:
     def process_group(self) -> dist.ProcessGroup | None:
         """The c10d group, or None once released."""
         return self._pg
+
+    # Learning of an end (``completion``'s rule 3).
+
+    def poll(self) -> None:
+        self._completion.poll()
+
+    def park(self, issued_before: float = math.inf) -> float | None:
+        return self._completion.park(issued_before)
 
     # Deadlines and deferred starts.
 
@@ -378,6 +393,7 @@ class C10dBackend:
                 self._aborter.abort(groups)
 
             threads.start_daemon(abort_groups, name=f"agang: abort gang '{self._name}'")
+        self._completion.park()  # the aborted ops end soon: their ``done`` must come
 
     def _groups(self) -> list[tuple[dist.ProcessGroup, str]]:
         """The groups and their backends, while the backend holds them."""
@@ -404,6 +420,7 @@ class C10dBackend:
                 # (Gloo) wait for it, for ever if the peer is hung: end it first (or let
                 # the abort that a failure started end it).
                 self._aborter.abort(self._groups())
+                self._completion.join(_REPORT_SECONDS)  # the aborted ops' ends come now
             if self._order_group is not None:
                 dist.destroy_process_group(self._order_group)
             if not self._registered or not self._owned:

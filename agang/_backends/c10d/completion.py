@@ -14,37 +14,51 @@ of three roads:
    finished collective, so transfers and collectives never share a waiter. An exchange
    is one Work per transfer there (Gloo cannot coalesce), done once all of them are.
 3. *NCCL*: the Work's future completes when the kernel is *queued*, and agang wants
-   "finished on the device" for ``await``, without spinning a CPU core:
+   "finished on the device" for ``await``. No host thread learns that for free, and
+   handing an op to a thread that sleeps until the device is done, then back to the
+   loop, costs more than a small op itself (sleeping threads woken, twice, and the GIL
+   passed between them). So the NCCL road is "poll on the loop, park on a thread":
 
-   a. At issue, the gang's own side stream is made to wait for the op (``work.wait()``
-      under that stream: no CPU block), and a blocking-sync event is recorded on it. The
-      caller's current stream is not touched, so compute queued after the call overlaps
-      the communication.
-   b. The gang's watcher (a ``SerialWaiter`` too) takes the events in issue order and
-      calls ``event.synchronize()``, which sleeps in the driver with the GIL released,
-      then asks the runtime whether the op failed (``DeviceRuntime.check_work``: NCCL's
-      ``is_completed()`` is true for a failed op too and never raises) and reports
-      ``done``.
-   c. Side stream and watcher are the gang's, not the process's: one gang's op that
-      waits for a late peer never holds back the report of another gang's finished op
-      (ops of one communicator finish in order anyway, on its one NCCL stream).
-   d. In stream-ordered mode the caller's current stream waits for the op instead and
-      the op is reported *ordered* at once (``report_ordered``): ``await`` then means
-      "ordered before later work on this stream", the cheap mode for callers who only
-      need that. The watcher still learns when the op finished on the device and
-      reports ``done`` then, so deadlines, errors, close and abort still see the op
-      until it ends. A result bound for the host (``to_host``: object collectives read
-      it on the CPU) is always watched to the end.
-   e. An op's ``post`` (copying a flat result back into its members) is queued on the
-      same stream right after the wait, before the event: it is part of what the event
-      covers.
+   a. *Issue is the c10d call.* An op is put in the gang's queue of unreported ops with
+      its Work, nothing else: no stream context, no event, no thread. The caller's
+      stream is not touched, so compute queued after the call overlaps the op.
+   b. *Poll.* ``poll()`` reads, on the calling thread, the head of that queue:
+      ``Work.is_completed()`` is a non-blocking query of c10d's own end event, true once
+      the op finished *or failed* (it never raises). Each op found ended is reported:
+      the runtime says whether it failed (``DeviceRuntime.check_work``), then ``done``.
+      The engine polls at each issue and while a task awaits an op, on the task's loop,
+      so an awaited op that ends soon is learned on the loop's own thread.
+   c. *Park.* ``park(issued_before)`` hands the older ops still unreported to the gang's
+      watcher (a ``SerialWaiter``): on its thread the gang's side stream waits for the
+      op (``work.wait()`` under that stream), a blocking-sync event from the gang's pool
+      is recorded there and ``synchronize()`` sleeps in the driver, GIL released; then
+      ``check_work`` and ``done``. The engine parks an awaited op whose budget passed,
+      the ops a plain thread waits for, and ops nobody awaits once they have run longer
+      than its park delay; release and abort park everything.
+   d. Queue, side stream and watcher are the gang's, not the process's: one gang's op
+      that waits for a late peer never holds back another gang's (ops of one
+      communicator finish in order anyway, on its one NCCL stream, so the queue is read
+      from its head).
+   e. In stream-ordered mode the caller's current stream waits for the op at issue
+      (``work.wait()``, one stream wait, no context) and the op is reported *ordered*
+      at once (``report_ordered``): ``await`` then means "ordered before later work on
+      this stream". It is queued as in (a), so that its end on the device is learned
+      lazily, by the next poll or park, and deadlines, errors, close and abort still
+      see the op until it ends. A result bound for the host (``to_host``: object
+      collectives read it on the CPU) is always learned at its end.
+   f. An op's ``post`` (copying a flat result back into its members) must run on the
+      device after the op and before it is reported: it is queued on the side stream
+      right after the op (``work.wait()`` under it), and a pooled event recorded after
+      it stands for the op in the queue (``query()`` for a poll, ``synchronize()`` once
+      parked).
 
    Every stream, event and device call goes through the backend's ``DeviceRuntime``
    (torch.cuda, or a simulation in tests).
 
 The Gloo waiter and the NCCL watcher are one class, ``SerialWaiter``: a thread, started
 on first use, that takes a gang's ops in issue order, waits for each (``Work.wait()``
-on Gloo; the event, then ``check_work``, on NCCL) and calls its ``done``. What differs
+on Gloo; the side stream's wait and an event, then ``check_work``, on NCCL) and calls
+its ``done``. Each op handed to one is a thread hand-off (``agang._runtime.handoffs``). What differs
 is only how one op is waited for, and that the NCCL watcher first makes the gang's GPU
 its thread's device. A waiter ends once the gang releases its communicator (after the
 ops queued before), or at exit (``agang._runtime.threads``: every waiter, so an idle
@@ -54,9 +68,12 @@ one of a gang never closed does not hold exit up); a forked child forgets the pa
 from __future__ import annotations
 
 import functools
+import math
 import queue
 import threading
+import time
 import weakref
+from collections import deque
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar, final
 
@@ -64,7 +81,7 @@ import torch
 
 from agang._backends.contract import Done, after_post, report_ordered
 from agang._backends.cuda.runtime import DeviceEvent, DeviceRuntime
-from agang._runtime import fork, threads
+from agang._runtime import fork, handoffs, threads
 
 T = TypeVar("T")
 
@@ -116,6 +133,7 @@ class SerialWaiter(Generic[T]):
         self._on_start = on_start
         self._lock = threading.Lock()
         self._jobs: queue.SimpleQueue[tuple[T, Done] | None] | None = None
+        self._thread: threading.Thread | None = None
         self._stopped = False
 
     def watch(self, item: T, done: Done) -> None:
@@ -124,13 +142,16 @@ class SerialWaiter(Generic[T]):
         jobs = self._jobs
         if jobs is None:
             jobs = self._start()
+        handoffs.count_handoff()
         jobs.put((item, done))
 
     def _start(self) -> queue.SimpleQueue[tuple[T, Done] | None]:
         with self._lock:
             if self._jobs is None:
                 jobs: queue.SimpleQueue[tuple[T, Done] | None] = queue.SimpleQueue()
-                threads.start_daemon(functools.partial(self._run, jobs), name=self._name)
+                self._thread = threads.start_daemon(
+                    functools.partial(self._run, jobs), name=self._name
+                )
                 self._jobs = jobs
                 with _lock:
                     _running.add(self)
@@ -142,6 +163,12 @@ class SerialWaiter(Generic[T]):
             if self._jobs is not None and not self._stopped:
                 self._stopped = True
                 self._jobs.put(None)
+
+    def join(self, seconds: float) -> None:
+        """Waits, ``seconds`` at most, for a stopped waiter to report what it held."""
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(seconds)
 
     def _run(self, jobs: queue.SimpleQueue[tuple[T, Done] | None]) -> None:
         if self._on_start is not None:
@@ -198,7 +225,9 @@ class Completion:
         # Rule 2: transfers and collectives never share a waiter; threads start on use.
         self._collectives = SerialWaiter[Any](f"agang-wait {name} collectives", _wait_for_work)
         self._transfers = SerialWaiter[Any](f"agang-wait {name} send/recv", _wait_for_work)
-        self._watcher = SerialWaiter[tuple[DeviceEvent, Any, Completion]](
+        self._unreported: deque[_Unreported] = deque()  # rule 3a
+        self._events = _EventPool(runtime)
+        self._watcher = SerialWaiter[tuple[_Unreported, Completion]](
             f"agang-nccl-watch {name}",
             _finished_on_device,
             on_start=functools.partial(runtime.bind_thread, device),
@@ -246,24 +275,57 @@ class Completion:
         self, work: Any, done: Done, post: Callable[[], None] | None, stream_ordered: bool
     ) -> None:
         runtime = self._runtime
-        if stream_ordered:  # rule 3d
-            current = runtime.current_stream(self._device)
-            with runtime.use_stream(current):
-                work.wait()  # the current stream waits; the CPU does not
+        event: DeviceEvent | None = None
+        if stream_ordered:  # rule 3e
+            work.wait()  # the caller's current stream waits; the CPU does not
             if post is not None:
-                runtime.run_on(current, post)
+                runtime.run_on(runtime.current_stream(self._device), post)
             if not report_ordered(done):
                 done(None)
                 return
-            post = None  # ran on the caller's stream; the side stream only watches
-        stream = self._side_stream()
-        with runtime.use_stream(stream):  # rule 3a
-            work.wait()
-        if post is not None:
-            runtime.run_on(stream, post)  # rule 3e
-        event = runtime.new_event()
-        event.record(stream)
-        self._watcher.watch((event, work, self), done)
+        elif post is not None:  # rule 3f
+            stream = self._side_stream()
+            with runtime.use_stream(stream):
+                work.wait()
+            runtime.run_on(stream, post)
+            event = self._events.take()
+            event.record(stream)
+        entry = _Unreported(time.monotonic(), work, event, done)
+        with self._lock:
+            self._unreported.append(entry)
+
+    def poll(self) -> None:
+        """Reports, here and now, the ops at the head of the queue that ended (rule 3b)."""
+        unreported = self._unreported
+        if not unreported:  # the usual case, read without the lock
+            return
+        ended = []
+        with self._lock:
+            while unreported and unreported[0].ended():
+                ended.append(unreported.popleft())
+        for entry in ended:
+            self._report(entry)
+
+    def park(self, issued_before: float = math.inf) -> float | None:
+        """Hands the ops issued before ``issued_before`` to the watcher (rule 3c);
+        returns when the oldest op left was issued, or None."""
+        unreported = self._unreported
+        if not unreported:
+            return None
+        with self._lock:
+            parked = []
+            while unreported and unreported[0].issued_at < issued_before:
+                parked.append(unreported.popleft())
+            oldest = unreported[0].issued_at if unreported else None
+        for entry in parked:
+            self._watcher.watch((entry, self), entry.done)
+        return oldest
+
+    def _report(self, entry: _Unreported) -> None:
+        error = self._runtime.check_work(entry.work, self._process_group, self._device)
+        if entry.event is not None:
+            self._events.give(entry.event)
+        entry.done(error)
 
     def _side_stream(self) -> Any:
         with self._lock:
@@ -272,17 +334,81 @@ class Completion:
             return self._stream
 
     def release(self) -> None:
-        """Stops the waiters and drops the group: the gang frees it on its closing
-        thread, and a reference kept here would keep it (and a store's port) alive past
-        close."""
+        """Parks what is unreported (its ``done`` still comes), stops the waiters once
+        they reported what they hold, and drops the group: the gang frees it on its
+        closing thread, and a reference kept here would keep it (and a store's port)
+        alive past close."""
+        self.park()
         for waiter in (self._collectives, self._transfers, self._watcher):
             waiter.stop()
         self._process_group = None
 
+    def join(self, seconds: float) -> None:
+        """Waits, ``seconds`` at most in all, for the stopped waiters to report every op
+        they held: once the work was aborted, its ends come soon, and a gang closed
+        with an op pending then returns with the op's memory free again."""
+        give_up = time.monotonic() + seconds
+        for waiter in (self._collectives, self._transfers, self._watcher):
+            waiter.join(max(0.0, give_up - time.monotonic()))
 
-def _finished_on_device(item: tuple[DeviceEvent, Any, Completion]) -> BaseException | None:
-    """Rule 3b: sleeps until the op's event completed, then asks whether it failed."""
-    event, work, completion = item
+
+@final
+class _Unreported:
+    """An NCCL op whose end has not been reported yet (rule 3a): its Work, and the event
+    that stands for it where a ``post`` runs after it (rule 3f)."""
+
+    __slots__ = ("done", "event", "issued_at", "work")
+
+    def __init__(self, issued_at: float, work: Any, event: DeviceEvent | None, done: Done):
+        self.issued_at = issued_at
+        self.work = work
+        self.event = event
+        self.done = done
+
+    def ended(self) -> bool:
+        """Whether the op has ended on the device (finished or failed); never blocks."""
+        event = self.event
+        return bool(event.query() if event is not None else self.work.is_completed())
+
+
+@final
+class _EventPool:
+    """Blocking-sync events, reused: making one per op costs a driver call, and destroying
+    it another (rule 3)."""
+
+    _MAX_KEPT = 64
+
+    def __init__(self, runtime: DeviceRuntime) -> None:
+        self._runtime = runtime
+        self._lock = threading.Lock()
+        self._free: list[DeviceEvent] = []
+
+    def take(self) -> DeviceEvent:
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+        return self._runtime.new_event()
+
+    def give(self, event: DeviceEvent) -> None:
+        """Returns an event whose marker the device has passed."""
+        with self._lock:
+            if len(self._free) < self._MAX_KEPT:
+                self._free.append(event)
+
+
+def _finished_on_device(item: tuple[_Unreported, Completion]) -> BaseException | None:
+    """Rule 3c, on the watcher's thread: sleeps until the op ended on the device, then
+    asks whether it failed."""
+    entry, completion = item
+    runtime = completion._runtime
+    event = entry.event
+    if event is None:  # the op's Work alone: order an event of ours after it
+        stream = completion._side_stream()
+        with runtime.use_stream(stream):
+            entry.work.wait()
+        event = completion._events.take()
+        event.record(stream)
     event.synchronize()
+    completion._events.give(event)
     group = completion._process_group  # None once released: the Work alone tells
-    return completion._runtime.check_work(work, group, completion._device)
+    return runtime.check_work(entry.work, group, completion._device)

@@ -45,6 +45,9 @@ from agang._runtime import fork, threads
 
 log = logging.getLogger("agang")
 
+#: The longest the device thread sleeps: how late it may notice a c10d timeout.
+WATCHDOG_TICK = 0.02
+
 
 class SimStream:
     """A simulated stream of one rank (rule 1)."""
@@ -162,7 +165,13 @@ class SimDevice:
     """Every simulated rank's streams, run by one device thread (rules 1 to 3)."""
 
     def __init__(self, *, watchdog_timeout: float | None) -> None:
-        self.cond = threading.Condition()
+        lock = threading.RLock()
+        #: Host threads wait on it (an event synchronized, an abort), woken by any change.
+        self.cond = threading.Condition(lock)
+        # The device thread waits on its own condition of the same lock, woken only for
+        # what needs its timing (a stall starting, closing): waking it at every queued
+        # kernel would pass the GIL to it and back for nothing (rule 5).
+        self._timing = threading.Condition(lock)
         self.closed = False
         self.streams: list[SimStream] = []
         self.paused: set[int] = set()
@@ -246,6 +255,7 @@ class SimDevice:
         with self.cond:
             self.closed = True
             self.cond.notify_all()
+            self._timing.notify_all()
 
     # The device thread.
 
@@ -264,7 +274,8 @@ class SimDevice:
                 if self._wake_at is not None:
                     left = max(self._wake_at - time.monotonic(), 0.0)
                     wait = left if wait is None else min(wait, left)
-                self.cond.wait(wait)
+                # A part queued since is seen within WATCHDOG_TICK, its timeout in time.
+                self._timing.wait(WATCHDOG_TICK if wait is None else min(wait, WATCHDOG_TICK))
 
     def _watchdog(self) -> float | None:
         """Fails the ops past their c10d timeout (rule 3); the wait until the next one."""
@@ -303,6 +314,7 @@ class SimDevice:
             now = time.monotonic()
             if item.until is None:
                 item.until = now + item.seconds
+                self._timing.notify_all()  # the device thread ends it on time
             if now < item.until:
                 self._wake_at = (
                     item.until if self._wake_at is None else min(self._wake_at, item.until)

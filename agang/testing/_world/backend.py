@@ -23,6 +23,7 @@ Rules:
 from __future__ import annotations
 
 import functools
+import math
 import threading
 import time
 from collections import deque
@@ -373,6 +374,14 @@ class FakeWorldBackend:
 
     def explain(self, error: BaseException) -> str:
         return ""
+
+    polls = False  # every op reports its own end
+
+    def poll(self) -> None:
+        pass
+
+    def park(self, issued_before: float = math.inf) -> float | None:
+        return None
 
     def defer(self, start: Callable[[], None]) -> Callable[[], None]:
         return start
