@@ -53,17 +53,15 @@ Rules:
    contract's "Learning of an end"), the engine asks at each issue, and a task that
    awaits an op polls on its own loop, one loop pass between polls (it never blocks the
    loop), until the op ends or its budget passes: three times the median of the gang's
-   recent ops, from ``POLL_MIN_SECONDS`` to ``POLL_MAX_SECONDS`` after the op's issue
-   (none when the gang's ops take longer). Past it, and for a plain thread's ``wait``,
-   the backend parks the op on a thread of its own. The deadline timer also fires
-   ``PARK_SECONDS`` after an issue, and parks what nobody awaited and is still running,
-   so every op's end is learned. An op awaited soon after a quick end thus needs no
-   thread hand-off at all.
+   recent ops, from 50 to 500 µs after the op's issue (none when the gang's ops take
+   longer). Past it, and for a plain thread's ``wait``, the backend parks the op on a
+   thread of its own. The deadline timer also fires 2 ms after an issue, and parks what
+   nobody awaited and is still running, so every op's end is learned. An op awaited
+   soon after a quick end thus needs no thread hand-off at all (``polling``).
 """
 
 from __future__ import annotations
 
-import collections
 import functools
 import logging
 import math
@@ -80,6 +78,7 @@ from agang._backends.fingerprint import call_site
 from agang._engine import busy, reports
 from agang._engine.deadlines import Expiry
 from agang._engine.ops import Fingerprint, OpEnd, SecondPhase, Start, start_guarded
+from agang._engine.polling import Polling
 from agang._engine.room import Room
 from agang._engine.scheduler import Entry, Scheduler
 from agang._errors import (
@@ -92,17 +91,11 @@ from agang._errors import (
 )
 from agang._handle import Handle, issued
 from agang._policy import GangPolicy
-from agang._runtime import fork, loops
+from agang._runtime import fork
 from agang._statistics import Counters, GangStatistics
 from agang._validate import check_timeout
 
 log = logging.getLogger("agang")
-
-#: Rule 11: how long an awaiting task polls, at least and at most, from the op's issue.
-POLL_MIN_SECONDS = 50e-6
-POLL_MAX_SECONDS = 500e-6
-#: Rule 11: how long an op nobody awaits runs before it is parked on a thread.
-PARK_SECONDS = 2e-3
 
 
 def _started() -> None:
@@ -148,7 +141,7 @@ class Engine:
         self._ordered_early: set[int] = set()  # seqs reported ordered, not ended (rule 10)
         #: Whether the backend learns of ends only when asked (rule 11).
         self.polls = backend.polls
-        self._durations: collections.deque[float] = collections.deque(maxlen=8)
+        self._polling = Polling(backend)
         backend.allow_timeout(policy.op_timeout)
         backend.serve_progress(self.progress)
         fork.track(self)
@@ -248,15 +241,10 @@ class Engine:
             else:
                 due = self._start_now(handle, start, done)
         if self.polls:
-            due = self._with_park_check(due, handle.issued_at)
+            due = self._polling.next_check(due, handle.issued_at)
         if due is not None:
             self._alarm.arm(due)
         return handle
-
-    def _with_park_check(self, due: float | None, issued_at: float) -> float:
-        """The timer's next time: ``due``, or the op's park check if sooner (rule 11)."""
-        park_at = issued_at + PARK_SECONDS
-        return park_at if due is None or park_at < due else due
 
     def _start_now(self, handle: Handle[Any], start: Start, done: OpEnd) -> float | None:
         """Starts an op that may start (nothing ahead of it) on the caller's thread, with
@@ -330,7 +318,7 @@ class Engine:
         with self.lock:
             self._admit_locked(handle, start, done, due, fingerprint, holds_gate)
         if self.polls:
-            due = self._with_park_check(due, handle.issued_at)
+            due = self._polling.next_check(due, handle.issued_at)
         if due is not None:
             self._alarm.arm(due)
 
@@ -455,7 +443,7 @@ class Engine:
         now = time.monotonic()
         seconds = now - handle.issued_at
         if self.polls:
-            self._durations.append(seconds)  # rule 11's budget
+            self._polling.ended_after(seconds)
         # A handle that already failed (its deadline passed) records as timed out.
         timed_out = isinstance(handle._error, GangTimeoutError)
         outcome = "timed out" if timed_out else ("ok" if error is None else "failed")
@@ -606,44 +594,15 @@ class Engine:
     # Learning of an end on the loop (rule 11; ``agang._handle.HandleOwner``).
 
     async def settle(self, handle: Handle[Any]) -> None:
-        """Polls the backend, one loop pass between polls, until ``handle`` finished or
-        its budget passed; then parks what is left on the backend's thread."""
-        backend = self.backend
-        backend.poll()
-        if handle.done():
-            return
-        give_up = handle.issued_at + self._poll_budget()
-        checkpoint = loops.checkpoint
-        while time.monotonic() < give_up:
-            await checkpoint()
-            backend.poll()
-            if handle.done():
-                return
-        backend.park()
+        await self._polling.settle(handle)
 
     def park_for(self, handle: Handle[Any]) -> None:
-        """A plain thread is about to block on ``handle``: learn what ended, park the rest."""
-        self.backend.poll()
-        if not handle.done():
-            self.backend.park()
-
-    def _poll_budget(self) -> float:
-        durations = self._durations
-        if not durations:
-            return POLL_MAX_SECONDS
-        typical = sorted(durations)[len(durations) // 2]
-        if typical > POLL_MAX_SECONDS:
-            return 0.0  # this gang's ops outlast any budget: park at once
-        return min(POLL_MAX_SECONDS, max(POLL_MIN_SECONDS, 3 * typical))
+        self._polling.park_for(handle)
 
     # What the deadline check asks (rule 5; ``deadlines.Expiring``).
 
     def reap(self, now: float) -> float | None:
-        if not self.polls:
-            return None
-        self.backend.poll()
-        oldest = self.backend.park(now - PARK_SECONDS)
-        return None if oldest is None else oldest + PARK_SECONDS
+        return self._polling.reap(now) if self.polls else None
 
     def late(self, now: float, lag: float | None) -> tuple[list[Entry], float | None]:
         with self.lock:
