@@ -20,12 +20,14 @@ class SimulatedNccl:
     """``size`` simulated NCCL ranks in one process, for testing asyncio code on a CPU.
 
     The gangs it makes are real ``agang.ProcessGroupGang`` objects with backend
-    ``"nccl"``: agang's NCCL completion path (side stream, event, watcher thread, error
-    check) runs unchanged. Only the device is simulated:
+    ``"nccl"``: agang's NCCL completion path (polled on the loop, parked on the gang's
+    watcher thread, the error check) runs unchanged. Only the device is simulated:
 
-    - Each rank has streams, FIFO queues of kernels, and events; one device thread
-      executes them. A collective's kernel runs only once every rank's kernel for it is at
-      the head of its stream, as NCCL's kernels block until all peers joined.
+    - Each rank has streams, FIFO queues of kernels, and events. A kernel runs as soon as
+      it can, on the thread whose call made it runnable (a GPU needs no host thread); a
+      device thread only times stalls and the watchdog. A collective's kernel runs only
+      once every rank's kernel for it is at the head of its stream, as NCCL's kernels
+      block until all peers joined.
     - Results are written when the kernel runs: reading a tensor before ``await`` may
       see the old data, as on a GPU.
     - Work behaves like NCCL's: done at enqueue, ``wait()`` orders the current stream
