@@ -53,7 +53,7 @@ Rules:
    contract's "Learning of an end"), the engine asks at each issue, and a task that
    awaits an op polls on its own loop, one loop pass between polls (it never blocks the
    loop), until the op ends or its budget passes: three times the median of the gang's
-   recent ops, from 50 to 500 µs after the op's issue (none when the gang's ops take
+   recent ops, from 200 to 500 µs after the op's issue (none when the gang's ops take
    longer). Past it, and for a plain thread's ``wait``, the backend parks the op on a
    thread of its own. The deadline timer also fires 2 ms after an issue, and parks what
    nobody awaited and is still running, so every op's end is learned. An op awaited
@@ -442,8 +442,6 @@ class Engine:
         """The backend op behind ``handle`` has ended (its tensors are free)."""
         now = time.monotonic()
         seconds = now - handle.issued_at
-        if self.polls:
-            self._polling.ended_after(seconds)
         # A handle that already failed (its deadline passed) records as timed out.
         timed_out = isinstance(handle._error, GangTimeoutError)
         outcome = "timed out" if timed_out else ("ok" if error is None else "failed")

@@ -8,10 +8,14 @@ wakes one that slept, which on an idle machine costs more than a small op itself
 1. *Poll where the news is wanted.* The engine polls at each issue; a task that awaits
    an op polls on its own loop, one loop pass between polls (the loop is never blocked:
    every other ready task runs between two polls), until the op ended.
-2. *Within a budget.* Three times the median of the gang's last ``NUM_RECENT`` ops (from
-   issue to reported end), from ``POLL_MIN_SECONDS`` to ``POLL_MAX_SECONDS`` after the
-   op's issue; none (one poll, then park) when that median is longer than the most: the
-   gang's ops outlast any budget, and polling would only burn the loop's thread.
+2. *Within a budget.* Three times the median of the gang's last ``NUM_RECENT`` awaited
+   ops, from ``POLL_MIN_SECONDS`` to ``POLL_MAX_SECONDS`` after the op's issue; none
+   (one poll, then park) when that median is longer than the most: the gang's ops
+   outlast any budget, and polling would only burn the loop's thread. An op's time is
+   what its awaiting task saw: from issue to the poll that found it ended, or, where it
+   parked, to then (the op took longer). An end learned later, at another op's issue or
+   by the timer, tells nothing of the op's time (a stream-ordered op is learned so) and is
+   not counted: it would make the budget vanish for ops that end soon.
 3. *Then park.* Past its budget, an awaited op is parked, and the task sleeps until the
    backend's thread reports it. A plain thread's ``wait`` parks at once.
 4. *Nobody awaits.* The gang's timer (``deadlines``) fires ``PARK_SECONDS`` after an
@@ -31,7 +35,10 @@ from agang._handle import Handle
 from agang._runtime import loops
 
 #: How long an awaiting task polls, at least and at most, from the op's issue (rule 2).
-POLL_MIN_SECONDS = 50e-6
+#: At least 200 us: parking costs two wake-ups of sleeping threads, about that much on an
+#: idle machine, so a shorter budget would park ops that a pause of the loop (a garbage
+#: collection, another task's step) made look slow, for no gain.
+POLL_MIN_SECONDS = 200e-6
 POLL_MAX_SECONDS = 500e-6
 #: How many recent ops the budget is the median of (rule 2).
 NUM_RECENT = 8
@@ -46,23 +53,23 @@ class Polling:
         self._backend = backend
         self._recent: collections.deque[float] = collections.deque(maxlen=NUM_RECENT)
 
-    def ended_after(self, seconds: float) -> None:
-        """An op was reported ended ``seconds`` after its issue (rule 2's median)."""
-        self._recent.append(seconds)
-
     async def settle(self, handle: Handle[Any]) -> None:
         """Polls until ``handle`` finished or its budget passed, then parks (1-3)."""
         backend = self._backend
+        recent = self._recent
         backend.poll()
         if handle.done():
+            recent.append(time.monotonic() - handle.issued_at)
             return
         give_up = handle.issued_at + self._budget()
         checkpoint = loops.checkpoint
-        while time.monotonic() < give_up:
+        while (now := time.monotonic()) < give_up:
             await checkpoint()
             backend.poll()
             if handle.done():
+                recent.append(time.monotonic() - handle.issued_at)
                 return
+        recent.append(now - handle.issued_at)  # it takes longer than that (rule 2)
         backend.park()
 
     def park_for(self, handle: Handle[Any]) -> None:
