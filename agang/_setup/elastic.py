@@ -12,8 +12,13 @@ Rules (blocking, on set-up threads; never on the loop):
    waits at most ``GROUP_ATTEMPT_SECONDS`` for the members: all were alive at the
    decision moments before, so one that has not checked in to make the group by then is
    gone, and waiting for it until the deadline would leave no time to form the next
-   epoch. Once every member checked in, connecting may take the rest of the deadline
-   (a loaded machine took over 3 s). No responder
+   epoch. A member still closing its old gang is not gone: closing aborts the old
+   communicator, which may take seconds (a Gloo group waits for its peers' connections
+   to close), so it says so every ``CLOSING_BEAT`` seconds meanwhile (``closing``), and
+   the others wait for it while its last beat is under ``CLOSING_GRACE`` old; one that
+   dies while closing stops beating and is gone soon after. Once every member checked
+   in, connecting may take the rest of the deadline (a loaded machine took over 3 s).
+   No responder
    serves a group never made, so that next formation takes as alive the members that
    checked in to make it, for ``GROUP_ATTEMPT_SECONDS`` (their own attempts end then,
    about when this one's did); the others are gone.
@@ -35,9 +40,11 @@ Rules (blocking, on set-up threads; never on the loop):
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -48,7 +55,7 @@ from agang._backends.c10d import mailbox
 from agang._backends.c10d import world as c10d_world
 from agang._backends.c10d.retry import TransientSetupError, call_c10d, one_line
 from agang._errors import GangInitError
-from agang._runtime import fork
+from agang._runtime import fork, threads
 from agang._setup import membership
 from agang._setup.c10d_log import quiet_c10d
 from agang._setup.env import WorldInfo
@@ -61,6 +68,10 @@ log = logging.getLogger("agang")
 #: it (seconds; rule 3). Once all have, making the group may take the rest of the deadline.
 GROUP_ATTEMPT_SECONDS = 3.0
 _CHECK_IN_POLL = 0.02
+#: How often a member closing its old gang says so, and how long after its last beat
+#: the others still wait for it (rule 3).
+CLOSING_BEAT = 0.2
+CLOSING_GRACE = 1.0
 
 
 # Rule 6: the mailbox letters of elastic set-up.
@@ -303,15 +314,48 @@ def reform_membership(
     return Formed(formed.world, store, formed.me, following, members)
 
 
-def _wait_for_check_ins(formed: Formed, until: float) -> None:
+@contextlib.contextmanager
+def closing(formed: Formed) -> Iterator[None]:
+    """Says, every ``CLOSING_BEAT`` seconds inside the block, that this member of
+    ``formed``'s epoch is closing its old gang and will come to make the group (rule 3)."""
+    stop = threading.Event()
+
+    def beat() -> None:
+        while True:
+            try:
+                membership.say_closing(formed.store, formed.epoch, formed.me)
+            except Exception:  # the store is gone: the group cannot be made either
+                return
+            if stop.wait(CLOSING_BEAT):
+                return
+
+    threads.start_daemon(beat, name="agang-elastic closing")
+    try:
+        yield
+    finally:
+        stop.set()
+
+
+def _wait_for_check_ins(formed: Formed, until: float, deadline: float) -> None:
     """Returns once every member of ``formed`` checked in to make its group; raises
-    ``TransientSetupError`` naming those that did not by ``until`` (gone: rule 3)."""
+    ``TransientSetupError`` naming those that did not by ``until``, or by the deadline
+    for a member that still said it was closing its old gang (gone: rule 3)."""
     expected = {c.uid: c for c in formed.members}
+    beats: dict[str, tuple[int, float]] = {}  # uid: its closing beats, when they changed
+
+    def still_closing(uid: str, now: float) -> bool:
+        count = membership.closing_beats(formed.store, formed.epoch, uid)
+        if beats.get(uid, (0, now))[0] != count:
+            beats[uid] = (count, now)
+        return count > 0 and now - beats.get(uid, (0, now))[1] < CLOSING_GRACE
+
     while True:
         missing = set(expected) - membership.checked_in(formed.store, formed.epoch)
         if not missing:
             return
-        if time.monotonic() >= until:
+        now = time.monotonic()
+        closing_now = {uid for uid in missing if still_closing(uid, now)}
+        if now >= deadline or (now >= until and not closing_now):
             names = ", ".join(sorted(expected[uid].where for uid in missing))
             raise TransientSetupError(
                 f"Epoch {formed.epoch}'s group could not be made: {names} did not come to "
@@ -336,7 +380,7 @@ def make_group(formed: Formed, backend: str, deadline: float, device: Any) -> No
         )
     )
     membership.check_in(formed.store, formed.epoch, formed.me)
-    _wait_for_check_ins(formed, min(deadline, time.monotonic() + GROUP_ATTEMPT_SECONDS))
+    _wait_for_check_ins(formed, min(deadline, time.monotonic() + GROUP_ATTEMPT_SECONDS), deadline)
     # Every member is alive and making the group: give it the rest of the deadline (a
     # loaded machine may take seconds to connect them).
     seconds = max(1.0, deadline - time.monotonic())

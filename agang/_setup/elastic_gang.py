@@ -3,7 +3,8 @@
 Rules:
 1. ``reform()`` decides the next epoch's members first, with this gang still open (its
    responder answers the other members' pings: alive), then closes this gang (its
-   communicator aborted), then makes the new epoch's group. A group that cannot be made
+   communicator aborted; saying meanwhile that it is closing, which may take seconds, so
+   the others wait for it), then makes the new epoch's group. A group that cannot be made
    (a member died meanwhile) makes it form the epoch after, within the same deadline.
 2. The new gang has its own communicator and sequence numbers and the same policies;
    lanes and sub-gangs are not carried over (make them again on the new gang).
@@ -121,7 +122,8 @@ class ElasticGang(ProcessGroupGang):
         formed = await self._blocking(
             lambda: setup.reform_membership(self._formed, self._elastic, deadline), deadline
         )
-        await self.close()
+        with setup.closing(formed):  # rule 1: the others wait for a member that closes
+            await self.close()
         backend, device = self._settings["backend"], self._settings["device"]
         while True:
             try:

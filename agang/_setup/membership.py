@@ -104,6 +104,17 @@ def check_in(store: Any, epoch: int, me: Candidate) -> None:
     store.append(epoch_key(epoch, "connecting"), me.uid + "\n")
 
 
+def say_closing(store: Any, epoch: int, me: Candidate) -> None:
+    """Says that ``me``, decided a member of ``epoch``, is still closing its old gang:
+    one beat of a count that goes up while it does."""
+    store.add(epoch_key(epoch, f"closing/{me.uid}"), 1)
+
+
+def closing_beats(store: Any, epoch: int, uid: str) -> int:
+    """How many times the member ``uid`` said it is closing its old gang (``say_closing``)."""
+    return int(store.add(epoch_key(epoch, f"closing/{uid}"), 0))
+
+
 def checked_in(store: Any, epoch: int) -> set[str]:
     """The members that started making ``epoch``'s group."""
     return set(_lines(store, epoch_key(epoch, "connecting")))

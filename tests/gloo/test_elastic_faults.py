@@ -21,6 +21,8 @@ from typing import Any
 import pytest
 from elasticrun import Cluster, Control, Worker
 
+from agang._setup import elastic as elastic_setup
+
 pytestmark = pytest.mark.gloo
 
 OP_TIMEOUT = 1.5
@@ -315,6 +317,22 @@ def test_a_death_during_the_reform_makes_it_form_the_next_epoch_in_time(
     assert exact == [3, 3]
     _assert_responsive(stats)
     print(f"death in reform: kill to epoch 2 in {outcome['kill_to_epoch']:.2f} s")
+
+
+def test_a_member_whose_close_is_slow_is_waited_for(control: Control) -> None:
+    """Closing the old gang may take seconds (aborting a communicator): a member that is
+    still closing says so, and the others wait for it past the check-in window
+    (GROUP_ATTEMPT_SECONDS) instead of leaving it out. (One that dies after its close
+    stops saying so and is left out in time: the death-during-the-reform test.)"""
+    slow = elastic_setup.GROUP_ATTEMPT_SECONDS + 2.0
+    with Cluster(control, 3, {2: {"close_takes": slow}}, min_size=2, **SETTINGS) as cluster:
+        workers = cluster.workers
+        for worker in workers:
+            worker.send("reform")
+        epochs = [_epoch(worker) for worker in workers]
+        exact = _exact(workers)
+    assert [(e["what"], e["epoch"], e["size"]) for e in epochs] == [("epoch", 1, 3)] * 3
+    assert exact == [3, 3, 3]
 
 
 def test_too_few_members_fail_the_reform_naming_who_is_missing(control: Control) -> None:

@@ -6,7 +6,8 @@ Commands (``{"do": ...}``) and their events (``{"what": ...}``):
 - ``init`` (``min_size``, ``timeout``, ``op_timeout``, ``reform_timeout``,
   ``die_in_make_group``): calls
   ``agang.init(elastic=...)``; ``epoch``. With ``die_in_make_group`` N, the process
-  SIGKILLs itself as it starts making epoch N's group (a death inside a reform).
+  SIGKILLs itself as it starts making epoch N's group (a death inside a reform). With
+  ``close_takes`` S, closing a gang takes S seconds more (a slow abort of its communicator).
 - ``all_reduce`` (``numel``, ``repeat``): all-reduces ``repeat`` times, saying ``issued``
   before each and ``done`` (with whether the sum was exact) after; ``reduced`` at the end.
 - ``recv`` (``source``): says ``issued``, then receives from ``source``.
@@ -108,6 +109,15 @@ async def _init(rank: Rank, command: dict[str, Any]) -> None:
             make_group(formed, *arguments)
 
         elastic_setup.make_group = dies_in_make_group  # type: ignore[assignment]
+    slow = command.get("close_takes")
+    if slow is not None:
+        close = agang.ElasticGang.close
+
+        async def slow_close(gang: agang.ElasticGang) -> None:
+            await anyio.sleep(slow)
+            await close(gang)
+
+        agang.ElasticGang.close = slow_close  # type: ignore[method-assign]
     started = time.monotonic()
     gang = await agang.init(
         elastic=agang.Elastic(min_size=command["min_size"]),
