@@ -18,13 +18,25 @@ Rules:
    all-reduced at once, while backward goes on. Buckets are issued strictly in index
    order: a bucket that fills early waits for the ones before it, so every rank issues
    the same ops in the same order whatever order its hooks fire in.
-4. ``wait()`` issues, in order, the buckets still open. A parameter that got no gradient
-   this step contributes what its ``.grad`` holds (a sum accumulated under
-   ``no_sync()``), or zeros where ``.grad`` is None (no gradient since ``zero_grad``
-   cleared it), as DDP with ``find_unused_parameters=True`` does. Unlike DDP, a
-   parameter whose ``.grad`` was None on every rank ends with a zero gradient rather
-   than None. Then it waits for every bucket. Gradients are final after it returns.
-   Reading ``.grad`` here is the only record needed: no per-hook bookkeeping.
+4. *Every bucket is issued before ``backward()`` returns*, as DDP does: the first hook
+   of a synchronised backward queues a callback that autograd runs at the end of that
+   backward, which issues, in order, the buckets still open. Otherwise a bucket holding
+   a parameter that got no gradient on one rank (an expert no token reached) would be
+   issued only by ``wait()``, and strict order would hold back every later bucket: an
+   op the user issues between ``backward()`` and ``wait()`` (a loss metric's
+   all-reduce) would then pair with a gradient bucket on the other ranks, corrupting
+   both, silently. So one synchronised backward per step: a second one before
+   ``wait()`` that gives a parameter a gradient is refused (use ``no_sync()`` for the
+   backwards that accumulate). As with DDP, reentrant activation checkpointing (a
+   backward inside the backward) ends the step early: use torch's non-reentrant
+   checkpointing. A parameter that got no gradient this step contributes
+   what its ``.grad`` holds (a sum accumulated under ``no_sync()``), or zeros where
+   ``.grad`` is None (no gradient since ``zero_grad`` cleared it), as DDP with
+   ``find_unused_parameters=True`` does. Unlike DDP, a parameter whose ``.grad`` was
+   None on every rank ends with a zero gradient rather than None. ``wait()`` issues
+   what is still open (a step whose backward gave this model no gradient at all),
+   then waits for every bucket. Gradients are final after it returns. Reading
+   ``.grad`` is the only record needed: no per-hook bookkeeping.
 5. Inside ``no_sync()``, hooks do nothing: gradients accumulate locally, and the next
    ``wait()`` reduces the accumulated sum, whether or not the synchronised backward
    gives that parameter a gradient too (rule 4).
@@ -191,6 +203,7 @@ class GradientSync:
         self._buckets = self._make_buckets(list(reversed(params)))
         self._where = {id(p): (b, i) for b in self._buckets for i, p in enumerate(b.params)}
         self._next_to_issue = 0
+        self._end_queued = False  # this step's end-of-backward callback (rule 4)
         self._synchronising = True
         self._last_step: StepTimes | None = None
         self._hooks = [
@@ -356,14 +369,24 @@ class GradientSync:
             if position in bucket.ready:
                 raise RuntimeError(
                     "A parameter got a second gradient before `GradientSync.wait()`: its "
-                    "bucket may be in flight already. Call `wait()` after each backward, or "
-                    "accumulate inside `with sync.no_sync():`."
+                    "bucket is in flight already (each synchronised backward issues every "
+                    "bucket by its end, as DDP does). Call `wait()` after each backward, or "
+                    "accumulate inside `with sync.no_sync():`; with activation "
+                    "checkpointing, use `use_reentrant=False` (a reentrant one runs "
+                    "backwards inside the backward)."
                 )
             bucket.ready.add(position)
             bucket.num_pending -= 1
             if self._order is not None and bucket.stream is None:
                 bucket.stream = self._order.current()
             self._issue_ready_buckets()
+            if not self._end_queued:  # rule 4: the rest goes at the end of this backward
+                self._end_queued = True
+                _execution_engine().queue_callback(self._end_of_backward)
+
+    def _end_of_backward(self) -> None:
+        """Autograd's callback at the end of a synchronised backward (rule 4)."""
+        self._issue_open_buckets()
 
     def _on_stream_of(self, bucket: _Bucket) -> contextlib.AbstractContextManager[None]:
         """Inside: the stream of the bucket's gradients is current (rule 7)."""
@@ -392,15 +415,19 @@ class GradientSync:
             if bucket.ordered is not None and self._order is not None:
                 self._order.wait(bucket.ordered)
 
-    def _finish_step(self) -> list[Handle[torch.Tensor]]:
-        """Rule 4: the open buckets, with what ``.grad`` holds (or zeros), in order."""
+    def _issue_open_buckets(self) -> None:
+        """Rule 4: issues the open buckets, with what ``.grad`` holds (or zeros), in order."""
         with self._lock:
             for bucket in self._buckets[self._next_to_issue :]:
                 with self._on_stream_of(bucket):
                     self._fill_missing(bucket)
             self._issue_ready_buckets()
-            handles = [b.handle for b in self._buckets if b.handle is not None]
-        return handles
+
+    def _finish_step(self) -> list[Handle[torch.Tensor]]:
+        """The step's buckets, every one issued (rule 4)."""
+        self._issue_open_buckets()
+        with self._lock:
+            return [b.handle for b in self._buckets if b.handle is not None]
 
     def _take(self, param: torch.Tensor, grad: torch.Tensor, view: torch.Tensor) -> None:
         """Puts ``param``'s gradient into its bucket's ``view``, scaled for MEAN (rules 2
@@ -460,6 +487,13 @@ class GradientSync:
                 bucket.handle = None
                 bucket.stream = bucket.ordered = None
             self._next_to_issue = 0
+            self._end_queued = False
+
+
+def _execution_engine() -> Any:
+    """Autograd's engine, whose ``queue_callback`` runs a function at the end of the
+    backward that is running (what DDP uses for the same purpose)."""
+    return torch.autograd.Variable._execution_engine
 
 
 def plan_like_ddp(

@@ -16,8 +16,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils.checkpoint import checkpoint
 
 import agang
+from agang._gradient_sync import DEFAULT_BUCKET_BYTES
 from agang.testing import FakeWorld, run_world
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -165,6 +167,58 @@ async def test_a_parameter_used_on_one_rank_only_is_averaged_with_zeros() -> Non
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("bucket_bytes", [12, DEFAULT_BUCKET_BYTES])
+async def test_an_op_between_backward_and_wait_pairs_with_itself_when_a_rank_skips_a_parameter(
+    bucket_bytes: int,
+) -> None:
+    """Rank 0 never uses `expert` (no token reached it); both ranks all-reduce a loss
+    metric between backward and wait. Every bucket is issued by backward's end, so the
+    metric pairs with the metric, not with a gradient bucket."""
+    world = FakeWorld(2)
+
+    async def program(gang: agang.Gang) -> tuple[float, list[float]]:
+        torch.manual_seed(0)
+        shared, expert = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+        model = torch.nn.ModuleList([shared, expert])
+        sync = agang.GradientSync(model, gang, bucket_bytes=bucket_bytes)
+        await sync.ready()
+        hidden = shared(torch.ones(1, 2))
+        if gang.rank == 1:
+            hidden = expert(hidden)
+        loss = hidden.sum()
+        loss.backward()
+        metric = await gang.all_reduce(torch.full((1,), 100.0 * (gang.rank + 1)))
+        await sync.wait()
+        return metric.item(), [shared.bias.grad.sum().item(), expert.bias.grad.sum().item()]  # type: ignore[union-attr]
+
+    torch.manual_seed(0)
+    shared, expert = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    shared(torch.ones(1, 2)).sum().backward()
+    expert(shared(torch.ones(1, 2))).sum().backward()
+    expected = [shared.bias.grad.sum().item() / 2, expert.bias.grad.sum().item() / 2]  # type: ignore[union-attr]
+    for metric, grads in await world.run(program):
+        assert metric == 300.0
+        assert grads == pytest.approx(expected)
+
+
+@pytest.mark.anyio
+async def test_reentrant_checkpointing_in_two_segments_is_refused_clearly() -> None:
+    """A reentrant checkpoint runs a backward inside the backward; with two segments the
+    first one's end is taken for the step's (rule 4), and the second's gradients come
+    after every bucket was issued: a clear error, never a wrong gradient."""
+    gang = agang.FakeGang(size=1)
+    torch.manual_seed(0)
+    first, second = torch.nn.Linear(3, 3), torch.nn.Linear(3, 1)
+    sync = agang.GradientSync(torch.nn.ModuleList([first, second]), gang)
+    await sync.ready()
+    x = torch.ones(1, 3, requires_grad=True)
+    out = checkpoint(second, checkpoint(first, x, use_reentrant=True), use_reentrant=True)
+    with pytest.raises(RuntimeError, match="use_reentrant=False"):
+        out.sum().backward()
+    sync.remove()
+
+
+@pytest.mark.anyio
 async def test_buckets_are_issued_in_index_order_whatever_the_hook_order() -> None:
     world = FakeWorld(2)
 
@@ -175,9 +229,10 @@ async def test_buckets_are_issued_in_index_order_whatever_the_hook_order() -> No
         # Each tensor (12 or 36 bytes) reaches a 12-byte limit: one bucket per tensor.
         sync = agang.GradientSync(model, gang, bucket_bytes=12)
         await sync.ready()
-        # Rank 0 produces `first`'s gradients before `second`'s, rank 1 the reverse.
-        for layer in (first, second) if gang.rank == 0 else (second, first):
-            layer(torch.ones(1, 3)).sum().backward()
+        # One backward, whose hooks fire outer layer first: rank 0 gets `second`'s
+        # gradients before `first`'s, rank 1 the reverse.
+        inner, outer = (first, second) if gang.rank == 0 else (second, first)
+        outer(inner(torch.ones(1, 3))).sum().backward()
         await sync.wait()
         last = sync.last_step()
         assert last is not None
@@ -321,6 +376,36 @@ def test_the_mean_is_ddps_to_the_bit_on_three_gloo_ranks() -> None:
 
     for equal in results:
         assert equal == [True] * 18
+
+
+async def _metric_between_backward_and_wait(gang: agang.Gang) -> tuple[list[float], list[float]]:
+    torch.manual_seed(0)
+    shared, expert = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    sync = agang.GradientSync(torch.nn.ModuleList([shared, expert]), gang)
+    await sync.ready()
+    hidden = shared(torch.ones(1, 2))
+    if gang.rank == 1:  # rank 0 never uses the expert
+        hidden = expert(hidden)
+    hidden.sum().backward()
+    # As many elements as the one gradient bucket: Gloo would pair the two silently.
+    metric = await gang.all_reduce(torch.full((12,), 100.0 * (gang.rank + 1)))
+    await sync.wait()
+    grads = [p.grad.sum().item() for p in (*shared.parameters(), *expert.parameters())]  # type: ignore[union-attr]
+    return metric.tolist(), grads
+
+
+@pytest.mark.gloo
+def test_a_metric_between_backward_and_wait_is_right_on_gloo_when_a_rank_skips_an_expert() -> None:
+    results = run_world(_metric_between_backward_and_wait, 2)
+
+    assert [metric for metric, _ in results] == [[300.0] * 12] * 2
+    assert results[0][1] == results[1][1]
+    torch.manual_seed(0)
+    shared, expert = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    shared(torch.ones(1, 2)).sum().backward()
+    expert(shared(torch.ones(1, 2))).sum().backward()
+    expected = [p.grad.sum().item() / 2 for p in (*shared.parameters(), *expert.parameters())]  # type: ignore[union-attr]
+    assert results[0][1] == pytest.approx(expected)
 
 
 def test_buckets_are_ddps() -> None:
