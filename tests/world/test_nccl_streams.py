@@ -120,10 +120,13 @@ async def test_l4_wait_orders_the_callers_stream_after_every_bucket(sim: Simulat
 
 
 @pytest.mark.anyio
-async def test_l4_a_bucket_issued_by_wait_follows_backwards_stream(sim: SimulatedNccl) -> None:
-    """A bucket with a parameter that got no gradient is issued by ``wait()`` on the
-    caller's thread; its all-reduce must still come after the gradients accumulated on
-    backward's stream, not only after the caller's stream."""
+async def test_l4_a_bucket_issued_at_backwards_end_follows_backwards_stream(
+    sim: SimulatedNccl,
+) -> None:
+    """A bucket with a parameter that got no gradient is issued at the end of backward
+    (autograd's callback), not by a hook of its own; its all-reduce must still come after
+    the work on the stream its gradients came from, so ``wait()`` cannot finish while
+    that stream is held."""
     gangs = sim.gangs()
     models = _models()
     with anyio.fail_after(BOUND):
@@ -134,8 +137,8 @@ async def test_l4_a_bucket_issued_by_wait_follows_backwards_stream(sim: Simulate
         releases = []
         for rank, model in enumerate(models):
             with sim.use_stream(rank, backward[rank]):
+                releases.append(sim.hold(rank))  # backward's device work still running
                 model[0](torch.full((2, 4), float(rank + 1))).sum().backward()  # layer 1 unused
-                releases.append(sim.hold(rank))  # accumulation still running
         finished: list[int] = []
 
         async def wait(rank: int) -> None:
