@@ -127,8 +127,13 @@ class Gangs:
     ) -> Gangs:
         """Wraps the process groups of ``mesh``'s dimensions as gangs; creates none.
 
-        Each keyword names the mesh dimension that becomes that gang; a dimension left
-        out is a size-1 :class:`agang.FakeGang` (``sdp`` defaults to ``dp``). Nothing is
+        Each keyword names the mesh dimension that becomes that gang; with none, the
+        dimensions are mapped by their names (agang's, and torchtitan's ``dp_replicate``
+        as ``rdp`` and ``dp_shard`` as ``sdp``). Every dimension of size > 1 must map to
+        a gang: one left over is an error, never a gang of size 1 whose collectives do
+        nothing. A gang whose dimension the mesh lacks (or has of size 1 and unnamed) is a
+        size-1 :class:`agang.FakeGang`; ``sdp`` defaults to ``dp``, and ``dp`` to the one
+        of ``rdp`` and ``sdp`` that spans more than one rank. Nothing is
         communicated, so ranks need not call it in step. The gangs borrow the mesh's
         groups: closing one leaves its group to the mesh, which stays usable. (Closing
         ``root``, as :meth:`close` does, closes agang's world gang if it is the root,
@@ -157,9 +162,10 @@ class Gangs:
         Raises:
             TypeError: ``mesh`` is not a ``DeviceMesh``, ``root`` not a
                 :class:`agang.ProcessGroupGang`, or a dimension name not a str.
-            ValueError: A name is not a dimension of ``mesh``, ``mesh`` spans other
-                ranks or another device type than the root, ``root`` is closed, or
-                ``rdp`` and ``sdp`` are given without ``dp``.
+            ValueError: A name is not a dimension of ``mesh``, a dimension of size > 1
+                maps to no gang, ``mesh`` spans other ranks or another device type than
+                the root, ``root`` is closed, or ``rdp`` and ``sdp`` both span more than
+                one rank without ``dp``.
 
         Example:
             >>> mesh = init_device_mesh("cuda", (4, 2), mesh_dim_names=("dp", "tp"))

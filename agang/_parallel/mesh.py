@@ -18,6 +18,16 @@ Rules:
    ``sdp``. ``device_mesh_of`` builds the mesh from that grid, and checks each gang's
    ranks against it first, so a hand-made ``Gangs`` that lies otherwise is refused
    rather than mislabelled.
+6. *Every dimension of size > 1 becomes a gang, never a silent size-1 one.* With no
+   keyword, the mesh's dimensions are mapped by name: agang's own (``dp``, ``tp``,
+   ``pp``, ``rdp``, ``sdp``) and torchtitan's ``dp_replicate`` (``rdp``) and
+   ``dp_shard`` (``sdp``). Where ``rdp`` or ``sdp`` is named and ``dp`` is not, ``dp``
+   is the one of them of size > 1 (the other replicates or shards over one rank, so the
+   data-parallel group is that one); both of size > 1 need a ``dp`` dimension spanning
+   them, which agang cannot make without a new group. A dimension of size > 1 that maps
+   to no gang (``cp``, an unknown name, one the keywords leave out) is an error that
+   lists the mesh's dimensions and the keywords: a ``gangs.tp.all_reduce`` that does
+   nothing would corrupt a model silently.
 """
 
 from __future__ import annotations
@@ -96,6 +106,9 @@ def gangs_from_device_mesh(
     (``root``, ``dp``, ``rdp``, ``sdp``, ``tp``, ``pp``), which the caller builds."""
     mesh = _check_mesh(mesh)
     dim_names = tuple(mesh.mesh_dim_names or ())
+    sizes = dict(zip(dim_names, mesh.mesh.shape, strict=False))
+    if all(dim is None for dim in names.values()):
+        names = _names_by_dimension(dim_names)  # rule 6
     for field, dim in names.items():
         if dim is None:
             continue
@@ -109,11 +122,7 @@ def gangs_from_device_mesh(
                 f"`{field}` must name a dimension of `mesh` (one of {list(dim_names)}), "
                 f"but is {dim!r} instead."
             )
-    if names["dp"] is None and names["rdp"] is not None and names["sdp"] is not None:
-        raise ValueError(
-            "`dp` must be given with `rdp` and `sdp`: name a dimension of `mesh` that "
-            "spans both (agang makes no new group to join them)."
-        )
+    names = _with_dp(names, sizes)
     device = torch.device(mesh.device_type)
     gang = _root_of(root, device)
     if gang.device.type != mesh.device_type:
@@ -128,6 +137,7 @@ def gangs_from_device_mesh(
             f"`mesh` must span the ranks of the root gang '{gang.name}' ({root_ranks}), "
             f"but spans {mesh_ranks} instead."
         )
+    _check_every_dimension_mapped(mesh, dim_names, sizes, names)
     policy = dataclasses.replace(gang.policy, check_order=False)  # rule 4
     gangs: dict[str, Gang] = {}
     wrapped: dict[int, Gang] = {id(gang.process_group): gang}
@@ -152,6 +162,66 @@ def gangs_from_device_mesh(
         "tp": gangs.get("tp") or fake(),
         "pp": gangs.get("pp") or fake(),
     }
+
+
+# torchtitan's names for its mesh dimensions that are agang's under another name (rule 6).
+_ALIASES = {"dp_replicate": "rdp", "dp_shard": "sdp"}
+_KEYWORDS = ("dp", "tp", "pp", "rdp", "sdp")
+
+
+def _names_by_dimension(dim_names: tuple[str, ...]) -> dict[str, str | None]:
+    """The keywords the mesh's dimension names give (rule 6)."""
+    names: dict[str, str | None] = dict.fromkeys(_KEYWORDS)
+    for dim in dim_names:
+        field = _ALIASES.get(dim, dim)
+        if field in names and names[field] is None:
+            names[field] = dim
+    return names
+
+
+def _with_dp(names: dict[str, str | None], sizes: Mapping[str, int]) -> dict[str, str | None]:
+    """``dp`` where only ``rdp`` and ``sdp`` were named (rule 6)."""
+    rdp, sdp = names["rdp"], names["sdp"]
+    if names["dp"] is not None or (rdp is None and sdp is None):
+        return names
+    wide = [dim for dim in (rdp, sdp) if dim is not None and sizes.get(dim, 1) > 1]
+    if len(wide) > 1:
+        raise ValueError(
+            f"`dp` must be given with `rdp` and `sdp` when both span more than one rank "
+            f"({rdp!r} and {sdp!r}): name a dimension of `mesh` that spans both, e.g. "
+            f"one flattened from them (agang makes no new group to join them)."
+        )
+    return {**names, "dp": wide[0] if wide else (sdp if sdp is not None else rdp)}
+
+
+def _check_every_dimension_mapped(
+    mesh: DeviceMesh,
+    dim_names: tuple[str, ...],
+    sizes: Mapping[str, int],
+    names: Mapping[str, str | None],
+) -> None:
+    """Rule 6: no dimension of size > 1 is left to a size-1 gang."""
+    if not dim_names:
+        if mesh.mesh.numel() > 1:
+            raise ValueError(
+                f"`mesh` must name its dimensions (`mesh_dim_names`) for agang to map "
+                f"them to gangs, but its {tuple(mesh.mesh.shape)} dimensions are unnamed."
+            )
+        return
+    used = {dim for dim in names.values() if dim is not None}
+    left = [dim for dim in dim_names if sizes[dim] > 1 and dim not in used]
+    if left:
+        shown = ", ".join(f"{dim!r} (size {sizes[dim]})" for dim in dim_names)
+        given = ", ".join(f"{field}={dim!r}" for field, dim in names.items() if dim) or "none"
+        raise ValueError(
+            f"`mesh` dimension {', '.join(repr(d) for d in left)} maps to no gang: each "
+            f"dimension of size > 1 must be named by one of the keywords "
+            f"{', '.join(f'`{k}`' for k in _KEYWORDS)} (without keywords, by its own name: "
+            f"agang's, or torchtitan's `dp_replicate`/`dp_shard`), or its collectives "
+            f"would run on a size-1 gang and do nothing. The mesh's dimensions: {shown}; "
+            f"mapped: {given}. Wrap a sub-mesh without it only over ranks that form a "
+            f"gang of their own."
+        )
 
 
 def _default_dims(gangs: Mapping[str, Gang]) -> tuple[str, ...]:

@@ -85,7 +85,8 @@ async def _mesh_to_gangs(root: agang.Gang, rank: int) -> dict[str, Any]:
     counter = GroupCounter()
     counter.start()
     gangs = agang.Gangs.from_device_mesh(mesh, root=root, dp="dp", tp="tp")
-    implicit = agang.Gangs.from_device_mesh(mesh, tp="tp")  # the open world gang as root
+    # The open world gang as root; the dimensions mapped by their names.
+    implicit = agang.Gangs.from_device_mesh(mesh)
     report: dict[str, Any] = {
         "tp": await members(gangs.tp, rank),
         "dp": await members(gangs.dp, rank),
@@ -95,7 +96,11 @@ async def _mesh_to_gangs(root: agang.Gang, rank: int) -> dict[str, Any]:
             and gangs.tp.process_group is mesh.get_group("tp")  # type: ignore[attr-defined]
         ),
         "root_is_root": gangs.root is root and implicit.root is root and gangs.sdp is gangs.dp,
-        "fakes": [gangs.pp.size, gangs.rdp.size, implicit.dp.size],
+        "fakes": [gangs.pp.size, gangs.rdp.size, implicit.pp.size],
+        "by_name": (
+            implicit.dp.process_group is mesh.get_group("dp")  # type: ignore[attr-defined]
+            and implicit.tp.process_group is mesh.get_group("tp")  # type: ignore[attr-defined]
+        ),
     }
     await implicit.tp.all_reduce(torch.ones(1))
     report["made"] = counter.made()
@@ -128,7 +133,17 @@ async def _mesh_to_gangs(root: agang.Gang, rank: int) -> dict[str, Any]:
         error_of(lambda: agang.Gangs.from_device_mesh(mesh, root=agang.FakeGang(), dp="dp")),  # type: ignore[arg-type]
         error_of(lambda: agang.Gangs.from_device_mesh(mesh["tp"], root=root, tp="tp")),
         error_of(lambda: agang.Gangs.from_device_mesh(mesh, root=root, rdp="dp", sdp="tp")),
+        error_of(lambda: agang.Gangs.from_device_mesh(mesh, root=root, tp="tp")),
     ]
+    # (e) torchtitan's names map to agang's; a dimension agang has no gang for is refused.
+    titan = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+    mapped = agang.Gangs.from_device_mesh(titan, root=root)
+    report["titan"] = (
+        [mapped.dp.size, mapped.rdp.size, mapped.sdp.size, mapped.tp.size, mapped.pp.size],
+        mapped.sdp is mapped.dp and mapped.dp.process_group is titan.get_group("dp_shard"),  # type: ignore[attr-defined]
+    )
+    context = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+    report["cp"] = error_of(lambda: agang.Gangs.from_device_mesh(context, root=root))
     return report
 
 
@@ -201,7 +216,7 @@ def test_device_mesh_round_trip_on_gloo() -> None:
         tp_sum = float(2 * (rank - rank % 2) + 1)
         assert got["after_close"] == (tp_sum, [2.0 * (rank // 2), 2.0 * (rank // 2) + 1], (0, 0))
         # (d)
-        model, not_str, not_mesh, not_root, other_world, no_dp = got["errors"]
+        model, not_str, not_mesh, not_root, other_world, no_dp, left_out = got["errors"]
         assert model.startswith("ValueError: `tp` must name a dimension of `mesh`")
         assert "'model'" in model
         assert "['dp', 'tp']" in model
@@ -210,6 +225,13 @@ def test_device_mesh_round_trip_on_gloo() -> None:
         assert not_root.startswith("TypeError: `root` must be an `agang.ProcessGroupGang`")
         assert other_world.startswith("ValueError: `mesh` must span the ranks")
         assert no_dp.startswith("ValueError: `dp` must be given with `rdp` and `sdp`")
+        # A dimension of size > 1 left to a size-1 gang is refused, never a silent no-op.
+        assert left_out.startswith("ValueError: `mesh` dimension 'dp' maps to no gang"), left_out
+        assert "'dp' (size 2), 'tp' (size 2)" in left_out
+        assert "`sdp`" in left_out
+        assert got["by_name"]
+        assert got["titan"] == ([2, 1, 2, 2, 1], True)
+        assert got["cp"].startswith("ValueError: `mesh` dimension 'cp' maps to no gang")
 
         got = report["gangs_to_mesh"]
         assert got["names"] == ("dp", "tp")
