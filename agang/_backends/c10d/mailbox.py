@@ -11,10 +11,15 @@ Rules:
 2. *Letters.* A letter is one line, its kind, a space, then text the kind gives meaning
    to. The responder looks the kind up in a table of handlers (``register``), and
    calls the handler on its own thread with the letter's text; a kind nobody
-   registered is dropped. A handler replies, where the kind asks for it, by appending a
-   line under a key the letter names (``Responder.reply``). Blame registers ``ask``
-   here; elastic set-up registers its own kinds (who is alive, who waits to join, who
-   started the next epoch), so the mailbox knows none of their words.
+   registered is dropped. A letter that is not text, or that its handler fails on
+   (raises), is skipped, with one warning per responder and DEBUG lines after it: the
+   store is open to anyone who reaches it, and a responder ended by one stray line
+   would leave its rank reported "no answer" while alive, and deaf to reform notices.
+   Only a stop letter, or the store's connection failing, ends it. A handler replies,
+   where the kind asks for it, by appending a line under a key the letter names
+   (``Responder.reply``). Blame registers ``ask`` here; elastic set-up registers its
+   own kinds (who is alive, who waits to join, who started the next epoch), so the
+   mailbox knows none of their words.
 3. *Stopping.* A process stops its own responder with a stop letter naming it (a token
    of its own), so a stale stop never ends another responder. The rank hosting the
    store, before it destroys the store, stops every rank's responder, so theirs end
@@ -96,6 +101,7 @@ class Responder:
         self.served: dict[str, list[tuple[int, ProgressOf]]] = {}
         self._client = store.clone()  # its own connection: a blocking pop holds it
         self._client.set_timeout(timedelta(days=365))
+        self._warned = False  # about a skipped letter, once (rule 2)
         self.thread = start_thread(self._serve, name="blame responder")
 
     def reply(self, key: str, line: str) -> None:
@@ -107,20 +113,43 @@ class Responder:
     def _serve(self) -> None:
         try:
             while True:
-                letter = self._client.queue_pop(_queue(self.world_rank)).decode()
-                kind, _, text = letter.partition(" ")
-                if kind == _STOP:
-                    if text in ("*", self.token):
-                        return
-                    continue
-                handler = _handlers.get(kind)
-                if handler is not None:
-                    handler(self, text)
-        except Exception:
-            # The store went away (its host closed or died): nobody can ask any more.
-            log.debug("agang: the blame responder's store connection ended.", exc_info=True)
+                try:
+                    letter = self._client.queue_pop(_queue(self.world_rank))
+                except Exception:
+                    # The store went away (its host closed or died): nobody can ask any more.
+                    log.debug("agang: the blame responder's store connection ended.", exc_info=True)
+                    return
+                if self._read(letter):
+                    return
         finally:
             self._client = None
+
+    def _read(self, letter: bytes) -> bool:
+        """Acts on one letter; True for a stop letter that ends this responder (rule 3).
+        A letter that fails is skipped (rule 2)."""
+        try:
+            kind, _, text = letter.decode().partition(" ")
+            if kind == _STOP:
+                return text in ("*", self.token)
+            handler = _handlers.get(kind)
+            if handler is not None:
+                handler(self, text)
+        except Exception as error:
+            self._skipped(letter, error)
+        return False
+
+    def _skipped(self, letter: bytes, error: Exception) -> None:
+        shown = letter[:200].decode(errors="backslashreplace")
+        if self._warned:
+            log.debug("agang: the blame responder skipped the letter %r: %r", shown, error)
+            return
+        self._warned = True
+        log.warning(
+            "agang: the blame responder skipped the letter %r, which it could not act "
+            "on: %r. It serves on; further skipped letters are logged at DEBUG only.",
+            shown,
+            error,
+        )
 
 
 #: What the responder does with a letter's text, by the letter's kind (rule 2).
@@ -213,14 +242,19 @@ def unserve(
 
 
 def _answer(responder: Responder, question: str) -> None:
-    """Rule 6: ``question`` is ``<group> <seq> <key>``."""
-    group, seq, key = question.split(" ", 2)
+    """Rule 6: ``question`` is ``<group> <seq> <key>``; raises ``ValueError`` for any
+    other text (the responder skips it: rule 2)."""
+    parts = question.split(" ", 2)
+    if len(parts) != 3 or not all(parts):
+        raise ValueError(f"a question is '<group> <seq> <key>', but this is {question!r}")
+    group, key = parts[0], parts[2]
+    seq = int(parts[1])
     with _lock:
         served = responder.served.get(group)
         if not served:
             return
         rank, progress = served[-1]
-    responder.reply(key, f"{rank} {progress(int(seq)).to_text()}")
+    responder.reply(key, f"{rank} {progress(seq).to_text()}")
 
 
 register("ask", _answer)
