@@ -79,7 +79,9 @@ def _parser() -> argparse.ArgumentParser:
         "or Ctrl-C. Its first line is `agang store listening on ADDR:PORT`; joins and "
         "leaves are logged to stderr. Ranks join it with MASTER_ADDR and MASTER_PORT naming "
         "it and TORCHELASTIC_USE_AGENT_STORE=1. It has no authentication: whoever reaches "
-        "the port can read and write every key, so bind it to a private network address.",
+        "the port can read and write every key, so bind it to a private network address; "
+        "a --host meaning every interface (0.0.0.0, ::) is refused without "
+        "--allow-all-interfaces.",
     )
     store.add_argument(
         "--host",
@@ -90,6 +92,12 @@ def _parser() -> argparse.ArgumentParser:
         "--port", type=_port, default=0, help="the port; 0 takes a free one (default: 0)"
     )
     store.add_argument("--quiet", action="store_true", help="do not log joins and leaves")
+    store.add_argument(
+        "--allow-all-interfaces",
+        action="store_true",
+        help="let --host be 0.0.0.0 or :: (every interface), refused otherwise: the store "
+        "is unauthenticated, so anyone who reaches the port can join or disrupt the job",
+    )
     return parser
 
 
@@ -113,7 +121,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         from agang._cli.store import StoreUsageError, serve_store
 
         try:
-            return serve_store(arguments.host, arguments.port, quiet=arguments.quiet)
+            return serve_store(
+                arguments.host,
+                arguments.port,
+                quiet=arguments.quiet,
+                allow_all_interfaces=arguments.allow_all_interfaces,
+            )
         except StoreUsageError as error:
             parser.exit(2, f"agang store: error: {error}\n")
     if arguments.command == "selfcheck":

@@ -11,8 +11,12 @@ cluster's private network address only, and firewall the port off from everythin
 
 Rules:
 1. It listens on the one address ``--host`` names (a socket agang binds and hands to
-   c10d), never on every interface. A host that is not an address of this machine, and
-   a port in use, are usage errors (exit status 2) naming the option to change.
+   c10d), not on every interface unless asked. A host that is not an address of this
+   machine, and a port in use, are usage errors (exit status 2) naming the option to
+   change. So is a host that means every interface (``0.0.0.0``, ``::``, any spelling
+   that resolves to one), unless ``--allow-all-interfaces`` asks for it: the store is
+   unauthenticated, and on every interface it is open to every network that reaches
+   the machine. With the flag it listens there, after a warning on stderr.
 2. Its first line on stdout, flushed at once, is ``agang store listening on ADDR:PORT``:
    the address bound (a name is shown resolved; IPv6 in brackets, ``[::1]:PORT``) and
    the real port (``--port 0`` takes a free one). Its last, once the port is closed, is
@@ -28,7 +32,8 @@ Rules:
    closes change it), so an idle store costs one listing of its own fds per poll.
    At most MAX_LOGGED joins or leaves are logged per poll, then a count. A connection
    that comes and goes within one poll may go unlogged. Where the table cannot be read,
-   nothing is logged and the store serves on.
+   nothing is logged and the store serves on. A store on every interface counts the
+   connections to its port on any local address.
 5. Must run on the main thread (signal handlers can only be set there).
 """
 
@@ -58,7 +63,12 @@ Endpoint = tuple[str, int]
 
 
 class StoreUsageError(Exception):
-    """The command line asks for something this machine cannot do; names the option."""
+    """The command line asks for something this machine cannot do, or should not do
+    unasked; names the option."""
+
+
+#: The option that lets ``--host`` name every interface (rule 1).
+ALL_INTERFACES_FLAG = "--allow-all-interfaces"
 
 
 def format_endpoint(endpoint: Endpoint) -> str:
@@ -73,6 +83,21 @@ def _normal(address: str) -> str:
     if isinstance(parsed, ipaddress.IPv6Address) and parsed.ipv4_mapped is not None:
         parsed = parsed.ipv4_mapped
     return str(parsed)
+
+
+def _is_every_interface(address: str) -> bool:
+    return ipaddress.ip_address(_normal(address)).is_unspecified
+
+
+def _means_every_interface(host: str) -> bool:
+    """Whether ``host`` resolves to the unspecified address (``0.0.0.0``, ``::``): a
+    socket bound there listens on every interface. False for a host that does not
+    resolve (binding it says so)."""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    return any(_is_every_interface(str(info[4][0])) for info in infos)
 
 
 def _parse_endpoint(text: str) -> Endpoint:
@@ -97,6 +122,8 @@ class ConnectionWatcher:
         if isinstance(number, bool) or not isinstance(number, int) or not 0 < number < 65536:
             raise ValueError(f"`listening` must name a port in [1, 65535], but is {listening}.")
         self.listening: Endpoint = (_normal(address), port)
+        # Bound to every interface, it is reached on any local address (rule 4).
+        self._any_address = _is_every_interface(address)
         self.connected: set[Endpoint] = set()
         self.available = os.path.exists(_TABLES[0])
         self._sockets: frozenset[str] = frozenset()
@@ -131,13 +158,18 @@ class ConnectionWatcher:
         own = {
             local
             for local, remote, _, inode in rows
-            if remote == self.listening and inode in sockets
+            if self._is_listener(remote) and inode in sockets
         }
         return {
             remote
             for local, remote, state, _ in rows
-            if local == self.listening and state == _ESTABLISHED and remote not in own
+            if self._is_listener(local) and state == _ESTABLISHED and remote not in own
         }
+
+    def _is_listener(self, endpoint: Endpoint) -> bool:
+        if self._any_address:
+            return endpoint[1] == self.listening[1]
+        return endpoint == self.listening
 
 
 def _own_sockets() -> frozenset[str]:
@@ -186,7 +218,14 @@ def _log_changes(verb: str, endpoints: list[Endpoint], connected: int) -> None:
         log.info("%s: %d more (%d connected)", verb, len(endpoints) - MAX_LOGGED, connected)
 
 
-def serve_store(host: str, port: int, *, quiet: bool = False, out: TextIO | None = None) -> int:
+def serve_store(
+    host: str,
+    port: int,
+    *,
+    quiet: bool = False,
+    out: TextIO | None = None,
+    allow_all_interfaces: bool = False,
+) -> int:
     """Serves a TCPStore on ``host:port`` until SIGTERM or SIGINT (rules 1-3).
 
     Args:
@@ -194,18 +233,35 @@ def serve_store(host: str, port: int, *, quiet: bool = False, out: TextIO | None
         port: The port; 0 for a free one.
         quiet: Log no joins and leaves (warnings still go to stderr).
         out: Where the listening and stopped lines go; None for ``sys.stdout``.
+        allow_all_interfaces: Let ``host`` mean every interface (``0.0.0.0``, ``::``),
+            which is refused otherwise: anyone who reaches the port there can join or
+            disrupt the job (rule 1).
 
     Returns:
         0, once stopped by a signal.
 
     Raises:
-        StoreUsageError: ``host`` is not an address here, or ``port`` is taken.
+        StoreUsageError: ``host`` is not an address here, or means every interface
+            unasked, or ``port`` is taken.
     """
     if not isinstance(host, str) or not host:  # type: ignore[redundant-expr]  # untyped callers
         raise ValueError(f"`host` must be a non-empty str, but is {host!r} instead.")
     number: object = port  # untyped callers
     if isinstance(number, bool) or not isinstance(number, int) or not 0 <= number <= 65535:
         raise ValueError(f"`port` must be an int in [0, 65535], but is {port!r} instead.")
+    flag: object = allow_all_interfaces  # untyped callers
+    if not isinstance(flag, bool):
+        raise ValueError(f"`allow_all_interfaces` must be a bool, but is {flag!r} instead.")
+    everywhere = _means_every_interface(host)
+    if everywhere and not allow_all_interfaces:
+        raise StoreUsageError(
+            f"--host {host} would listen on every interface of this machine, and the store "
+            f"has no authentication: anyone who can reach its port there can join or "
+            f"disrupt the job (read and write every key, take a rank's place). Give one "
+            f"address, e.g. the cluster's private network address or 127.0.0.1; or, where "
+            f"every network that reaches this machine is trusted, pass "
+            f"{ALL_INTERFACES_FLAG}."
+        )
     if threading.current_thread() is not threading.main_thread():
         raise RuntimeError("serve_store must run on the main thread (it handles signals).")
     out = sys.stdout if out is None else out
@@ -217,6 +273,14 @@ def serve_store(host: str, port: int, *, quiet: bool = False, out: TextIO | None
     log.setLevel(logging.INFO)
     try:
         listener = _bind(host, port)
+        if everywhere:
+            log.warning(
+                "listening on every interface (--host %s, %s): the store has no "
+                "authentication, so anyone who can reach port %d can join or disrupt the job.",
+                host,
+                ALL_INTERFACES_FLAG,
+                listener.getsockname()[1],
+            )
         return _serve(listener, out)
     finally:
         log.removeHandler(handler)

@@ -241,6 +241,38 @@ def test_bad_input_is_a_usage_error_naming_the_option(
     assert "agang store listening" not in error
 
 
+def test_every_interface_is_served_when_asked_for_with_a_warning() -> None:
+    # Without the flag, a wildcard --host is refused (tests/unit/cli/test_store.py).
+    started: list[subprocess.Popen[str]] = []
+    try:
+        store = Store(started, "--host", "0.0.0.0", "--port", "0", "--allow-all-interfaces")
+        first = store.out.next(60)
+        match = LISTENING.fullmatch(first)
+        assert match is not None, (first, store.err.rest(5))
+        assert match.group(1) == "0.0.0.0"
+        port = int(match.group(2))
+        warning = store.err.wait_for("every interface", 5)
+        assert "--allow-all-interfaces" in warning
+        assert "no authentication" in warning
+        assert f"port {port} can join or disrupt the job" in warning
+        assert _listening_addresses(port) == [("tcp", "00000000")]
+        # Its joins are logged, though it is reached on an address it was not given.
+        client = _client(port)
+        client.set("greeting", "hello")
+        assert client.get("greeting") == b"hello"
+        assert re.search(
+            r"joined: 127\.0\.0\.1:\d+ \(1 connected\)", store.err.wait_for("joined: ", 5)
+        )
+        del client
+        store.signal(signal.SIGTERM)
+        assert store.stopped()["status"] == 0
+    finally:
+        for process in started:
+            if process.poll() is None:
+                process.kill()
+            process.wait(timeout=30)
+
+
 @pytest.fixture
 def netns() -> None:
     """Skips where namespaces cannot be made; clears what dead test runs left behind."""
