@@ -247,16 +247,11 @@ class _Plan:
         missing: tuple[int, ...] = ()
         if isinstance(error, GangInitError) and error.missing_ranks:
             missing = error.missing_ranks
-            cause = f"failed: {error}"
-        elif isinstance(error, PortInUseError) and not error.port_is_ours:
-            cause = f"failed: {error}"
-        elif error is None:
-            cause = "did not finish"
-        else:
-            cause = f"failed: {error}"
+        # The cause's own sentence ends where the figures in brackets follow it.
+        cause = "did not finish" if error is None else f"failed: {str(error).rstrip('. ')}"
         message = (
             f"Setting up rank {world.rank} of {world.world_size} ({self.backend}, store "
-            f"{address}, from {world.source}) {cause} (after {elapsed:.1f} s, "
+            f"{address}, from {_origin(world)}) {cause} (after {elapsed:.1f} s, "
             f"{self.attempts} attempt(s), deadline {self.timeout} s)."
         )
         if not missing and self.last_missing:
@@ -295,6 +290,14 @@ class _Plan:
         # caller was still on GPU 0, where its own tensors and streams would then go.
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+
+
+def _origin(world: WorldInfo) -> str:
+    """Where the world's settings came from, for a message: torchrun's variables set by
+    hand are not torchrun (torchrun always sets ``TORCHELASTIC_RUN_ID``)."""
+    if world.source == "torchrun" and not world.job_id:
+        return "RANK/WORLD_SIZE variables"
+    return world.source
 
 
 def _start(

@@ -146,9 +146,10 @@ def prepare_process(
         torch.set_num_threads(threads)
         log.info(
             "agang: OMP_NUM_THREADS is unset and %d ranks share this machine: each uses %d "
-            "CPU threads.",
+            "CPU thread%s.",
             local,
             threads,
+            "" if threads == 1 else "s",
         )
 
 

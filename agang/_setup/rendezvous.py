@@ -10,11 +10,12 @@ Rules (all of this runs on init's daemon thread, never on the loop):
    carries their token. A port the user fixed is never moved: "in use" fails at once.
 3. Every rank checks in under its own key, ``<prefix>/rank/<r>``, with its world size,
    host and pid. A deadline then names exactly the ranks that never did: the host
-   publishes the list (``<prefix>/missing``) and keeps its store up for HOST_LINGER, so
-   the others learn it too. A rank with time left takes that as the end of a round and
-   joins the next one (a re-init after a failure); one near its own deadline fails too. A second
-   check-in for the same rank (two processes started with one RANK) and ranks that
-   disagree on the world size fail at once.
+   publishes the list (``<prefix>/missing``) HOST_LINGER before its deadline (at most
+   half the time it has left) and keeps its store up until the deadline, so the others
+   learn it too, and the deadline stays the deadline. A rank with time left takes that
+   as the end of a round and joins the next one (a re-init after a failure); one near
+   its own deadline fails too. A second check-in for the same rank (two processes
+   started with one RANK) and ranks that disagree on the world size fail at once.
 4. Keys live under a prefix per launcher restart and per init call, so a retry or a
    re-init never reads a failed attempt's keys.
 5. Waiting polls with back-off up to WAIT_SLICE seconds, so a cancelled init stops soon.
@@ -394,6 +395,9 @@ def _check_in(
     store.set(key, me)
     keys = [f"{prefix}/rank/{rank}" for rank in range(world.world_size)]
     is_host = world.rank == 0 and not world.launcher_hosts_store
+    # The host's verdict comes before its deadline, which lingering must not pass (rule 3).
+    linger = min(HOST_LINGER, max(0.0, deadline - time.monotonic()) / 2) if is_host else 0.0
+    waits_until = deadline - linger
     # Polled with check(), not store.wait(): c10d logs a warning at every timed-out wait.
     pause = 0.01
     while not store.check(keys):
@@ -419,18 +423,17 @@ def _check_in(
                 f"{world.store_address} before the store host's deadline.",
                 missing_ranks=missing,
             )
-        if time.monotonic() >= deadline:
+        if time.monotonic() >= waits_until:
             break
-        time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+        time.sleep(min(pause, max(0.0, waits_until - time.monotonic())))
         pause = min(pause * 2, WAIT_SLICE)
     missing = [rank for rank, key in enumerate(keys) if not store.check([key])]
     if missing and is_host:
         # Tell the ranks that are still waiting who never came, and keep the store up for
         # them to read it (they may have started a little after this one).
         store.set(verdict, ",".join(map(str, missing)))
-        linger_until = time.monotonic() + HOST_LINGER
-        while time.monotonic() < linger_until and not cancelled.is_set():
-            time.sleep(0.05)
+        while (left := deadline - time.monotonic()) > 0 and not cancelled.is_set():
+            time.sleep(min(0.05, left))
     if missing:
         raise GangInitError(
             f"Ranks {missing} of {world.world_size} did not check in at the store "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import socket
 import threading
@@ -290,6 +291,22 @@ def test_check_in_at_a_store_of_an_earlier_round_is_transient_by_type(
     )
 
 
+def test_the_store_host_names_the_missing_ranks_within_its_deadline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The host lingers, so the others learn who is missing, inside its deadline, not past
+    # it: with a 2 s linger and a 1 s deadline it once failed after 3 s.
+    monkeypatch.setattr(rendezvous, "HOST_LINGER", 2.0)
+    store = _DictStore()
+    host = dataclasses.replace(WORLD, rank=0)
+    started = time.monotonic()
+    with pytest.raises(agang.GangInitError, match=r"Ranks \[1\] of 2 did not check in"):
+        rendezvous.check_in(store, host, "p", deadline=started + 1.0, cancelled=threading.Event())
+    took = time.monotonic() - started
+    assert store.get("p/missing") == b"1"  # published for the others
+    assert 0.9 < took < 1.5, took  # a linger past the deadline takes 3 s
+
+
 def test_open_store_retries_a_check_in_at_a_closing_store(flaky: type[_FlakyStore]) -> None:
     flaky.failures = 0
     stores = iter([_DictStore(**{"p/missing": "1"}), _DictStore(), _DictStore()])
@@ -334,7 +351,29 @@ def test_a_transient_failure_is_reported_with_c10ds_own_error_as_its_cause() -> 
         call_c10d(fails)
     failure = plan.report(raised.value)
     assert failure.__cause__ is original
-    assert _NOT_UP in str(failure)
+    # c10d's sentence, its full stop dropped where agang's figures follow in brackets.
+    assert f"{_NOT_UP.rstrip('.')} (after " in str(failure)
+
+
+def test_an_init_failure_says_where_the_world_came_from() -> None:
+    def message(world: agang.WorldInfo) -> str:
+        plan = _Plan(
+            backend="gloo",
+            device=None,
+            timeout=1,
+            policy=make_policy(op_timeout=1, env={}),
+            env={},
+            world=world,
+            in_process=False,
+            stream_ordered=False,
+            retry=None,
+        )
+        return str(plan.report(agang.GangInitError("Ranks [1] of 2 did not check in.")))
+
+    by_hand = agang.WorldInfo(1, 2, 1, "127.0.0.1", 29999, source="torchrun")
+    launched = dataclasses.replace(by_hand, job_id="none")  # torchrun always sets it
+    assert "from RANK/WORLD_SIZE variables) failed: Ranks [1]" in message(by_hand)
+    assert "from torchrun) failed: Ranks [1] of 2 did not check in (after " in message(launched)
 
 
 @pytest.fixture
