@@ -125,6 +125,9 @@ class Progress:
     #: How many of this rank's ops are issued and not finished.
     num_in_flight: int
     state: State
+    #: The op this rank issued at ``asked`` (None: not issued, or too long ago to know):
+    #: blame compares it with the asker's, for ranks whose ops went out of step.
+    asked_op: str | None = None
 
     def to_text(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
@@ -139,6 +142,7 @@ class Progress:
             waiting=bool(fields["waiting"]),
             num_in_flight=int(fields["num_in_flight"]),
             state=fields["state"] if fields["state"] in ("open", "broken", "closed") else "open",
+            asked_op=None if fields.get("asked_op") is None else str(fields["asked_op"]),
         )
 
 

@@ -300,31 +300,41 @@ class Expiry:
                 self._batch.extend(due)
                 return
             self._batch = list(due)
-        asked = due[0].seq
+        asked, asked_op = due[0].seq, due[0].op
         try:
-            owner.backend.start_blame(asked, lambda peers, note: self._blamed(asked, peers, note))
+            owner.backend.start_blame(
+                asked, lambda peers, note: self._blamed(asked, asked_op, peers, note)
+            )
         except Exception as exc:  # the question never left: fail the ops without answers
             log.debug("Gang '%s' could not ask its peers.", owner.name, exc_info=True)
-            self._blamed(asked, None, f"asking failed: {exc}")
+            self._blamed(asked, asked_op, None, f"asking failed: {exc}")
 
-    def _blamed(self, asked: int, peers: Mapping[int, Progress | None] | None, note: str) -> None:
+    def _blamed(
+        self,
+        asked: int,
+        asked_op: str,
+        peers: Mapping[int, Progress | None] | None,
+        note: str,
+    ) -> None:
         with self._lock:
             batch, self._batch = self._batch or [], None
         for entry in batch:
             handle, _ = entry.item
             index = entry.check_index if not entry.ready else None
-            self.expire(handle, asked=asked, peers=peers, note=note, index=index)
+            self.expire(handle, asked=asked, asked_op=asked_op, peers=peers, note=note, index=index)
 
     def expire(
         self,
         handle: Handle[Any],
         *,
         asked: int,
+        asked_op: str | None = None,
         peers: Mapping[int, Progress | None] | None,
         note: str,
         index: int | None,
     ) -> None:
-        """Fails ``handle`` with a ``GangTimeoutError`` naming what the peers said."""
+        """Fails ``handle`` with a ``GangTimeoutError`` naming what the peers said about
+        op ``asked`` (this rank's ``asked_op``)."""
         owner = self._owner
         now = time.monotonic()
         in_flight, recent = owner.report_in_flight(now, handle.seq)
@@ -333,7 +343,7 @@ class Expiry:
         if peers is None:
             blamed = f"The peers could not be asked where they stand: {note}."
         else:
-            blamed = reports.describe(peers, where)
+            blamed = reports.describe(peers, where, asked_op)
             if asked != handle.seq and blamed:
                 blamed = f"{blamed[:-1]} (asked about #{asked}, the oldest late op)."
         error = reports.timed_out(
@@ -344,6 +354,7 @@ class Expiry:
             abort=abort,
             index=index,
             absent=None if peers is None else reports.absent(peers),
+            out_of_step=[] if peers is None else reports.out_of_step(peers, asked_op),
             blamed=blamed,
             peers=dict(peers) if peers is not None else None,
         )

@@ -627,13 +627,15 @@ class Engine:
     def progress(self, seq: int) -> Progress:
         with self.lock:
             state: State = "closed" if self.closed else "open" if self.broken is None else "broken"
+            entry = self._scheduler.entries.get(seq)
             return Progress(
                 asked=seq,
                 issued=self._next_seq - 1,
                 op=self._last_op,
-                waiting=seq in self._scheduler.entries,
+                waiting=entry is not None,
                 num_in_flight=len(self._scheduler.entries),
                 state=state,
+                asked_op=entry.op if entry is not None else self._scheduler.op_of(seq),
             )
 
     # Lifecycle (rule 7).

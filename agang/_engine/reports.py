@@ -10,6 +10,9 @@ the verdicts below turn them into words, one per peer. Rules of the verdicts:
    (dead, stopped, or cut off from the store); a rank that could not ask at all says so.
 2. Absent ranks are those that had not issued the op, or did not answer: the ones a
    user looks at first. ``check_order``'s census names the same ranks.
+3. A peer that issued another op at the same sequence number is not "waiting for it":
+   the ranks' ops went out of step (a skipped or extra op on some rank), and the
+   verdict names both ops. ``check_order=True`` refuses such a call at issue.
 """
 
 from __future__ import annotations
@@ -25,10 +28,13 @@ from agang._errors import CollectiveMismatchError, GangTimeoutError, OpContext
 Peers = Mapping[int, Progress | None]
 
 
-def verdict(progress: Progress | None) -> str:
-    """What one peer's answer says about the op it was asked about (rule 1)."""
+def verdict(progress: Progress | None, op: str | None = None) -> str:
+    """What one peer's answer says about the op it was asked about (rules 1 and 3);
+    ``op`` is the asking rank's op at that number."""
     if progress is None:
         return "no answer (dead, stopped, or cut off from the store)"
+    if differs(progress, op):
+        return f"issued #{progress.asked} `{progress.asked_op}`, not `{op}`"
     last = "nothing yet" if progress.issued < 0 else f"#{progress.issued} `{progress.op}`"
     if progress.state == "closed":
         return f"has closed the gang (last op issued: {last})"
@@ -42,6 +48,16 @@ def verdict(progress: Progress | None) -> str:
     return f"has finished it (last op issued: {last})"
 
 
+def differs(progress: Progress | None, op: str | None) -> bool:
+    """Whether the peer issued another op than ``op`` at the number asked (rule 3)."""
+    return (
+        progress is not None
+        and op is not None
+        and progress.asked_op is not None
+        and progress.asked_op != op
+    )
+
+
 def absent(peers: Peers) -> list[int]:
     """The peers that had not issued the op asked about, or did not answer (rule 2)."""
     return sorted(
@@ -51,11 +67,17 @@ def absent(peers: Peers) -> list[int]:
     )
 
 
-def describe(peers: Peers, where: Callable[[int], str]) -> str:
-    """One sentence naming every peer with its verdict, for the timeout's message."""
+def out_of_step(peers: Peers, op: str | None) -> list[int]:
+    """The peers that issued another op than ``op`` at the number asked (rule 3)."""
+    return sorted(rank for rank, progress in peers.items() if differs(progress, op))
+
+
+def describe(peers: Peers, where: Callable[[int], str], op: str | None = None) -> str:
+    """One sentence naming every peer with its verdict, for the timeout's message;
+    ``op`` is this rank's op at the number asked."""
     if not peers:
         return ""
-    parts = [f"{where(rank)}: {verdict(peers[rank])}" for rank in sorted(peers)]
+    parts = [f"{where(rank)}: {verdict(peers[rank], op)}" for rank in sorted(peers)]
     return "Peers: " + "; ".join(parts) + "."
 
 
@@ -99,6 +121,7 @@ def timed_out(
     absent: list[int] | None,
     blamed: str,
     peers: dict[int, Progress | None] | None,
+    out_of_step: list[int] | None = None,
 ) -> GangTimeoutError:
     """An op's deadline passed. ``blamed`` is what the peers said (``describe``);
     ``absent`` the ranks that had not issued the op or did not answer, None where the
@@ -108,7 +131,13 @@ def timed_out(
         if abort
         else "Its tensors stay busy until the op really ends; the gang stays usable."
     )
-    if index is not None and absent:
+    if out_of_step:
+        why = (
+            f"ranks {out_of_step} issued another op at this position: the ranks' ops are "
+            f"out of step (one skipped an op, or issued one more), so no op can pair up; "
+            f"`check_order=True` refuses such a call at issue, naming both ops."
+        )
+    elif index is not None and absent:
         why = (
             f"ranks {absent} had not issued collective #{index} of this gang (order "
             f"checking got no fingerprint of theirs): they skipped it, or are stalled "

@@ -231,6 +231,13 @@ class Scheduler:
         self._gate_holder = None
         return dropped
 
+    def op_of(self, seq: int) -> str | None:
+        """The op numbered ``seq`` if the flight recorder still holds it (for blame)."""
+        for recorded, op, *_ in reversed(self._recent):
+            if recorded == seq:
+                return op
+        return None
+
     def recent(self) -> list[Record]:
         return [Record(*fields) for fields in self._recent]
 

@@ -11,6 +11,7 @@ store's in ``test_store_faults.py``; a cut link's in ``test_many_hosts.py``.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -20,7 +21,7 @@ import torch
 
 import agang
 from agang._backends.contract import Progress
-from agang._engine.reports import absent, describe, verdict
+from agang._engine.reports import absent, describe, out_of_step, verdict
 from agang.testing import FakeWorld, run_world
 
 LATE = "has not issued it (last op issued: #0 `all_reduce`)"
@@ -68,6 +69,51 @@ def test_each_answer_gets_its_verdict_and_the_absent_are_the_late_and_the_silent
 def test_progress_survives_the_trip_through_the_store() -> None:
     progress = _progress(7, waiting=True)
     assert Progress.from_text(progress.to_text()) == progress
+    named = dataclasses.replace(progress, asked_op="broadcast")
+    assert Progress.from_text(named.to_text()) == named
+
+
+def test_a_peer_that_issued_another_op_at_the_number_is_out_of_step_not_waiting() -> None:
+    peers: dict[int, Progress | None] = {
+        1: dataclasses.replace(_progress(1, waiting=True), asked_op="broadcast"),
+        2: dataclasses.replace(_progress(1, waiting=True), asked_op="all_reduce"),
+        3: _progress(1, waiting=True),  # an older peer's answer: no op named
+    }
+    assert verdict(peers[1], "all_reduce") == "issued #1 `broadcast`, not `all_reduce`"
+    assert verdict(peers[2], "all_reduce") == WAITING
+    assert verdict(peers[3], "all_reduce") == WAITING
+    assert out_of_step(peers, "all_reduce") == [1]
+    assert absent(peers) == []
+
+
+async def _out_of_step(gang: agang.Gang) -> dict[str, Any]:
+    """Rank 0 issues a broadcast where ranks 1 and 2 issue an all-reduce (order
+    checking off): nothing pairs up, and every deadline's blame says what each issued."""
+    await gang.all_reduce(torch.ones(2))
+    try:
+        if gang.rank == 0:
+            await gang.broadcast(torch.ones(2), 0, timeout=1.5)
+        else:
+            await gang.all_reduce(torch.ones(2), timeout=1.5)
+    except agang.GangTimeoutError as error:
+        return {"message": str(error), "absent": error.absent_ranks}
+    return {"message": "no timeout"}
+
+
+@pytest.mark.gloo
+def test_blame_names_both_ops_when_the_ranks_issued_different_ones_at_one_number() -> None:
+    reports = run_world(_out_of_step, 3, async_backend="asyncio", timeout=60.0)
+    first = reports[0]["message"]
+    assert "ranks [1, 2] issued another op at this position" in first, first
+    assert first.count("issued #1 `all_reduce`, not `broadcast`") == 2, first
+    assert "`check_order=True` refuses such a call at issue" in first
+    for rank in (1, 2):
+        message = reports[rank]["message"]
+        assert "ranks [0] issued another op at this position" in message, message
+        assert "issued #1 `broadcast`, not `all_reduce`" in message, message
+        other = message.split(f"rank {3 - rank} (")[1]  # the other all-reducer's verdict
+        assert _waiting_or_already_failed(other.split(": ", 1)[1].split(";")[0].rstrip(".")), other
+    assert all(report["absent"] == () for report in reports)
 
 
 async def _one_rank_stays_behind(gang: agang.Gang, stays: float = 2.5) -> dict[str, Any]:
