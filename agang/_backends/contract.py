@@ -329,8 +329,9 @@ class Backend(Protocol):
 
     # Failure and lifecycle.
 
-    def abort(self) -> None:
-        """Ends running work after a failure; never blocks."""
+    def abort(self, reason: str | None = None) -> None:
+        """Ends running work after a failure; never blocks. ``reason``: why this rank
+        gave up (its deadline's message), told to the peers whose ops then fail."""
 
     def release(self, *, unfinished: bool) -> None:
         """Frees the communicator; off the loop, may block briefly."""

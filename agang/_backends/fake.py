@@ -243,7 +243,7 @@ class FakeBackend:
     def allow_timeout(self, seconds: float | None) -> None:
         pass
 
-    def abort(self) -> None:
+    def abort(self, reason: str | None = None) -> None:
         pass
 
     def release(self, *, unfinished: bool) -> None:

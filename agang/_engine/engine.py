@@ -544,7 +544,10 @@ class Engine:
             abandon(abandoned(handle))  # releases their tensors; nothing was started
         try:
             # A woken waiter may have closed it meanwhile: backends cope with abort after release.
-            self.backend.abort()
+            # A rank whose own deadline broke the gang tells its peers why (their ops
+            # fail next, on connections it closes).
+            reason = str(cause) if isinstance(cause, GangTimeoutError) else None
+            self.backend.abort(reason)
         except Exception:
             log.exception("Aborting the communicator of gang '%s' failed.", self.name)
 

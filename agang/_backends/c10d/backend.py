@@ -52,7 +52,7 @@ from agang._backends.contract import (
 )
 from agang._backends.cuda.runtime import DeviceRuntime, StreamOrder, torch_runtime
 from agang._reduce_op import ReduceOp
-from agang._runtime import threads
+from agang._runtime import loops, threads
 
 log = logging.getLogger("agang")
 
@@ -372,7 +372,17 @@ class C10dBackend:
         return c10d_world.where(self._world_ranks, rank)
 
     def explain(self, error: BaseException) -> str:
-        return c10d_world.lost_peer(error, self._world_ranks, self._rank, self.where)
+        lost = c10d_world.lost_peer(error, self._world_ranks, self._rank, self.where)
+        # A peer that gave up at its deadline said so before its abort dropped the
+        # connection (mailbox rule 8); off the loop, its letter may be waited for.
+        wait = mailbox.NOTICE_SECONDS if lost and loops.current_library() is None else 0.0
+        told = mailbox.notices(self._group_name, wait) if self._registered else {}
+        said = "".join(
+            f" R{self.where(rank)[1:]} gave up first: {message}"  # where() says "rank ..."
+            for rank, message in sorted(told.items())
+            if rank != self._rank
+        )
+        return lost + said
 
     # Failure and lifecycle.
 
@@ -382,13 +392,20 @@ class C10dBackend:
         if self._kind == "nccl":
             self._runtime.bind_thread(self._device)
 
-    def abort(self) -> None:
+    def abort(self, reason: str | None = None) -> None:
         self._stopped = True
         # An abort can take a moment; never on the caller's (maybe the loop's) thread.
         groups = self._groups()
         if groups:  # none: a release on another thread has freed them already
+            told = reason is not None and self._registered
+            peers = {r: w for r, w in enumerate(self._world_ranks) if r != self._rank}
 
             def abort_groups() -> None:
+                if told and reason is not None:  # before the connections drop (mailbox rule 8)
+                    try:
+                        mailbox.tell_gave_up(self._group_name, self._rank, peers, reason)
+                    except Exception:
+                        log.debug("agang: the peers could not be told.", exc_info=True)
                 self._bind()
                 self._aborter.abort(groups)
 

@@ -43,6 +43,14 @@ Blame: when an op's deadline passes, the rank asks every peer where it stands on
    has answered or ``ASK_SECONDS`` passed. A timer bounds the whole by ``BLAME_BOUND``
    whatever the store does (a stopped store host holds a store call for the store's
    whole timeout): past it, the report says the store did not answer, and names it.
+8. *Giving up is told.* A rank whose deadline broke its gang aborts its communicator,
+   and the peers' ops then fail with c10d's words for a lost connection ("Connection
+   closed by peer"), which blame the wrong side. So before aborting it leaves each peer
+   a ``gave_up`` letter naming the gang, its rank and its timeout's message (the op, the
+   deadline, whom it blamed); the peer's responder keeps the last one per gang and rank
+   (``notices``), for the peer's error to quote. The letter is posted before the abort
+   starts, so it is in the peer's mailbox before the connection drops; a peer that
+   fails off its event loop waits ``NOTICE_SECONDS`` at most for it to be read.
 """
 
 from __future__ import annotations
@@ -66,6 +74,10 @@ from agang._runtime.threads import start_thread
 log = logging.getLogger("agang")
 
 ASK_SECONDS = 0.3
+#: How long a failing op waits, off the loop, for a peer's ``gave_up`` letter (rule 8).
+NOTICE_SECONDS = 0.3
+#: How much of a ``gave_up`` message a letter carries.
+_NOTICE_CHARS = 3000
 #: How often a sender looks for the replies under its key (seconds).
 POLL_SECONDS = 0.005
 _PREFIX = "agang/blame"
@@ -102,6 +114,9 @@ class Responder:
         self._client = store.clone()  # its own connection: a blocking pop holds it
         self._client.set_timeout(timedelta(days=365))
         self._warned = False  # about a skipped letter, once (rule 2)
+        # Per group name, per rank of that gang, what it said when it gave up (rule 8).
+        self.notices: dict[str, dict[int, str]] = {}
+        self.noticed = threading.Condition()
         self.thread = start_thread(self._serve, name="blame responder")
 
     def reply(self, key: str, line: str) -> None:
@@ -258,6 +273,40 @@ def _answer(responder: Responder, question: str) -> None:
 
 
 register("ask", _answer)
+
+
+def tell_gave_up(group_name: str, rank: int, peers: Mapping[int, int], message: str) -> None:
+    """Leaves each of ``peers`` (gang rank: world rank) a ``gave_up`` letter: this
+    process, ``rank`` of group ``group_name``, gave up with ``message`` (rule 8). Blocks
+    for the store's pushes: call it off the loop, before the abort."""
+    store = _store()
+    if store is None or not peers:
+        return
+    text = " ".join(message.split())[:_NOTICE_CHARS]
+    post(store, list(peers.values()), "gave_up", f"{group_name} {rank} {text}")
+
+
+def _note(responder: Responder, text: str) -> None:
+    """Rule 8: ``text`` is ``<group> <rank> <message>``; raises ``ValueError`` otherwise."""
+    group, rank, message = text.split(" ", 2)
+    with responder.noticed:
+        responder.notices.setdefault(group, {})[int(rank)] = message
+        responder.noticed.notify_all()
+
+
+register("gave_up", _note)
+
+
+def notices(group_name: str, wait: float = 0.0) -> dict[int, str]:
+    """What the ranks of group ``group_name`` that gave up said (rule 8), waiting up to
+    ``wait`` seconds for a first one."""
+    responder = _responder
+    if responder is None:
+        return {}
+    with responder.noticed:
+        if wait > 0:
+            responder.noticed.wait_for(lambda: group_name in responder.notices, wait)
+        return dict(responder.notices.get(group_name, {}))
 
 
 def start_blame(

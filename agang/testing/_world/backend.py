@@ -401,7 +401,7 @@ class FakeWorldBackend:
         for done in self.communicator.withdraw(self._rank):
             done(error)
 
-    def abort(self) -> None:
+    def abort(self, reason: str | None = None) -> None:
         self._withdraw("aborted")
 
     def release(self, *, unfinished: bool) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from typing import Any
 
 import anyio
@@ -203,3 +204,29 @@ def test_a_lost_peers_collective_error_names_its_rank() -> None:
     assert "Connection closed by peer [127.0.0.1]" in report["message"], report
     assert "The peer at 127.0.0.1 is rank 1 (" in report["message"], report
     assert f"pid {report['peer_pid']})." in report["message"], report
+
+
+async def _late_rank(gang: agang.Gang) -> dict[str, Any]:
+    """Rank 1 blocks its loop 4 s before an all-reduce that rank 0 gives up on at its
+    1.5 s deadline (breaking the gang, so its communicator is aborted)."""
+    await gang.all_reduce(torch.ones(2))
+    if gang.rank == 1:
+        time.sleep(4.0)  # noqa: ASYNC251 - the late rank's blocked loop is the point
+    try:
+        await gang.all_reduce(torch.ones(2), timeout=1.5)
+    except agang.GangError as error:
+        return {"type": type(error).__name__, "message": str(error), "pid": os.getpid()}
+    return {"type": None, "message": "no error", "pid": os.getpid()}
+
+
+@pytest.mark.gloo
+def test_the_late_rank_is_told_who_gave_up_on_which_op_and_whom_it_blamed() -> None:
+    first, late = run_world(_late_rank, 2, async_backend="asyncio", timeout=60.0)
+    assert first["type"] == "GangTimeoutError", first
+    assert late["type"] == "CollectiveError", late
+    message = late["message"]
+    # Who gave up, on which op, at what deadline, and whom it blamed.
+    assert "Rank 0 (" in message, message
+    assert f"pid {first['pid']}) gave up first: `all_reduce` (seq 1)" in message, message
+    assert "timeout 1.5 s) timed out after" in message, message
+    assert f"pid {late['pid']}): has not issued it" in message, message
