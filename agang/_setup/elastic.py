@@ -230,8 +230,20 @@ def first_formation(store: Any, world: WorldInfo, elastic: Elastic, deadline: fl
 
 def join(world: WorldInfo, store: Any, me: Candidate, elastic: Elastic, deadline: float) -> Formed:
     """Waits, as a joiner, for the next reform that admits this process; tells the
-    current members' responders that it waits (``waiting_to_join``)."""
+    current members' responders that it waits (``waiting_to_join``). Gives up at
+    ``deadline``, saying why, and so that no reform waits for it any more."""
     membership.register_joiner(store, me)
+    try:
+        return _wait_for_admission(world, store, me, elastic, deadline)
+    except GangInitError:
+        with contextlib.suppress(Exception):  # a store gone: no reform waits for it either
+            membership.withdraw_joiner(store, me)
+        raise
+
+
+def _wait_for_admission(
+    world: WorldInfo, store: Any, me: Candidate, elastic: Elastic, deadline: float
+) -> Formed:
     told: int | None = None
     while time.monotonic() < deadline:
         current = membership.current_epoch(store)

@@ -4,12 +4,17 @@ every rank (``agang store``), with the epoch in every key.
 Rules (all of it runs on a set-up thread, never on the loop):
 1. *Formation 0* waits for ``WORLD_SIZE`` processes, or for the deadline with at least
    ``min_size``; ``RANK`` orders them. A process that comes after a formation closed is
-   a *joiner*: it registers, and waits for the next reform.
+   a *joiner*: it registers, and waits for the next reform. A joiner is *waiting* from
+   its registration until a decision admits it or it gives up (``withdraw_joiner``), and
+   waits again if it registers again (a member left behind by a decision comes back
+   as a joiner, under the same id): registrations and their ends are counted per id.
 2. *A reform* (epoch N) is joined by the members of epoch N-1 that call it and by the
    joiners waiting then. The members that have not arrived are pinged through their
    responders (``agang._setup.elastic.ping``): one that answers is alive and is
    waited for, until the deadline; one that does not (dead, stopped) is left out.
-   Joiners get a short grace to arrive, since they poll.
+   Waiting joiners get a short grace to arrive, since they poll. A joiner admitted
+   into an epoch is no longer waiting, whether it lives on or dies: later reforms do
+   not wait for it.
 3. *One decision.* Every old member that arrived decides on its own, from the store,
    when the formation is complete; the first to write the member list
    (``compare_set`` on an empty key) wins, and every process reads that list. The
@@ -26,6 +31,7 @@ import os
 import secrets
 import socket
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +44,10 @@ PING_SECONDS = 0.3
 _REPING = 1.0
 _POLL = 0.02
 _ROOT = "agang/elastic"
+#: Every joiner's registration, one line each; and the end of each (admitted by a
+#: decision, or given up), one id a line (rule 1).
+_JOINERS = f"{_ROOT}/joiners/list"
+_ENDED = f"{_ROOT}/joiners/admitted"
 
 
 @dataclass(frozen=True)
@@ -86,17 +96,24 @@ def members_of(store: Any, epoch: int) -> list[Candidate]:
 
 
 def waiting_joiners(store: Any) -> set[str]:
-    """The joiners registered and not admitted to any epoch yet."""
-    admitted = set(_lines(store, f"{_ROOT}/joiners/admitted"))
-    return {
-        c.uid
-        for c in _unique(Candidate.from_text(t) for t in _lines(store, f"{_ROOT}/joiners/list"))
-        if c.uid not in admitted
-    }
+    """The joiners waiting now: registered more times than admitted or given up (rule 1)."""
+    return {c.uid for c in _waiting(store)}
+
+
+def _waiting(store: Any) -> list[Candidate]:
+    registrations = [Candidate.from_text(t) for t in _lines(store, _JOINERS)]
+    ended = Counter(_lines(store, _ENDED))
+    count = Counter(c.uid for c in registrations)
+    return [c for c in _unique(registrations) if count[c.uid] > ended[c.uid]]
 
 
 def register_joiner(store: Any, me: Candidate) -> None:
-    store.append(f"{_ROOT}/joiners/list", me.to_text() + "\n")
+    store.append(_JOINERS, me.to_text() + "\n")
+
+
+def withdraw_joiner(store: Any, me: Candidate) -> None:
+    """Says that the joiner ``me`` gave up (its deadline passed): no reform waits for it."""
+    store.append(_ENDED, me.uid + "\n")
 
 
 def check_in(store: Any, epoch: int, me: Candidate) -> None:
@@ -205,20 +222,21 @@ def _decide(
     text = "\n".join([f"by {me.uid}", *(c.to_text() for c in proposal)]) + "\n"
     stored = store.compare_set(epoch_key(epoch, "members"), "", text).decode()
     if stored == text:  # this process's list won (rule 3)
+        # The waiting joiners it takes wait no more (rule 1); formation 0's members never
+        # registered, so they are not counted as admitted (they may register later).
+        waiting = waiting_joiners(store)
         old = {c.uid for c in previous or []}
-        admitted = [c.uid for c in proposal if c.uid not in old]
+        admitted = [c.uid for c in proposal if c.uid not in old and c.uid in waiting]
         if admitted:
-            store.append(f"{_ROOT}/joiners/admitted", "".join(f"{uid}\n" for uid in admitted))
+            store.append(_ENDED, "".join(f"{uid}\n" for uid in admitted))
         store.set(f"{_ROOT}/epoch", str(epoch))
 
 
 def _registered_joiners(store: Any, previous: list[Candidate]) -> list[Candidate]:
+    """The joiners a reform from ``previous`` gives a grace to arrive: those waiting now,
+    not an admitted one that died since (rule 2)."""
     old = {c.uid for c in previous}
-    return [
-        c
-        for c in _unique(Candidate.from_text(t) for t in _lines(store, f"{_ROOT}/joiners/list"))
-        if c.uid not in old
-    ]
+    return [c for c in _waiting(store) if c.uid not in old]
 
 
 def _unique(candidates: Any) -> list[Candidate]:

@@ -1,0 +1,109 @@
+"""Elastic membership decided on an in-process store (c10d's ``HashStore``): each
+participant but the one under test is played by writing its keys, as it would.
+
+What the decision sees is checked directly (which joiners it waits for), not through
+the time it takes, which a loaded machine would blur.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+
+from agang._setup import membership
+from agang._setup.membership import Candidate
+
+A = Candidate("a:1", 0, "host a, pid 1")
+B = Candidate("b:2", 1, "host b, pid 2")
+C = Candidate("c:3", 2, "host c, pid 3")
+JOINER = Candidate("j:4", 0, "host j, pid 4")
+
+
+def _arrive(store: Any, epoch: int, *candidates: Candidate) -> None:
+    """``candidates`` come to ``epoch``'s formation (their own ``form`` would write this)."""
+    for candidate in candidates:
+        store.append(membership.epoch_key(epoch, "arrived"), candidate.to_text() + "\n")
+
+
+def _form(
+    store: Any,
+    epoch: int,
+    previous: list[Candidate] | None,
+    *,
+    target: int = 0,
+    min_size: int = 1,
+    max_size: int | None = None,
+    seconds: float = 10.0,
+) -> list[Candidate] | None:
+    """A's part in forming ``epoch``; every member of ``previous`` that has not arrived
+    is dead (its ping unanswered)."""
+    return membership.form(
+        store,
+        A,
+        epoch,
+        previous=previous,
+        target=target,
+        min_size=min_size,
+        max_size=max_size,
+        deadline=time.monotonic() + seconds,
+        alive=lambda indices: set(),
+    )
+
+
+def _admit_joiner(store: Any) -> None:
+    """Epoch 0 of A and B, then epoch 1 admitting JOINER."""
+    _arrive(store, 0, B)
+    assert _form(store, 0, None, target=2) == [A, B]
+    membership.register_joiner(store, JOINER)
+    _arrive(store, 1, B, JOINER)
+    assert _form(store, 1, [A, B]) == [A, B, JOINER]
+
+
+def test_a_joiner_admitted_and_then_dead_is_not_waited_for_by_later_reforms(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Still counted as registered, it made every later reform wait JOINER_GRACE for it.
+    store = dist.HashStore()
+    _admit_joiner(store)
+    _arrive(store, 2, B)  # the joiner died: epoch 2 is A and B
+    assert _form(store, 2, [A, B, JOINER]) == [A, B]
+    seen: list[list[str]] = []
+    registered = membership._registered_joiners
+
+    def spy(store: Any, previous: list[Candidate]) -> list[Candidate]:
+        joiners = registered(store, previous)
+        seen.append([c.uid for c in joiners])
+        return joiners
+
+    monkeypatch.setattr(membership, "_registered_joiners", spy)
+    _arrive(store, 3, B)
+    started = time.monotonic()
+    assert _form(store, 3, [A, B]) == [A, B]
+    took = time.monotonic() - started
+    assert seen, "the decision never looked at the joiners"
+    assert all(uids == [] for uids in seen), seen
+    assert membership.waiting_joiners(store) == set()
+    assert took < membership.JOINER_GRACE, took  # decided at its first look (~1 ms)
+
+
+def test_a_process_that_registers_again_after_its_admission_waits_again() -> None:
+    # A joiner admitted once and later left behind (a stale member whose reform came
+    # after the decision) registers again with the same id: it waits again.
+    store = dist.HashStore()
+    _admit_joiner(store)
+    assert membership.waiting_joiners(store) == set()
+    membership.register_joiner(store, JOINER)
+    assert membership.waiting_joiners(store) == {JOINER.uid}
+    membership.withdraw_joiner(store, JOINER)  # it gives up at its deadline
+    assert membership.waiting_joiners(store) == set()
+
+
+def test_formation_0_members_never_count_as_admitted_joiners() -> None:
+    store = dist.HashStore()
+    _arrive(store, 0, B)
+    assert _form(store, 0, None, target=2) == [A, B]
+    membership.register_joiner(store, B)  # B fell behind, and waits to come back
+    assert membership.waiting_joiners(store) == {B.uid}
