@@ -195,6 +195,7 @@ class _Plan:
             cancelled=self.cancelled,
             on_missing=self._note_missing,
             link=link,
+            settings={"check_order": str(self.policy.check_order), "backend": self.backend},
         )
 
     def _make_group(self, world: WorldInfo, deadline: float) -> None:

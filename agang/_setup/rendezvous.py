@@ -38,6 +38,10 @@ Rules (all of this runs on init's daemon thread, never on the loop):
 11. Meeting ends with proof: a barrier on the new default group (:func:`prove`), within
    the set-up's deadline, and the group destroyed if it fails. It lives here, not in
    init, because both init and an elastic re-formation end their meeting with it.
+12. Each rank checks in with the init settings every rank must share (``check_order``,
+   which makes a side group on every rank or on none, and the backend); a rank that
+   finds another's different fails at once, naming the setting and both values, rather
+   than waiting at a set-up step the others never reach until the deadline.
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ import socket
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -335,9 +339,11 @@ def check_in(
     cancelled: threading.Event,
     on_missing: Callable[[list[int]], None] = lambda missing: None,
     link: Link | None = None,
+    settings: Mapping[str, str] | None = None,
 ) -> list[Member]:
     """Checks this rank in and waits for every other rank (rules 3, 5); returns every
-    rank's host, pid and interface, as they checked in (rule 9).
+    rank's host, pid and interface, as they checked in (rule 9). ``settings`` must be
+    equal on every rank (rule 12: init's ``check_order`` and backend).
 
     Raises:
         GangInitError: The deadline passed (``missing_ranks`` says who never came), the
@@ -354,6 +360,7 @@ def check_in(
         cancelled=cancelled,
         on_missing=on_missing,
         link=link or Link(None, None, None),
+        settings=_settings_text(settings or {}),
     )
     warning = disagreement({r: m.link for r, m in enumerate(members)})
     # Rank 0 says so, and each rank that differs from it: not a thousand times over.
@@ -371,6 +378,7 @@ def _check_in(
     cancelled: threading.Event,
     on_missing: Callable[[list[int]], None],
     link: Link,
+    settings: str,
 ) -> list[Member]:
     # Every store operation below is a c10d call: check_in classifies their failures.
     verdict = f"{prefix}/missing"
@@ -381,7 +389,7 @@ def _check_in(
             f"The store at {world.store_address} is closing: its host gave up on an "
             f"earlier attempt."
         )
-    me = f"{world.world_size} {socket.gethostname()} {os.getpid()} {link.to_text()}"
+    me = f"{world.world_size} {socket.gethostname()} {os.getpid()} {settings} {link.to_text()}"
     key = f"{prefix}/rank/{world.rank}"
     # A second claim is a duplicate rank, unless it is this process retrying an attempt.
     if store.add(f"{prefix}/claim/{world.rank}", 1) > 1 and not (
@@ -442,14 +450,38 @@ def _check_in(
         )
     members = []
     for rank, key in enumerate(keys):
-        size, host, pid, rest = [*store.get(key).decode().split(" ", 3), "", "", ""][:4]
+        size, host, pid, theirs, rest = [*store.get(key).decode().split(" ", 4), "", "", ""][:5]
         if int(size) != world.world_size:
             raise GangInitError(
                 f"`WORLD_SIZE` must be the same on every rank, but is {world.world_size} here "
                 f"and {size} on rank {rank}."
             )
+        if theirs != settings:  # rule 12
+            raise GangInitError(_differing(settings, theirs, world.rank, rank, host, pid))
         members.append(Member(host, int(pid or 0), Link.from_text(rest)))
     return members
+
+
+def _settings_text(settings: Mapping[str, str]) -> str:
+    """``settings`` as one word of the check-in line (rule 12)."""
+    return ",".join(f"{name}={value}" for name, value in sorted(settings.items())) or "-"
+
+
+def _differing(mine: str, theirs: str, me: int, rank: int, host: str, pid: str) -> str:
+    """The message for init settings that differ between this rank and ``rank``."""
+    ours = dict(part.split("=", 1) for part in mine.split(",") if "=" in part)
+    other = dict(part.split("=", 1) for part in theirs.split(",") if "=" in part)
+    names = sorted(n for n in {*ours, *other} if ours.get(n) != other.get(n)) or ["settings"]
+    said = "; ".join(
+        f"`{name}` is {ours.get(name, 'unset')} here (rank {me}) and "
+        f"{other.get(name, 'unset')} on rank {rank} ({host}, pid {pid})"
+        for name in names
+    )
+    return (
+        f"init's {', '.join(f'`{n}`' for n in names)} must be the same on every rank, "
+        f"but {said}: ranks that disagree would wait on each other's set-up until the "
+        f"deadline. Pass the same value everywhere (or set AGANG_CHECK_ORDER for the job)."
+    )
 
 
 @dataclass(frozen=True)

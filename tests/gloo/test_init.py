@@ -225,7 +225,7 @@ def test_a8_init_again_after_a_failure_succeeds() -> None:
 
     # Rank 0 hosts the store, so it knows who never came; rank 1 may not have reached
     # the store in time at all. Both then succeed on their second init.
-    assert reports[0][0]["missing"] == [2], reports
+    assert reports[0][0].get("missing") == [2], reports
     assert "error" in reports[1][0]
     for _, second in reports[:2]:
         assert second.get("ok") == 3.0, reports
@@ -365,3 +365,21 @@ def test_ranks_that_disagree_on_the_world_size_fail_at_once() -> None:
 
     assert "`WORLD_SIZE` must be the same on every rank" in host["error"], host
     assert host["elapsed"] < 15.0  # at once, not at the 30 s deadline
+
+
+def test_a9_check_order_set_on_some_ranks_only_fails_at_once_naming_it() -> None:
+    # Rank 0 checks order (it would make the side group), rank 1 does not: once both
+    # checked in they fail, naming the setting, not at the 30 s deadline with hints
+    # about ranks that never started.
+    port = free_port()
+    with ranks() as group:
+        group.start({**_torchrun_env(0, 2, port), "AGANG_CHECK_ORDER": "1"}, [30.0])
+        group.start(_torchrun_env(1, 2, port), [30.0])
+        reports = [r[0] for r in group.reports(60)]
+
+    for rank, report in enumerate(reports):
+        assert "`check_order` must be the same on every rank" in report["error"], report
+        other = 1 - rank
+        assert f"on rank {other} (" in report["error"], report
+        assert report["elapsed"] < 10.0, report  # the deadline was 30 s
+    assert "is True here (rank 0) and False on rank 1" in reports[0]["error"]
