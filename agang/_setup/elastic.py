@@ -133,7 +133,10 @@ class Elastic:
     """Makes :func:`agang.init` form an elastic gang, which survives the loss of ranks.
 
     Args:
-        min_size: The fewest members a formation or reform accepts at its deadline.
+        min_size: The fewest members a formation or reform accepts. A reform with fewer
+            waits for more (joiners included) until its deadline, and forms as soon as
+            there are ``min_size``; fewer at the deadline raise ``GangInitError``.
+            ``WORLD_SIZE`` must be at least ``min_size`` (formation 0 takes no more).
         max_size: The most members a gang takes (None: no bound); the rest wait.
 
     Example:
@@ -212,6 +215,13 @@ def first_formation(store: Any, world: WorldInfo, elastic: Elastic, deadline: fl
     """Formation 0, or, where it already happened, the next reform as a joiner."""
     me = Candidate.me(world.rank)
     if membership.current_epoch(store) is None:
+        if world.world_size < elastic.min_size:
+            # Formation 0 takes WORLD_SIZE processes at most: it would wait out the
+            # deadline for members that can never come.
+            raise GangInitError(
+                f"`min_size` {elastic.min_size} of `elastic` is more than WORLD_SIZE "
+                f"{world.world_size}: formation 0 takes at most WORLD_SIZE processes."
+            )
         members = membership.form(
             store,
             me,

@@ -106,7 +106,9 @@ class ElasticGang(ProcessGroupGang):
     # The reform's deadline is part of its contract, as init's is (not a cancel scope).
     async def reform(self, timeout: float | None = None) -> ElasticGang:  # noqa: ASYNC109
         """The next epoch's gang: this one's live members that call reform, plus the
-        joiners waiting then (see the module's rules). Call it on every member.
+        joiners waiting then, up to ``max_size`` (see the module's rules). With fewer
+        than ``min_size``, it waits for more, joiners included, until its deadline.
+        Call it on every member.
 
         Args:
             timeout: The reform's deadline in seconds (None: 60 s).

@@ -20,7 +20,11 @@ Rules (all of it runs on a set-up thread, never on the loop):
    (``compare_set`` on an empty key) wins, and every process reads that list. The
    survivors keep their relative order, then the joiners in arrival order, up to
    ``max_size``. A process not on the list waits for the next epoch.
-4. Fewer than ``min_size`` at the deadline: ``GangInitError`` naming who is missing.
+4. *At least ``min_size``.* A reform with fewer members than ``min_size`` (the
+   survivors and the joiners that arrived, up to ``max_size``) is not complete: it
+   waits for more, joiners included, until its deadline, and decides as soon as there
+   are ``min_size``. Fewer at the deadline, for a reform or formation 0:
+   ``GangInitError`` naming who is missing, raised then.
 5. A member that dies after the decision makes the group's creation fail within the
    deadline; the caller then forms epoch N+1 with whoever is left (it never hangs).
 """
@@ -173,9 +177,12 @@ def form(
                 Candidate.from_text(t) for t in _lines(store, epoch_key(epoch, "arrived"))
             )
             proposal: list[Candidate] | None = None
+            gone: list[str] = []  # who is missing, should there be too few (rule 4)
             if previous is None:  # formation 0 (rule 1)
-                if len(arrived) >= target or (now >= deadline and len(arrived) >= min_size):
+                if len(arrived) >= target or now >= deadline:
                     proposal = sorted(arrived, key=lambda c: c.rank_hint)[:target]
+                    ranks = {c.rank_hint for c in arrived}
+                    gone = [f"RANK {r}" for r in range(target) if r not in ranks]
             else:  # a reform (rule 2)
                 here = {c.uid for c in arrived}
                 missing = [
@@ -186,21 +193,23 @@ def form(
                     dead |= {previous[i].uid for i in missing if i not in answered}
                     pinged_at = time.monotonic()
                     missing = [i for i in missing if previous[i].uid not in dead]
-                joiners = _registered_joiners(store, previous)
-                joiners_in = all(j.uid in here for j in joiners) or now - arrived_at >= JOINER_GRACE
-                if (not missing and joiners_in) or now >= deadline:
-                    survivors = [c for c in previous if c.uid in here]
-                    newcomers = [c for c in arrived if c.uid not in {p.uid for p in previous}]
+                survivors = [c for c in previous if c.uid in here]
+                newcomers = [c for c in arrived if c.uid not in {p.uid for p in previous}]
+                joiners_in = (
+                    all(j.uid in here for j in _registered_joiners(store, previous))
+                    or now - arrived_at >= JOINER_GRACE
+                )
+                enough = len(_capped(survivors + newcomers, max_size)) >= min_size  # rule 4
+                if (not missing and joiners_in and enough) or now >= deadline:
                     proposal = survivors + newcomers
+                    gone = [c.where for c in previous if c.uid not in here]
             if proposal is not None:
-                if max_size is not None:
-                    proposal = proposal[:max_size]
-                if len(proposal) < min_size:
-                    expected = previous if previous is not None else []
+                proposal = _capped(proposal, max_size)
+                if len(proposal) < min_size:  # only at the deadline (rule 4)
                     raise GangInitError(
                         f"Epoch {epoch} of the elastic gang has {len(proposal)} members at "
                         f"its deadline, fewer than min_size={min_size}; missing: "
-                        f"{[c.where for c in expected if c not in proposal] or 'unknown'}."
+                        f"{'; '.join(gone) or 'unknown'}."
                     )
                 _decide(store, me, epoch, proposal, previous)
                 continue
@@ -237,6 +246,10 @@ def _registered_joiners(store: Any, previous: list[Candidate]) -> list[Candidate
     not an admitted one that died since (rule 2)."""
     old = {c.uid for c in previous}
     return [c for c in _waiting(store) if c.uid not in old]
+
+
+def _capped(candidates: list[Candidate], max_size: int | None) -> list[Candidate]:
+    return candidates if max_size is None else candidates[:max_size]
 
 
 def _unique(candidates: Any) -> list[Candidate]:

@@ -7,13 +7,15 @@ the time it takes, which a loaded machine would blur.
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
 import pytest
 import torch.distributed as dist
 
-from agang._setup import membership
+from agang import GangInitError, WorldInfo
+from agang._setup import elastic, membership
 from agang._setup.membership import Candidate
 
 A = Candidate("a:1", 0, "host a, pid 1")
@@ -107,3 +109,48 @@ def test_formation_0_members_never_count_as_admitted_joiners() -> None:
     assert _form(store, 0, None, target=2) == [A, B]
     membership.register_joiner(store, B)  # B fell behind, and waits to come back
     assert membership.waiting_joiners(store) == {B.uid}
+
+
+def test_a_reform_short_of_min_size_forms_once_a_joiner_brings_it_there() -> None:
+    # C is dead; a replacement comes 0.3 s into the reform. The decision waited for
+    # nobody and raised at once ("at its deadline"), 0.3 s into a 10 s deadline.
+    store = dist.HashStore()
+    _arrive(store, 1, B)
+
+    def replacement_comes() -> None:
+        membership.register_joiner(store, JOINER)
+        _arrive(store, 1, JOINER)
+
+    timer = threading.Timer(0.3, replacement_comes)
+    timer.start()
+    try:
+        assert _form(store, 1, [A, B, C], min_size=3) == [A, B, JOINER]
+    finally:
+        timer.cancel()
+
+
+def test_a_reform_short_of_min_size_fails_at_its_deadline_naming_who_is_missing() -> None:
+    store = dist.HashStore()
+    _arrive(store, 1, B)
+    started = time.monotonic()
+    with pytest.raises(GangInitError, match="at its deadline, fewer than min_size=3") as error:
+        _form(store, 1, [A, B, C], min_size=3, seconds=0.5)
+    assert time.monotonic() - started >= 0.5
+    assert C.where in str(error.value)
+
+
+def test_formation_0_short_of_min_size_fails_at_its_deadline_naming_the_missing_ranks() -> None:
+    store = dist.HashStore()
+    started = time.monotonic()
+    with pytest.raises(GangInitError, match="fewer than min_size=2; missing: RANK 1") as error:
+        _form(store, 0, None, target=3, min_size=2, seconds=0.3)
+    assert time.monotonic() - started >= 0.3
+    assert "RANK 2" in str(error.value)
+
+
+def test_a_world_smaller_than_min_size_is_refused_at_once() -> None:
+    world = WorldInfo(rank=0, world_size=2, local_rank=0, master_addr="x", master_port=1)
+    with pytest.raises(GangInitError, match=r"`min_size` 3 .* WORLD_SIZE 2"):
+        elastic.first_formation(
+            dist.HashStore(), world, elastic.Elastic(min_size=3), time.monotonic() + 10
+        )
