@@ -609,7 +609,8 @@ class Gang(ABC):
         raise GangError(f"Gang '{self.name}' is not elastic: make it with agang.init(elastic=...).")
 
     def waiting_to_join(self) -> int:
-        """An elastic gang's count of processes waiting to join at the next reform.
+        """An elastic gang's count of processes waiting to join that the next reform
+        could admit (none while the gang is at its ``max_size``).
 
         Raises:
             GangError: This gang is not elastic (made without ``elastic=``).

@@ -36,6 +36,11 @@ Rules (blocking, on set-up threads; never on the loop):
    epoch (counted locally: ``noticed``); ``reforming <who>`` says a member started the
    next epoch, and is the elastic gang's own to handle
    (:mod:`agang._setup.elastic_gang`).
+7. A joiner never waits silently. Where the gang is at ``max_size``, no reform can
+   admit it and its members do not count it (``waiting_to_join``): it says so in an
+   INFO line at each such epoch, and waits for a member to leave; at its deadline its
+   error says why it was not admitted, and it withdraws its registration, so that no
+   reform waits for it any more.
 """
 
 from __future__ import annotations
@@ -137,7 +142,9 @@ class Elastic:
             waits for more (joiners included) until its deadline, and forms as soon as
             there are ``min_size``; fewer at the deadline raise ``GangInitError``.
             ``WORLD_SIZE`` must be at least ``min_size`` (formation 0 takes no more).
-        max_size: The most members a gang takes (None: no bound); the rest wait.
+        max_size: The most members a gang takes (None: no bound). The rest wait, each
+            until a member leaves and a reform admits it, or until its own deadline;
+            ``waiting_to_join()`` does not count them while the gang is at ``max_size``.
 
     Example:
         >>> gang = await agang.init(elastic=agang.Elastic(min_size=2), timeout=60)
@@ -255,12 +262,22 @@ def _wait_for_admission(
     world: WorldInfo, store: Any, me: Candidate, elastic: Elastic, deadline: float
 ) -> Formed:
     told: int | None = None
+    full = False  # the newest epoch is at max_size: no reform can admit this process yet
     while time.monotonic() < deadline:
         current = membership.current_epoch(store)
         if current is not None and current != told:
             # Each epoch's members hear it (a reform forgets the notices it had).
-            _tell_members(store, current, me)
+            size = _tell_members(store, current, me)
             told = current
+            full = elastic.max_size is not None and size >= elastic.max_size
+            if full:  # its members do not count it: say why it waits, not silently
+                log.info(
+                    "agang: %s waits to join the elastic gang, which is at max_size=%d "
+                    "(epoch %d): a reform can admit it once a member leaves.",
+                    me.where,
+                    elastic.max_size,
+                    current,
+                )
         following = 0 if current is None else current + 1
         if not store.check([membership.epoch_key(following, "arrived")]):
             time.sleep(0.05)  # no reform under way yet
@@ -278,19 +295,23 @@ def _wait_for_admission(
         )
         if members is not None:
             return Formed(world, store, me, following, members)
-    raise GangInitError(
-        f"No reform admitted this process ({me.where}) before its deadline: the elastic "
-        f"gang's members had not called reform() by then."
+    why = (
+        f"the gang is at max_size={elastic.max_size}; no member left to make room for it"
+        if full
+        else "the elastic gang's members had not called reform() by then"
     )
+    raise GangInitError(f"No reform admitted this process ({me.where}) before its deadline: {why}.")
 
 
-def _tell_members(store: Any, epoch: int, me: Candidate) -> None:
-    """Tells epoch ``epoch``'s members' responders that ``me`` waits to join."""
+def _tell_members(store: Any, epoch: int, me: Candidate) -> int:
+    """Tells epoch ``epoch``'s members' responders that ``me`` waits to join; returns
+    how many members the epoch has."""
     size = len(membership.members_of(store, epoch))
     epoch_store = dist.PrefixStore(  # type: ignore[attr-defined]
         membership.epoch_key(epoch, "blame"), store
     )
     mailbox.post(epoch_store, list(range(size)), "joining", me.uid)
+    return size
 
 
 def reform_membership(

@@ -12,6 +12,9 @@ Rules:
    that it waits, so asking costs no store traffic and no collective. A reform forgets
    the notices it had: a joiner it did not admit tells the new epoch's members again
    once that epoch exists, and one that died never does, so it is not counted for ever.
+   It counts only the joiners a reform could admit, up to ``max_size`` less the gang's
+   size: none while the gang is at ``max_size``, or a loop that reforms when it is
+   above 0 would reform at every step, admitting nobody.
 4. A member that starts a reform tells every other member's responder, which breaks
    their gang at once: an op that waits on a dead peer's neighbour fails then, not at
    its deadline, so every member comes to the reform within moments of the first.
@@ -99,9 +102,13 @@ class ElasticGang(ProcessGroupGang):
         return self._formed.epoch
 
     def waiting_to_join(self) -> int:
-        """How many processes wait to join at the next reform (rule 3: local, no I/O)."""
+        """How many of the processes waiting to join the next reform would admit: no
+        more than ``max_size`` less this gang's size (rule 3: local, no I/O)."""
         admitted = {c.uid for c in self._formed.members}
-        return len((self._waiting | setup.noticed()) - admitted)
+        waiting = len((self._waiting | setup.noticed()) - admitted)
+        if self._elastic.max_size is None:
+            return waiting
+        return min(waiting, max(0, self._elastic.max_size - len(self._formed.members)))
 
     # The reform's deadline is part of its contract, as init's is (not a cancel scope).
     async def reform(self, timeout: float | None = None) -> ElasticGang:  # noqa: ASYNC109

@@ -12,7 +12,8 @@ Rules (all of it runs on a set-up thread, never on the loop):
    joiners waiting then. The members that have not arrived are pinged through their
    responders (``agang._setup.elastic.ping``): one that answers is alive and is
    waited for, until the deadline; one that does not (dead, stopped) is left out.
-   Waiting joiners get a short grace to arrive, since they poll. A joiner admitted
+   Waiting joiners get a short grace to arrive, since they poll; none where the
+   survivors alone fill ``max_size``, since none could be admitted. A joiner admitted
    into an epoch is no longer waiting, whether it lives on or dies: later reforms do
    not wait for it.
 3. *One decision.* Every old member that arrived decides on its own, from the store,
@@ -196,7 +197,8 @@ def form(
                 survivors = [c for c in previous if c.uid in here]
                 newcomers = [c for c in arrived if c.uid not in {p.uid for p in previous}]
                 joiners_in = (
-                    all(j.uid in here for j in _registered_joiners(store, previous))
+                    (max_size is not None and len(survivors) >= max_size)
+                    or all(j.uid in here for j in _registered_joiners(store, previous))
                     or now - arrived_at >= JOINER_GRACE
                 )
                 enough = len(_capped(survivors + newcomers, max_size)) >= min_size  # rule 4

@@ -379,6 +379,42 @@ def test_too_few_members_fail_the_reform_naming_who_is_missing(control: Control)
     _assert_responsive(stats)
 
 
+def test_a_joiner_beyond_max_size_is_not_counted_and_is_told_why_it_waits(
+    control: Control,
+) -> None:
+    """The README's loop reforms when ``waiting_to_join() > 0``: a joiner that no reform
+    can admit (the gang at max_size) made it reform at every step until the joiner's
+    deadline, and the joiner then failed without saying why. It is not counted; it
+    waits, logging why, until a member leaves (then a reform admits it) or until its
+    deadline (then its error says why)."""
+    with Cluster(control, 2, min_size=1, max_size=2, **SETTINGS) as cluster:
+        w0, w1 = cluster.workers
+        patient = cluster.fork(0)
+        cluster.join(patient)
+        noticed = [worker.ask("noticed", "noticed") for worker in (w0, w1)]
+        hasty = cluster.fork(1)
+        cluster.join(hasty, timeout=2)
+        refused = hasty.event("init_failed", "epoch", timeout=15)
+        counts = [worker.ask("count", "count") for worker in (w0, w1)]
+        _issue([w1])
+        cluster.kill(w1)  # a member leaves: the reform that follows admits the patient one
+        w0.send("all_reduce")
+        failure = w0.event("failed", timeout=OP_TIMEOUT + 10)
+        epochs = [_epoch(worker) for worker in (w0, patient)]
+        exact = _exact([w0, patient]) if epochs[1]["what"] == "epoch" else None
+    assert [(e["noticed"], e["joiners"]) for e in noticed] == [(1, 0), (1, 0)], noticed
+    assert [e["joiners"] for e in counts] == [0, 0], counts
+    assert refused["what"] == "init_failed", refused
+    assert refused["error"] == "GangInitError", refused
+    assert "the gang is at max_size=2; " in refused["message"], refused
+    assert 2.0 <= refused["took"] < 2.0 + 5.0, refused  # at its deadline
+    assert any("max_size=2" in line for line in refused["logs"]), refused["logs"]
+    assert failure["error"] in FAILURES, failure
+    found = [(e["what"], e.get("epoch"), e.get("rank"), e.get("size")) for e in epochs]
+    assert found == [("epoch", 1, 0, 2), ("epoch", 1, 1, 2)], epochs
+    assert exact == [3, 3]
+
+
 # -- 20 kill/reform/join cycles ----------------------------------------------------------
 
 

@@ -3,9 +3,9 @@ its test sends over the control connection and answers with events.
 
 Commands (``{"do": ...}``) and their events (``{"what": ...}``):
 
-- ``init`` (``min_size``, ``timeout``, ``op_timeout``, ``reform_timeout``,
-  ``die_in_make_group``): calls
-  ``agang.init(elastic=...)``; ``epoch``. With ``die_in_make_group`` N, the process
+- ``init`` (``min_size``, ``max_size``, ``timeout``, ``op_timeout``, ``reform_timeout``,
+  ``die_in_make_group``): calls ``agang.init(elastic=...)``; ``epoch``, or ``init_failed``
+  (the error, and ``logs``: agang's INFO lines meanwhile). With ``die_in_make_group`` N, the process
   SIGKILLs itself as it starts making epoch N's group (a death inside a reform). With
   ``close_takes`` S, closing a gang takes S seconds more (a slow abort of its communicator).
 - ``all_reduce`` (``numel``, ``repeat``): all-reduces ``repeat`` times, saying ``issued``
@@ -14,6 +14,8 @@ Commands (``{"do": ...}``) and their events (``{"what": ...}``):
 - ``reform`` (``timeout``, ``after_joiner``): reforms (once a joiner waits, with
   ``after_joiner``); ``epoch`` or ``reform_failed``.
 - ``waiting``: says ``waiting`` once a joiner waits (``waiting_to_join() > 0``).
+- ``noticed``: says ``noticed`` once a joiner told this member that it waits, with how
+  many did and ``waiting_to_join()`` (which counts only those a reform can admit).
 - ``count``: says ``count`` with ``waiting_to_join()`` at once.
 - ``old``: calls ops on the gang of the previous epoch; ``old`` lists the outcomes.
 - ``stats``: ``stats`` with threads, open fds, RSS and the loop's lag (p99, max).
@@ -28,6 +30,7 @@ from __future__ import annotations
 import faulthandler
 import gc
 import json
+import logging
 import os
 import signal
 import time
@@ -118,13 +121,38 @@ async def _init(rank: Rank, command: dict[str, Any]) -> None:
             await close(gang)
 
         agang.ElasticGang.close = slow_close  # type: ignore[method-assign]
+    logs = _Collect()
+    logger = logging.getLogger("agang")
+    logger.addHandler(logs)
+    level = logger.level
+    logger.setLevel(logging.INFO)
     started = time.monotonic()
-    gang = await agang.init(
-        elastic=agang.Elastic(min_size=command["min_size"]),
-        timeout=command["timeout"],
-        op_timeout=command["op_timeout"],
-    )
+    try:
+        gang = await agang.init(
+            elastic=agang.Elastic(min_size=command["min_size"], max_size=command.get("max_size")),
+            timeout=command["timeout"],
+            op_timeout=command["op_timeout"],
+        )
+    except agang.GangError as error:
+        took = time.monotonic() - started
+        name, text = type(error).__name__, str(error)
+        await rank.say("init_failed", error=name, message=text, took=took, logs=logs.lines)
+        return
+    finally:
+        logger.removeHandler(logs)
+        logger.setLevel(level)
     await rank.new_epoch(gang, time.monotonic() - started)
+
+
+class _Collect(logging.Handler):
+    """The lines agang logs (INFO and up) while it is attached."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
 
 
 async def _all_reduce(rank: Rank, command: dict[str, Any]) -> None:
@@ -177,6 +205,17 @@ async def _waiting(rank: Rank, command: dict[str, Any]) -> None:
     await rank.say("waiting", joiners=rank.gang.waiting_to_join())
 
 
+async def _noticed(rank: Rank, command: dict[str, Any]) -> None:
+    """Says ``noticed`` once a joiner has told this member that it waits, whether or not
+    a reform could admit it."""
+    with anyio.fail_after(command.get("timeout", 10)):
+        while not elastic_setup.noticed():  # noqa: ASYNC110 (a local read: polled)
+            await anyio.sleep(0.01)
+    await rank.say(
+        "noticed", noticed=len(elastic_setup.noticed()), joiners=rank.gang.waiting_to_join()
+    )
+
+
 async def _count(rank: Rank, command: dict[str, Any]) -> None:
     """Says ``count`` with ``waiting_to_join()`` as it reads now."""
     await rank.say("count", joiners=rank.gang.waiting_to_join())
@@ -221,6 +260,7 @@ COMMANDS = {
     "recv": _recv,
     "reform": _reform,
     "waiting": _waiting,
+    "noticed": _noticed,
     "count": _count,
     "old": _old,
     "stats": _stats,

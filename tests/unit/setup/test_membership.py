@@ -7,6 +7,7 @@ the time it takes, which a loaded machine would blur.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Any
@@ -154,3 +155,19 @@ def test_a_world_smaller_than_min_size_is_refused_at_once() -> None:
         elastic.first_formation(
             dist.HashStore(), world, elastic.Elastic(min_size=3), time.monotonic() + 10
         )
+
+
+def test_a_joiner_beyond_max_size_says_why_it_waits_and_fails_with_that_reason(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    store = dist.HashStore()
+    _arrive(store, 0, B)
+    assert _form(store, 0, None, target=2) == [A, B]
+    world = WorldInfo(rank=2, world_size=2, local_rank=0, master_addr="x", master_port=1)
+    caplog.set_level(logging.INFO, logger="agang")
+    with pytest.raises(GangInitError, match="the gang is at max_size=2; "):
+        elastic.join(world, store, JOINER, elastic.Elastic(max_size=2), time.monotonic() + 0.3)
+    said = [r.getMessage() for r in caplog.records if "max_size=2" in r.getMessage()]
+    assert len(said) == 1, said  # once for the one epoch it saw
+    assert said[0].startswith("agang: "), said
+    assert membership.waiting_joiners(store) == set()  # it gave up: no reform waits for it
