@@ -342,3 +342,44 @@ async def _raise_policy_program(gang: agang.Gang) -> dict[str, Any]:
     report["broken"] = gang.statistics().num_failed > 0
     report["value"] = tensor.tolist()
     return report
+
+
+async def _lanes_in_opposite_orders(gang: agang.Gang) -> tuple[list[str], float]:
+    """Rank 0 asks for lane "grads" then "metrics", rank 1 the reverse; then "grads"
+    alone, in one order."""
+    errors = []
+    for name in ("grads", "metrics") if gang.rank == 0 else ("metrics", "grads"):
+        try:
+            await gang.lane(name)
+        except agang.GangInitError as error:
+            errors.append(str(error))
+    grads = await gang.lane("grads")
+    return errors, (await grads.all_reduce(torch.ones(1))).item()
+
+
+def _check_refused_not_crossed(results: list[tuple[list[str], float]], gang: str) -> None:
+    for errors, total in results:
+        assert len(errors) == 2, errors
+        for error in errors:
+            assert "made by one call with other gangs on other ranks" in error, error
+            assert f"'{gang}/lane:grads'" in error, error
+            assert f"'{gang}/lane:metrics'" in error, error
+        assert total == 2.0  # made again in one order, the lane works
+
+
+@pytest.mark.anyio
+async def test_lanes_made_in_another_order_on_another_rank_are_refused_not_crossed() -> None:
+    """The groups pair up by call order, so each call would get the other rank's other
+    lane: every rank is refused, naming both lanes, and no op runs on a crossed pair."""
+    world = FakeWorld(2)
+    _check_refused_not_crossed(await world.run(_lanes_in_opposite_orders), "fake-world")
+    for gang in world:
+        await gang.close()
+
+
+@pytest.mark.gloo
+def test_lanes_made_in_another_order_are_refused_on_gloo() -> None:
+    # Without the check, rank 0's "grads" and rank 1's "metrics" were one group: 201 for
+    # 3 and 102 for 300 in the reproduction.
+    results = run_world(_lanes_in_opposite_orders, 2, async_backend="asyncio", timeout=60.0)
+    _check_refused_not_crossed(results, "root")

@@ -472,6 +472,7 @@ class C10dBackend:
             backstop=self._backstop,
             seconds=seconds,
             parent_name=self._name,
+            name=name,
             bind=self._bind,
             device=self._device,
         )

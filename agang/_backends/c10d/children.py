@@ -19,6 +19,12 @@ Rules:
    never make, so the non-member would hang in it (pytorch#145376).
 4. The whole creation runs on a thread, within the gang's op deadline; a store hiccup
    that c10d reports as transient (``agang._backends.c10d.retry.call_c10d``) is retried within it.
+5. c10d pairs the ranks' creations by call order alone. Lanes are made on first use, so
+   two ranks whose tasks ask for lanes "grads" and "metrics" in opposite orders would get
+   one group for both, cross-wired: one lane's ops summed with the other's. So the
+   members then compare the child's name under the new group's name (the same on every
+   member) in the store, and where any differs, each destroys the group and fails,
+   naming what every member made.
 """
 
 from __future__ import annotations
@@ -56,6 +62,7 @@ async def create_groups(
     backstop: float,
     seconds: float | None,
     parent_name: str,
+    name: str = "",
     bind: Callable[[], None] = lambda: None,
     device: torch.device | None = None,
 ) -> Groups:
@@ -118,6 +125,8 @@ async def create_groups(
         for attempt in retrying(RetryPolicy(), stop_at):
             with attempt:
                 groups = call_c10d(create)
+        if groups[0] is not None and name:
+            _check_made_together(groups, name, stop_at)
         return groups
 
     try:
@@ -134,3 +143,27 @@ async def create_groups(
             f"(or lane) with the same ranks, in the same order."
         )
     return group, side
+
+
+def _check_made_together(groups: Groups, name: str, stop_at: float) -> None:
+    """Rule 5: every member made the child under ``name``, or each destroys it and fails."""
+    group = groups[0]
+    assert group is not None
+    store = dist.distributed_c10d._get_default_store()
+    prefix = f"agang/children/{group.group_name}"
+    keys = [f"{prefix}/{rank}" for rank in range(group.size())]
+    store.set(keys[group.rank()], name)
+    store.wait(keys, timedelta(seconds=max(0.1, stop_at - time.monotonic())))
+    names = [store.get(key).decode() for key in keys]
+    if all(other == name for other in names):
+        return
+    for made in groups:
+        if made is not None:
+            dist.destroy_process_group(made)
+    said = "; ".join(f"rank {rank}: '{other}'" for rank, other in enumerate(names))
+    raise ValueError(
+        f"gang '{name}' was made by one call with other gangs on other ranks ({said}): "
+        f"lanes and sub-gangs are made by a collective call, paired across ranks by call "
+        f"order, so make them in the same order on every rank (for lanes, ask for each "
+        f"one once at start-up, before tasks race to use them)"
+    )

@@ -172,9 +172,19 @@ class Communicator:
             del self.creations[index]
         arrivals = [meeting[r] for r in range(self.size)]
         first = arrivals[0]
-        if any((a.members, a.name) != (first.members, first.name) for a in arrivals):
+        if any(a.members != first.members for a in arrivals):
             sides = "; ".join(f"rank {a.rank}: ranks {list(a.members)}" for a in arrivals)
             error = GangInitError(f"The ranks asked for different gangs at one position: {sides}")
+        elif any(a.name != first.name for a in arrivals):  # c10d's children: its rule 5
+            said = "; ".join(f"rank {a.rank}: '{a.name}'" for a in arrivals)
+            error = GangInitError(
+                f"Creating gang '{first.name}' failed: it was made by one call with other "
+                f"gangs on other ranks ({said}); make lanes and sub-gangs in the same order "
+                f"on every rank."
+            )
+        else:
+            error = None
+        if error is not None:
             for a in arrivals:
                 self.world.schedule(functools.partial(_settle, a.made, None, error))
             return
