@@ -28,6 +28,10 @@ Rules:
    to no gang (``cp``, an unknown name, one the keywords leave out) is an error that
    lists the mesh's dimensions and the keywords: a ``gangs.tp.all_reduce`` that does
    nothing would corrupt a model silently.
+7. Dimensions flattened from the mesh's (``mesh["dp_replicate", "dp_shard"]._flatten
+   ("dp")``, torchtitan's ``dp_shard_cp``) are dimensions too: torch keeps them on the
+   root mesh, and ``get_group`` gives their groups. A mesh dimension that a mapped
+   flattened one spans (its group on this rank inside the flattened one's) is mapped.
 """
 
 from __future__ import annotations
@@ -107,8 +111,10 @@ def gangs_from_device_mesh(
     mesh = _check_mesh(mesh)
     dim_names = tuple(mesh.mesh_dim_names or ())
     sizes = dict(zip(dim_names, mesh.mesh.shape, strict=False))
+    flattened = _flattened(mesh)  # rule 7
+    sizes.update({dim: mesh.get_group(dim).size() for dim in flattened})
     if all(dim is None for dim in names.values()):
-        names = _names_by_dimension(dim_names)  # rule 6
+        names = _names_by_dimension((*dim_names, *flattened))  # rule 6
     for field, dim in names.items():
         if dim is None:
             continue
@@ -117,9 +123,10 @@ def gangs_from_device_mesh(
                 f"`{field}` must be a mesh dimension name (a str) or None, "
                 f"but is of type `{type(dim).__name__}` instead."
             )
-        if dim not in dim_names:
+        if dim not in dim_names and dim not in flattened:
             raise ValueError(
-                f"`{field}` must name a dimension of `mesh` (one of {list(dim_names)}), "
+                f"`{field}` must name a dimension of `mesh` (one of "
+                f"{list((*dim_names, *flattened))}), "
                 f"but is {dim!r} instead."
             )
     names = _with_dp(names, sizes)
@@ -137,7 +144,7 @@ def gangs_from_device_mesh(
             f"`mesh` must span the ranks of the root gang '{gang.name}' ({root_ranks}), "
             f"but spans {mesh_ranks} instead."
         )
-    _check_every_dimension_mapped(mesh, dim_names, sizes, names)
+    _check_every_dimension_mapped(mesh, dim_names, sizes, names, flattened)
     policy = dataclasses.replace(gang.policy, check_order=False)  # rule 4
     gangs: dict[str, Gang] = {}
     wrapped: dict[int, Gang] = {id(gang.process_group): gang}
@@ -167,6 +174,16 @@ def gangs_from_device_mesh(
 # torchtitan's names for its mesh dimensions that are agang's under another name (rule 6).
 _ALIASES = {"dp_replicate": "rdp", "dp_shard": "sdp"}
 _KEYWORDS = ("dp", "tp", "pp", "rdp", "sdp")
+
+
+def _flattened(mesh: DeviceMesh) -> tuple[str, ...]:
+    """The names of the dimensions flattened from ``mesh``'s (``mesh[...]._flatten(name)``),
+    which torch keeps on the root mesh (rule 7)."""
+    root = getattr(mesh, "_get_root_mesh", lambda: mesh)()
+    if root is not mesh:
+        return ()
+    mapping = getattr(root, "_flatten_mapping", None) or {}
+    return tuple(name for name in mapping if name not in (mesh.mesh_dim_names or ()))
 
 
 def _names_by_dimension(dim_names: tuple[str, ...]) -> dict[str, str | None]:
@@ -199,8 +216,10 @@ def _check_every_dimension_mapped(
     dim_names: tuple[str, ...],
     sizes: Mapping[str, int],
     names: Mapping[str, str | None],
+    flattened: tuple[str, ...] = (),
 ) -> None:
-    """Rule 6: no dimension of size > 1 is left to a size-1 gang."""
+    """Rule 6: no dimension of size > 1 is left to a size-1 gang; one a mapped flattened
+    dimension spans is mapped (rule 7)."""
     if not dim_names:
         if mesh.mesh.numel() > 1:
             raise ValueError(
@@ -209,9 +228,15 @@ def _check_every_dimension_mapped(
             )
         return
     used = {dim for dim in names.values() if dim is not None}
-    left = [dim for dim in dim_names if sizes[dim] > 1 and dim not in used]
+    spans = [set(_global_ranks(mesh.get_group(dim))) for dim in used if dim in flattened]
+
+    def covered(dim: str) -> bool:
+        ranks = set(_global_ranks(mesh.get_group(dim)))
+        return dim in used or any(ranks <= span for span in spans)
+
+    left = [dim for dim in dim_names if sizes[dim] > 1 and not covered(dim)]
     if left:
-        shown = ", ".join(f"{dim!r} (size {sizes[dim]})" for dim in dim_names)
+        shown = ", ".join(f"{dim!r} (size {sizes[dim]})" for dim in (*dim_names, *flattened))
         given = ", ".join(f"{field}={dim!r}" for field, dim in names.items() if dim) or "none"
         raise ValueError(
             f"`mesh` dimension {', '.join(repr(d) for d in left)} maps to no gang: each "

@@ -144,6 +144,19 @@ async def _mesh_to_gangs(root: agang.Gang, rank: int) -> dict[str, Any]:
     )
     context = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
     report["cp"] = error_of(lambda: agang.Gangs.from_device_mesh(context, root=root))
+    # (f) Flattened dimensions (HSDP's "dp", torchtitan's "dp_shard_cp") are dimensions.
+    hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+    hsdp["dp_replicate", "dp_shard"]._flatten("dp")
+    flat = agang.Gangs.from_device_mesh(hsdp, root=root)
+    report["flattened"] = (
+        [flat.dp.size, flat.rdp.size, flat.sdp.size],
+        flat.dp.process_group is hsdp.get_group("dp"),  # type: ignore[attr-defined]
+    )
+    sharded = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "cp"))
+    sharded["dp_shard", "cp"]._flatten("dp_shard_cp")
+    wide = agang.Gangs.from_device_mesh(sharded, root=root, dp="dp_shard_cp")
+    report["dp_shard_cp"] = [wide.dp.size, wide.sdp.size, wide.tp.size]
+    report["dp_shard_cp_total"] = await members(wide.dp, rank)
     return report
 
 
@@ -232,6 +245,9 @@ def test_device_mesh_round_trip_on_gloo() -> None:
         assert got["by_name"]
         assert got["titan"] == ([2, 1, 2, 2, 1], True)
         assert got["cp"].startswith("ValueError: `mesh` dimension 'cp' maps to no gang")
+        assert got["flattened"] == ([4, 2, 2], True)
+        assert got["dp_shard_cp"] == [4, 4, 1]
+        assert got["dp_shard_cp_total"] == [0, 1, 2, 3]
 
         got = report["gangs_to_mesh"]
         assert got["names"] == ("dp", "tp")
