@@ -344,6 +344,11 @@ class Gang(ABC):
         Returns:
             A handle whose ``await`` returns ``output``.
 
+        Raises:
+            ValueError: ``output`` overlaps ``input`` in memory (in place, or shifted by
+                rows): each rank writes ``output`` while its peers still read ``input``,
+                so some ranks would get rows already overwritten, with no error.
+
         Example:
             >>> await gang.all_to_all(torch.empty(n * 2), tokens)
             >>> counts = torch.tensor(tokens_per_expert)  # rows this rank sends to each

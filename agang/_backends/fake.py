@@ -51,6 +51,16 @@ def _not_copies(name: str, sizes: list[int], rows: int) -> GangError:
     )
 
 
+def _apart(input: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+    """``input``, or a copy of it where it shares memory with ``output``: a gather in
+    place passes this rank's block of ``output`` as ``input``, and torch refuses to copy
+    a tensor into memory that holds it. (Both are contiguous: one range each.)"""
+    start, end = input.data_ptr(), input.data_ptr() + input.nbytes
+    if start < output.data_ptr() + output.nbytes and output.data_ptr() < end:
+        return input.clone()
+    return input
+
+
 @final
 class FakeBackend:
     """Rank ``rank`` of ``size`` equal simulated ranks, in this process."""
@@ -101,7 +111,7 @@ class FakeBackend:
     def start_all_gather(
         self, output: torch.Tensor, input: torch.Tensor, done: Done, *, to_host: bool = False
     ) -> None:
-        output.view(self._size, -1).copy_(input.reshape(1, -1))
+        output.view(self._size, -1).copy_(_apart(input, output).reshape(1, -1))
         done(None)
 
     @torch.no_grad()  # results go into tensors that may require grad
@@ -131,7 +141,7 @@ class FakeBackend:
     ) -> None:
         if any(n != input.shape[0] for n in split_sizes):
             raise _not_copies("output_split_sizes", split_sizes, input.shape[0])
-        output.view(self._size, *input.shape).copy_(input.unsqueeze(0))
+        output.view(self._size, *input.shape).copy_(_apart(input, output).unsqueeze(0))
         done(None)
 
     @torch.no_grad()  # results go into tensors that may require grad

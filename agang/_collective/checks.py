@@ -34,18 +34,18 @@ class Group:
     device: torch.device
     #: The backend's kind: ``"gloo"``, ``"nccl"`` or ``"fake"``.
     kind: str
-    #: The dtypes the backend's collectives accept.
-    dtypes: frozenset[torch.dtype]
+    #: The dtypes the backend's collectives accept, less the complex ones: those that
+    #: :func:`is_usual_tensor` passes at once.
+    real_dtypes: frozenset[torch.dtype]
 
     @classmethod
     def of(cls, backend: Backend) -> Group:
-        return cls(
-            backend.rank, backend.size, backend.device, backend.kind, supported_dtypes(backend.kind)
-        )
+        real_dtypes = supported_dtypes(backend.kind) - _COMPLEX
+        return cls(backend.rank, backend.size, backend.device, backend.kind, real_dtypes)
 
     def tensor(self, value: object, name: str) -> torch.Tensor:
         """``value``, checked as a tensor this gang can send, named ``name`` in errors."""
-        if is_usual_tensor(value, self.device, self.dtypes):  # at once, no message made
+        if is_usual_tensor(value, self.device, self.real_dtypes):  # at once, no message made
             return value
         return check_tensor(value, name=name, device=self.device, backend=self.kind)
 
@@ -66,6 +66,7 @@ _GLOO_DTYPES = frozenset(
     }
 )
 _NCCL_DTYPES = _GLOO_DTYPES | {torch.float8_e4m3fn, torch.float8_e5m2}
+_COMPLEX = frozenset({torch.complex32, torch.complex64, torch.complex128})
 _STRIDED = torch.strided
 
 
@@ -106,21 +107,40 @@ def check_tensor(
             f"`{name}` must have a dtype the {backend} backend supports, "
             f"but has dtype {tensor.dtype} instead."
         )
+    # A lazily conjugated or negated view (``x.conj()``, the ``.imag`` of one) keeps the
+    # values before the conjugation or negation in memory, and torch applies it only
+    # where the values are read. A backend moves the memory: on Gloo a negated view is
+    # reduced un-negated (a wrong result, and no error), and a conjugated one fails once
+    # issued, which breaks the gang on every rank. So both are refused before issue.
+    if tensor.is_conj():
+        raise ValueError(
+            f"`{name}` must hold its values in memory, but is a lazily conjugated view "
+            f"(`is_conj()` is True) instead; call `.resolve_conj()` first."
+        )
+    if tensor.is_neg():
+        raise ValueError(
+            f"`{name}` must hold its values in memory, but is a lazily negated view "
+            f"(`is_neg()` is True) instead; call `.resolve_neg()` first."
+        )
     return tensor
 
 
 def is_usual_tensor(
-    tensor: object, device: torch.device, dtypes: frozenset[torch.dtype]
+    tensor: object, device: torch.device, real_dtypes: frozenset[torch.dtype]
 ) -> TypeGuard[torch.Tensor]:
-    """Whether ``tensor`` passes :func:`check_tensor` (``dtypes``: the backend's), in one
-    expression: the usual tensor costs no more. Any other goes to :func:`check_tensor`,
+    """Whether ``tensor`` passes :func:`check_tensor`, in one expression: the usual tensor
+    costs no more. ``real_dtypes`` are the backend's dtypes less the complex ones: a real
+    tensor can carry one lazy flag (negation), tested here, and a complex one two
+    (negation and conjugation), so complex tensors, which are rare, take the full check
+    and the usual tensor pays one flag test. Any other goes to :func:`check_tensor`,
     which names its first fault."""
     return (
         isinstance(tensor, torch.Tensor)
         and tensor.layout is _STRIDED
         and tensor.device == device
         and tensor.is_contiguous()
-        and tensor.dtype in dtypes
+        and tensor.dtype in real_dtypes
+        and not tensor.is_neg()
     )
 
 
@@ -205,6 +225,40 @@ def check_distinct(tensors: Sequence[torch.Tensor], *, name: str) -> None:
                 f"`{name}` must not overlap in memory, but two of its tensors do; "
                 f"pass separate buffers."
             )
+
+
+def check_apart(tensors: Sequence[tuple[str, torch.Tensor, bool]]) -> None:
+    """No tensor that the op writes overlaps another of its tensors in memory.
+
+    ``tensors`` are ``(name, tensor, written)``. Tensors only read may overlap each
+    other (exchange sends one tensor to several peers). A written one must not: the op
+    writes it while it still reads (or writes) the other, and the backend does not say
+    in which order, so the ranks would get some rows already overwritten, and no error.
+
+    Sorts the address ranges by start (n log n: an exchange may hold many transfers): a
+    range overlaps an earlier one iff it starts before the furthest end so far, so
+    keeping that end over all ranges and over written ones finds every overlap that
+    involves a written tensor.
+    """
+    ranges = sorted(
+        (t.data_ptr(), t.data_ptr() + t.nbytes, name, written)
+        for name, t, written in tensors
+        if t.nbytes
+    )
+    furthest: tuple[int, str] = (-1, "")
+    furthest_written: tuple[int, str] = (-1, "")
+    for start, end, name, written in ranges:
+        other = furthest if written else furthest_written
+        if start < other[0]:
+            written_name, other_name = (name, other[1]) if written else (other[1], name)
+            raise ValueError(
+                f"`{written_name}` must not overlap `{other_name}` in memory, but does; "
+                f"pass separate buffers."
+            )
+        if end > furthest[0]:
+            furthest = (end, name)
+        if written and end > furthest_written[0]:
+            furthest_written = (end, name)
 
 
 def check_root_only(value: object, *, is_root: bool, name: str, root: str) -> None:

@@ -29,6 +29,7 @@ from agang._backends.contract import Backend
 from agang._backends.fingerprint import describe, describe_rows
 from agang._collective.checks import (
     Group,
+    check_apart,
     check_rows,
     check_same_dtype,
     check_shape,
@@ -76,38 +77,6 @@ def _transfers(group: Group, items: object, *, name: str) -> list[tuple[torch.Te
         rank = check_rank(item[1], group.size, name=f"{name}[{i}][1]", self_rank=group.rank)
         checked.append((tensor, rank))
     return checked
-
-
-def _check_apart(sends: list[Transfer], recvs: list[Transfer]) -> None:
-    """No receive tensor overlaps another tensor of the batch.
-
-    Sends may overlap each other, or be one tensor sent to several peers: they are
-    only read. Sweeping the
-    ranges by start, a range overlaps an earlier one iff it starts before the furthest
-    end so far, so keeping that end over all ranges and over receives finds every
-    overlap that involves a receive.
-    """
-    labelled = [(t, f"sends[{i}][0]", False) for i, (t, _) in enumerate(sends)]
-    labelled += [(t, f"recvs[{i}][0]", True) for i, (t, _) in enumerate(recvs)]
-    ranges = sorted(
-        (t.data_ptr(), t.data_ptr() + t.nbytes, label, is_recv)
-        for t, label, is_recv in labelled
-        if t.nbytes
-    )
-    furthest: tuple[int, str] = (-1, "")
-    furthest_recv: tuple[int, str] = (-1, "")
-    for start, end, label, is_recv in ranges:
-        other = furthest if is_recv else furthest_recv
-        if start < other[0]:
-            recv_label, other_label = (label, other[1]) if is_recv else (other[1], label)
-            raise ValueError(
-                f"`{recv_label}` must not overlap another tensor of the batch "
-                f"(`{other_label}`), but does; pass separate buffers."
-            )
-        if end > furthest[0]:
-            furthest = (end, label)
-        if is_recv and end > furthest_recv[0]:
-            furthest_recv = (end, label)
 
 
 def all_gather(
@@ -160,6 +129,9 @@ def all_to_all(
     input = group.tensor(input, "input")
     output = group.tensor(output, "output")
     check_same_dtype(output, input)
+    # Every rank writes its blocks into `output` while its peers still read `input`: in
+    # place, or shifted by rows, some ranks would get rows already overwritten.
+    check_apart([("output", output, True), ("input", input, False)])
     tensors = [("output", output), ("input", input)]
     size = group.size
     if output_split_sizes is None and input_split_sizes is None:
@@ -243,9 +215,13 @@ def exchange(
             "`sends` and `recvs` must hold at least one transfer between them, but are "
             "both empty instead."
         )
-    _check_apart(checked_sends, checked_recvs)
-    tensors = [(f"sends[{i}][0]", t) for i, (t, _) in enumerate(checked_sends)]
-    tensors += [(f"recvs[{i}][0]", t) for i, (t, _) in enumerate(checked_recvs)]
+    sent = [(f"sends[{i}][0]", t) for i, (t, _) in enumerate(checked_sends)]
+    received_named = [(f"recvs[{i}][0]", t) for i, (t, _) in enumerate(checked_recvs)]
+    # Sends are only read, so they may share memory; a receive is written.
+    check_apart(
+        [(name, t, False) for name, t in sent] + [(name, t, True) for name, t in received_named]
+    )
+    tensors = sent + received_named
     received = [t for t, _ in checked_recvs]
     return (
         "exchange",

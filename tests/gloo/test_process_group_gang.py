@@ -74,3 +74,49 @@ def test_closing_the_parent_closes_sub_gangs() -> None:
             "child": "GangClosedError",
             "long_timeout": ["GangClosedError", "GangClosedError"],
         }
+
+
+async def _refused_before_issue(gang: agang.Gang) -> dict[str, Any]:
+    """Lazy views and an all_to_all in place are refused on every rank before issue, and
+    the gang goes on: unrefused, Gloo fails the conjugated view once issued (breaking the
+    gang on every rank), reduces the negated one un-negated and overwrites rows of the
+    all_to_all, neither with an error."""
+    refused = []
+    x = torch.full((4,), complex(1, gang.rank + 1), dtype=torch.complex64)
+    y = torch.full((4,), float(gang.rank + 1))
+    t = torch.arange(4.0) + 10 * gang.rank
+    for bad in (
+        lambda: gang.all_reduce(x.conj()),
+        lambda: gang.all_reduce(torch._neg_view(y)),
+        lambda: gang.all_to_all(t, t),
+        lambda: gang.all_to_all(t[1:3], t[:2], output_split_sizes=[1, 1]),
+    ):
+        try:
+            bad()
+        except ValueError as error:
+            refused.append(str(error).split(";")[0])
+    return {
+        "refused": refused,
+        "num_issued": gang.statistics().num_issued,
+        "conj": (await gang.all_reduce(x.conj().resolve_conj())).tolist(),
+        "neg": (await gang.all_reduce(torch._neg_view(y).resolve_neg())).tolist(),
+        "all_to_all": (await gang.all_to_all(torch.empty(4), t)).tolist(),
+    }
+
+
+def test_lazy_views_and_overlapping_all_to_all_are_refused_on_gloo() -> None:
+    reports = run_world(_refused_before_issue, 2, async_backend="asyncio")
+
+    for rank, report in enumerate(reports):
+        assert report["refused"] == [
+            "`tensor` must hold its values in memory, but is a lazily conjugated view "
+            "(`is_conj()` is True) instead",
+            "`tensor` must hold its values in memory, but is a lazily negated view "
+            "(`is_neg()` is True) instead",
+            "`output` must not overlap `input` in memory, but does",
+            "`output` must not overlap `input` in memory, but does",
+        ]
+        assert report["num_issued"] == 0
+        assert report["conj"] == [complex(2, -3)] * 4
+        assert report["neg"] == [-3.0] * 4
+        assert report["all_to_all"] == [2 * rank, 2 * rank + 1, 10 + 2 * rank, 11 + 2 * rank]

@@ -3,7 +3,10 @@
 Stacked, ``[size, *block]``, and concatenated along the first dimension,
 ``[size * block[0], *block[1:]]`` (c10d's ``all_gather_into_tensor`` and
 ``reduce_scatter_tensor``): the same bytes in the same order, so both give the same
-values, equal to c10d's, on FakeWorld, on FakeGang and on real Gloo.
+values, equal to c10d's, on FakeWorld, on FakeGang and on real Gloo. Both also run in
+place, with this rank's block of the gathered tensor as ``input`` to ``all_gather`` and of
+the scattered one as ``output`` to ``reduce_scatter``: c10d allows it, and so does agang,
+which refuses other overlaps (``all_to_all(t, t)``).
 """
 
 from __future__ import annotations
@@ -38,11 +41,18 @@ async def _both_layouts(gang: agang.Gang) -> dict[str, Any]:
     from_concatenated = await gang.reduce_scatter(
         torch.empty(BLOCK), y.reshape(size * BLOCK[0], BLOCK[1])
     )
+    gathered = torch.zeros(size, *BLOCK)
+    gathered[gang.rank] = x
+    in_place = await gang.all_gather(gathered, gathered[gang.rank])
+    z = _scatter_input(gang.rank, size)
+    in_place_shard = await gang.reduce_scatter(z[gang.rank], z)
     return {
         "stacked": stacked,
         "concatenated": concatenated,
         "from_stacked": from_stacked,
         "from_concatenated": from_concatenated,
+        "in_place": in_place,
+        "in_place_shard": in_place_shard,
     }
 
 
@@ -53,6 +63,8 @@ def _check(report: dict[str, Any], rank: int, size: int) -> None:
     expected = sum(_scatter_input(r, size)[rank] for r in range(size))
     assert torch.equal(report["from_stacked"], expected)
     assert torch.equal(report["from_concatenated"], expected)
+    assert torch.equal(report["in_place"], torch.stack(inputs))
+    assert torch.equal(report["in_place_shard"], expected)
 
 
 @pytest.mark.anyio
@@ -71,6 +83,25 @@ async def test_fake_gang_takes_both_layouts() -> None:
     y = torch.ones(4, 3)
     shard = await gang.reduce_scatter(torch.empty(BLOCK), y)
     assert torch.equal(shard, torch.full(BLOCK, 2.0))  # two copies of this rank's block
+
+
+@pytest.mark.anyio
+async def test_fake_gang_gathers_and_scatters_in_place() -> None:
+    gang = agang.FakeGang(rank=1, size=2)
+    x = _input(0)
+    gathered = torch.zeros(2, *BLOCK)
+    gathered[1] = x
+    assert torch.equal(await gang.all_gather(gathered, gathered[1]), torch.stack([x, x]))
+    rows = torch.zeros(4, 3)
+    rows[2:] = x
+    assert torch.equal(await gang.all_gather(rows, rows[2:]), torch.cat([x, x]))
+    split = torch.zeros(4, 3)
+    split[2:] = x
+    uneven = await gang.all_gather(split, split[2:], output_split_sizes=[2, 2])
+    assert torch.equal(uneven, torch.cat([x, x]))
+    y = _scatter_input(0, 2)
+    shard = await gang.reduce_scatter(y[1], y)
+    assert torch.equal(shard, 2 * _scatter_input(0, 2)[1])  # two copies of this rank's block
 
 
 @pytest.mark.anyio

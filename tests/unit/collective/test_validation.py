@@ -145,12 +145,32 @@ def not_a_tensor(valid: torch.Tensor) -> Any:
     return valid.tolist()
 
 
+def lazily_conjugated(valid: torch.Tensor) -> torch.Tensor:
+    # Complex, as only a complex tensor carries the flag; its memory holds the values
+    # before conjugation. Gloo fails such a tensor once issued, breaking the gang.
+    bad = valid.to(torch.complex64).conj()
+    assert bad.is_conj()
+    assert bad.is_contiguous()
+    return bad
+
+
+def lazily_negated(valid: torch.Tensor) -> torch.Tensor:
+    # What torch makes of `x.conj().imag`, contiguous; its memory holds `valid`'s values,
+    # which Gloo reduces un-negated, giving a wrong result and no error.
+    bad = torch._neg_view(valid)
+    assert bad.is_neg()
+    assert bad.is_contiguous()
+    return bad
+
+
 BAD_TENSORS: list[tuple[Callable[[torch.Tensor], Any], type[Exception]]] = [
     (non_contiguous, ValueError),
     (int16, TypeError),
     (on_meta_device, ValueError),
     (sparse, TypeError),
     (not_a_tensor, TypeError),
+    (lazily_conjugated, ValueError),
+    (lazily_negated, ValueError),
 ]
 
 TENSOR_PARAMETERS = [
@@ -461,6 +481,97 @@ def test_an_exchange_refuses_receives_that_overlap() -> None:
     assert gang.statistics().num_issued == 0
 
 
+def overlapping_all_to_all(layout: str) -> dict[str, Any]:
+    """An all_to_all's arguments on SIZE ranks whose `output` shares memory with `input`."""
+    buffer = torch.arange(4.0 * SIZE)
+    match layout:
+        case "in-place":
+            return {"output": buffer[: 2 * SIZE], "input": buffer[: 2 * SIZE]}
+        case "in-place-uneven":
+            sizes = [2] * SIZE
+            return {
+                "output": buffer[: 2 * SIZE],
+                "input": buffer[: 2 * SIZE],
+                "output_split_sizes": sizes,
+                "input_split_sizes": sizes,
+            }
+        case "shifted-by-a-row":
+            rows = buffer.view(-1, 2)
+            return {"output": rows[1 : SIZE + 1], "input": rows[:SIZE]}
+        case "shifted-back-a-row":
+            rows = buffer.view(-1, 2)
+            return {"output": rows[:SIZE], "input": rows[1 : SIZE + 1]}
+    raise AssertionError(layout)
+
+
+OVERLAPS = ["in-place", "in-place-uneven", "shifted-by-a-row", "shifted-back-a-row"]
+
+
+def ranks_that_start_all_to_all(world: FakeWorld) -> list[int]:
+    """A list to which each rank's backend adds its rank when it starts an all_to_all:
+    what reaches the backend, past every check of the gang's."""
+    started: list[int] = []
+    for gang in world:
+        backend: Any = gang._backend  # type: ignore[attr-defined]
+        start = backend.start_all_to_all
+
+        def counted(*args: Any, start: Any = start, rank: int = gang.rank, **kwargs: Any) -> None:
+            started.append(rank)
+            start(*args, **kwargs)
+
+        backend.start_all_to_all = counted
+    return started
+
+
+@pytest.mark.parametrize("layout", OVERLAPS)
+async def test_an_all_to_all_refuses_output_that_overlaps_input(layout: str) -> None:
+    # On Gloo such a call gives some ranks rows already overwritten, and no error.
+    world = FakeWorld(SIZE)
+    started = ranks_that_start_all_to_all(world)
+
+    for gang in world:  # every rank refuses the same call, as each checks it alone
+        with pytest.raises(
+            ValueError, match=re.escape("`output` must not overlap `input` in memory")
+        ):
+            gang.all_to_all(**overlapping_all_to_all(layout))
+
+    assert started == []
+    assert [gang.statistics().num_issued for gang in world] == [0] * SIZE
+    handles = await run_everywhere(world, "all_to_all")  # the ranks are still in step
+    assert [h.seq for h in handles] == [0] * SIZE
+    assert sorted(started) == list(range(SIZE))
+
+
+@pytest.mark.parametrize("layout", OVERLAPS)
+def test_fake_gang_refuses_an_all_to_all_whose_output_overlaps_input(layout: str) -> None:
+    gang = agang.FakeGang(rank=RANK, size=SIZE)
+
+    with pytest.raises(ValueError, match=re.escape("`output` must not overlap `input` in memory")):
+        gang.all_to_all(**overlapping_all_to_all(layout))
+
+    assert gang.statistics().num_issued == 0
+    assert call(gang, "all_to_all").wait(timeout=10) is not None
+
+
+async def test_an_all_to_all_takes_two_halves_of_one_buffer() -> None:
+    # Views of one storage that do not overlap are separate buffers.
+    world = FakeWorld(SIZE)
+    buffers = [
+        torch.cat([torch.arange(2.0 * SIZE) + 10 * rank, torch.zeros(2 * SIZE)])
+        for rank in range(SIZE)
+    ]
+
+    handles = [
+        gang.all_to_all(buffer[2 * SIZE :], buffer[: 2 * SIZE])
+        for gang, buffer in zip(world, buffers, strict=True)
+    ]
+
+    for rank, handle in enumerate(handles):
+        received = await handle
+        expected = [10 * peer + 2 * rank + i for peer in range(SIZE) for i in range(2)]
+        assert received.tolist() == expected
+
+
 ROOTED_SHAPE_CASES = [
     case("gather", ValueError, "output", id="output-one-row-short", output=torch.empty(2, 4)),
     case(
@@ -669,6 +780,41 @@ async def test_messages_say_what_was_expected_and_what_was_given() -> None:
         gang.broadcast(torch.ones(2, device="meta"))
     with pytest.raises(ValueError, match=r"^`source_rank` must be .*\(2\), but is 7 instead\.$"):
         gang.broadcast(torch.ones(2), source_rank=7)
+    with pytest.raises(
+        ValueError,
+        match=r"^`tensor` must hold its values in memory, but is a lazily conjugated view "
+        r"\(`is_conj\(\)` is True\) instead; call `\.resolve_conj\(\)` first\.$",
+    ):
+        gang.all_reduce(torch.ones(2, dtype=torch.complex64).conj())
+    with pytest.raises(
+        ValueError,
+        match=r"^`input` must hold its values in memory, but is a lazily negated view "
+        r"\(`is_neg\(\)` is True\) instead; call `\.resolve_neg\(\)` first\.$",
+    ):
+        gang.all_gather(torch.empty(2, 2), torch._neg_view(torch.ones(2)))
+
+
+async def test_a_lazy_view_once_resolved_is_reduced_by_its_values() -> None:
+    world = FakeWorld(2)
+    values = [torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex64) * (r + 1) for r in range(2)]
+    real = [torch.tensor([1.0, -2.0]) * (r + 1) for r in range(2)]
+
+    conjugated = [
+        gang.all_reduce(v.conj().resolve_conj()) for gang, v in zip(world, values, strict=True)
+    ]
+    negated = [
+        gang.all_reduce(torch._neg_view(x).resolve_neg())
+        for gang, x in zip(world, real, strict=True)
+    ]
+    # `.conj()` of a real tensor is the tensor itself: no flag, nothing refused.
+    plain = [gang.all_reduce(x.conj()) for gang, x in zip(world, real, strict=True)]
+
+    for handle in conjugated:
+        assert (await handle).tolist() == (3 * values[0].conj()).tolist()
+    for handle in negated:
+        assert (await handle).tolist() == [-3.0, 6.0]
+    for handle in plain:
+        assert (await handle).tolist() == [3.0, -6.0]
 
 
 async def test_a_busy_tensor_is_refused_and_the_ranks_stay_in_step() -> None:
