@@ -17,16 +17,31 @@ Rules:
    run in the order they were registered, after the gangs are marked (rule 2).
    ``agang._backends.c10d.fork`` keeps c10d's groups from ever being freed in the child,
    and lets ``agang.init()`` there make a world of its own.
+4. A child forked inside a running asyncio loop inherits that loop, whose epoll
+   instance and self-pipe (the socket other threads write to wake it) it shares with
+   the parent's loop: when the child leaves through the loop's teardown (``sys.exit``
+   inside ``asyncio.run``), closing the loop unregisters the self-pipe from the shared
+   epoll, the parent's loop is no longer woken by its own threads, and its awaited ops
+   end but their tasks wake only at the next timer, or never. So the child's loop gets
+   an epoll instance and a self-pipe of its own at the fork (``_own_loop``), before
+   anything else runs there. This reaches into asyncio's selector loop; uvloop (libuv)
+   and trio keep their own state, and a child forked under them should leave with
+   ``os._exit()`` rather than through the loop's teardown.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
+import selectors
 import weakref
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 from agang._errors import GangInheritedError
+
+log = logging.getLogger("agang")
 
 
 class Inheritable(Protocol):
@@ -67,9 +82,48 @@ def inherited_error(name: str, rank: int, size: int, parent: int) -> GangInherit
     )
 
 
+# The asyncio loop running on the forking thread, named in the parent just before a fork
+# (rule 4), for the child; None otherwise.
+_forking_loop: Any = None
+
+
+def _before_fork() -> None:
+    global _forking_loop
+    _forking_loop = asyncio._get_running_loop()
+
+
+def _after_fork_in_parent() -> None:
+    global _forking_loop
+    _forking_loop = None
+
+
+def _own_loop() -> None:
+    """Rule 4: the asyncio loop running on the forking thread, if any, gets its own
+    epoll instance and self-pipe in this child; the parent's are left as they are."""
+    # asyncio says no loop runs in a child (it checks the pid), but the one the fork
+    # interrupted is there, and ``asyncio.run`` still closes it when the child leaves:
+    # the parent named it just before the fork.
+    loop = _forking_loop
+    selector = getattr(loop, "_selector", None)
+    if loop is None or not isinstance(selector, selectors.BaseSelector):
+        return  # no loop, or not asyncio's selector loop (uvloop)
+    try:
+        fresh = type(selector)()
+        for key in list(selector.get_map().values()):
+            fresh.register(key.fileobj, key.events, key.data)
+        loop._selector = fresh
+        selector.close()  # this process's copy of the shared epoll instance
+        loop._close_self_pipe()  # this process's copies of the self-pipe's sockets
+        loop._make_self_pipe()
+    except Exception:  # an asyncio that differs inside: the parent is as before rule 4
+        log.debug("agang: the forked child's loop keeps the parent's selector.", exc_info=True)
+
+
 def _in_child() -> None:
-    global _pid
+    global _pid, _forking_loop
     parent, _pid = _pid, os.getpid()
+    _own_loop()
+    _forking_loop = None
     engines = list(_engines)
     _engines.clear()
     for engine in engines:
@@ -78,4 +132,6 @@ def _in_child() -> None:
         hook()
 
 
-os.register_at_fork(after_in_child=_in_child)
+os.register_at_fork(
+    before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_in_child
+)

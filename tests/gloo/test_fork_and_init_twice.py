@@ -169,3 +169,49 @@ def test_init_twice_is_refused_while_the_world_gang_is_open() -> None:
     assert report["closed_refuse"] == ["root", "root/lane:side", "root[0]"], report
     assert report["again"] == 1.0
     assert "Traceback" not in result.stderr
+
+
+CHILD_LEAVES_THROUGH_THE_LOOP = """
+    import asyncio, json, os, sys, time
+    import anyio, torch, agang
+
+    async def main():
+        gang = await agang.init(in_process=False, env={}, timeout=30)
+        await gang.all_reduce(torch.ones(1))
+        pid = os.fork()
+        if pid == 0:
+            sys.exit(0)  # through asyncio.run's teardown: the child's loop is closed
+        status = os.waitpid(pid, 0)[1]
+        started = time.monotonic()
+        outcome = "ok"
+        try:
+            with anyio.fail_after(8):
+                for _ in range(20):
+                    await gang.all_reduce(torch.ones(1))
+        except TimeoutError:
+            outcome = "hung"
+        took = time.monotonic() - started
+        await gang.close()
+        print("REPORT " + json.dumps({"outcome": outcome, "took": took, "child": status}))
+
+    asyncio.run(main())
+"""
+
+
+def test_a_child_leaving_through_its_loops_teardown_leaves_the_parents_loop_awake() -> None:
+    """The child's loop is the parent's, copied, with a shared epoll instance and
+    self-pipe: closing it in the child once left the parent's loop deaf to its own
+    threads, so 20 awaited all-reduces of a world of one took 5 s or never finished
+    (the bound below); now they take about 10 ms."""
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(CHILD_LEAVES_THROUGH_THE_LOOP)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+    assert result.returncode == 0, result.stderr
+    [report] = _reports(result.stdout)
+    assert report["child"] == 0, report
+    assert report["outcome"] == "ok", report
+    assert report["took"] < 2.0, report
