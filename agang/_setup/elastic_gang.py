@@ -43,6 +43,8 @@ from agang._validate import check_timeout
 
 #: A reform's deadline when ``reform()`` is given none (seconds).
 DEFAULT_REFORM_TIMEOUT = 60.0
+#: How long after the deadline a reform's step is given up on (seconds).
+_STEP_MARGIN = 2.0
 
 
 class ElasticGang(ProcessGroupGang):
@@ -163,13 +165,20 @@ class ElasticGang(ProcessGroupGang):
         return gang
 
     async def _blocking(self, fn: Any, deadline: float) -> Any:
+        # The steps end by the deadline on their own, some a moment after it (a joiner
+        # waits a second for a late decision): the margin is for those, not a wait.
         boxed = await run_blocking(
             lambda: (fn(),),
             name="elastic reform",
-            seconds=max(0.1, deadline - time.monotonic()) + 2.0,
+            seconds=max(0.1, deadline - time.monotonic()) + _STEP_MARGIN,
         )
         if boxed is None:
-            raise GangInitError("The reform did not finish before its deadline.")
+            raise GangInitError(
+                f"The reform did not finish before its deadline: a step was still blocked "
+                f"{_STEP_MARGIN:g} s after it. The calls that block so are those to the "
+                f"store at {self._formed.world.store_address}, once it stops answering "
+                f"(a stopped store process, or this member cut off from it)."
+            )
         return boxed[0]
 
 

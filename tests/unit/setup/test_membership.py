@@ -8,6 +8,7 @@ the time it takes, which a loaded machine would blur.
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 from typing import Any
@@ -171,3 +172,34 @@ def test_a_joiner_beyond_max_size_says_why_it_waits_and_fails_with_that_reason(
     assert len(said) == 1, said  # once for the one epoch it saw
     assert said[0].startswith("agang: "), said
     assert membership.waiting_joiners(store) == set()  # it gave up: no reform waits for it
+
+
+def test_connecting_to_a_store_that_never_answers_fails_at_the_deadline_naming_it() -> None:
+    # A listener that never accepts is what a stopped store process looks like: the
+    # kernel takes the connection, nobody answers. c10d's client waited there past its
+    # own timeout, for as long as the listener lived (20 s of 20 s tried), and a reform
+    # with it until its step's margin ran out. The wait here runs on a thread, so that
+    # the old behaviour fails the test instead of hanging it.
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    world = WorldInfo(rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1", master_port=port)
+    outcome: list[tuple[GangInitError, float]] = []
+
+    def connect() -> None:
+        started = time.monotonic()
+        try:
+            elastic.connect_store(world, started + 0.5)
+        except GangInitError as error:
+            outcome.append((error, time.monotonic() - started))
+
+    attempt = threading.Thread(target=connect, daemon=True)
+    attempt.start()
+    try:
+        attempt.join(5.0)
+        assert outcome, "still connecting 5 s after a 0.5 s deadline"
+        [(error, took)] = outcome
+        assert f"The store at 127.0.0.1:{port} did not answer" in str(error)
+        assert took < 0.5 + 0.3, took
+    finally:
+        listener.close()  # resets the connection: a thread still in c10d ends
+        attempt.join(10.0)
