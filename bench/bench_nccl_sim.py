@@ -17,6 +17,13 @@ thread hand-offs per awaited op (``agang._runtime.handoffs``: a thread woken to 
 an op, or a loop woken from another thread). The simulated device's own time is in
 every mode; on a GPU a kernel's time takes its place, so agang's CPU cost per op there
 is about (ratio - 1) x raw's time here.
+
+Then, unless ``--no-parts``, agang's own Python on the NCCL path, by part, on an
+*instant device*: one rank's process group answers every all-reduce with a Work that
+has already ended, so nothing but agang's code is timed: the whole ``await
+gang.all_reduce(t)``; the issue alone; the poll that learns of the end (reporting it
+and finishing the handle); the ``await`` of a handle already finished; and one pass of
+the loop (``asyncio.sleep(0)``), which every ``await`` of agang's takes.
 """
 
 from __future__ import annotations
@@ -88,9 +95,74 @@ async def main(ops: int, rounds: int) -> None:
         print(f"{mode:<22} {1e6 * median:>10.1f} {median / raw:>6.2f}x {per_op:>17.2f}")
 
 
+class _Ended:
+    """A Work that has already ended, successfully: the instant device's."""
+
+    __slots__ = ()
+
+    def is_completed(self) -> bool:
+        return True
+
+    def exception(self) -> None:
+        return None
+
+    def wait(self, timeout: object = None) -> bool:
+        return True
+
+
+async def parts(ops: int, rounds: int) -> None:
+    """agang's own cost per awaited op on the NCCL path, by part (the module's doc)."""
+    ended = _Ended()
+    with SimulatedNccl(2) as sim:
+        gang = sim.gangs("parts")[0]
+        group: Any = gang.process_group
+        group.allreduce = lambda tensors, options=None: ended
+        group.get_error = lambda: "SUCCESS"
+        tensor = torch.zeros(4)
+        backend: Any = gang._backend  # type: ignore[attr-defined]
+        timed: dict[str, list[float]] = {
+            "await all_reduce": [],
+            "issue": [],
+            "poll that learns the end": [],
+            "await of a finished handle": [],
+            "loop pass": [],
+        }
+        clock = time.perf_counter
+        for _ in range(rounds + 1):  # the first round warms up
+            started = clock()
+            for _ in range(ops):
+                await gang.all_reduce(tensor)
+            timed["await all_reduce"].append((clock() - started) / ops)
+            issue = poll = wait = 0.0
+            for _ in range(ops):
+                a = clock()
+                handle = gang.all_reduce(tensor)
+                b = clock()
+                backend.poll()
+                c = clock()
+                await handle
+                d = clock()
+                issue, poll, wait = issue + b - a, poll + c - b, wait + d - c
+            timed["issue"].append(issue / ops)
+            timed["poll that learns the end"].append(poll / ops)
+            timed["await of a finished handle"].append(wait / ops)
+            started = clock()
+            for _ in range(ops):
+                await asyncio.sleep(0)
+            timed["loop pass"].append((clock() - started) / ops)
+        await gang.close()
+    print(f"\nagang's own Python per awaited op, instant device (medians over {rounds} rounds)")
+    print(f"{'part':<28} {'us per op':>10}")
+    for part, values in timed.items():
+        print(f"{part:<28} {1e6 * statistics.median(values[1:]):>10.2f}")
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ops", type=int, default=200, help="ops per mode and round")
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds")
+    parser.add_argument("--no-parts", action="store_true", help="skip the instant-device parts")
     args = parser.parse_args()
     asyncio.run(main(args.ops, args.rounds))
+    if not args.no_parts:
+        asyncio.run(parts(20 * args.ops, args.rounds))

@@ -182,3 +182,12 @@ def test_bench_pending_wait_measures_every_mode_and_loop(tmp_path: Path) -> None
     assert {row["num_ops"] for row in rows} == {100, 1}
     assert all(row["pending"] > 0 and row["loop_cpu"] >= 0 for row in rows)
     assert "(loop < 2% of a core)" in result.stdout
+
+
+def test_bench_nccl_sim_prints_every_mode_and_agangs_own_parts() -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    result = _run([str(BENCH / "bench_nccl_sim.py"), "--ops", "5", "--rounds", "1"], env, 120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    for row in ("raw ", "agang ", "agang stream-ordered", "instant device", "issue ",
+                "poll that learns the end", "await of a finished handle", "loop pass"):  # fmt: skip
+        assert row in result.stdout, result.stdout
