@@ -44,6 +44,15 @@ Rules (blocking, on set-up threads; never on the loop):
    INFO line at each such epoch, and waits for a member to leave; at its deadline its
    error says why it was not admitted, and it withdraws its registration, so that no
    reform waits for it any more.
+8. Losing the store loses the job. The store is the job's only shared state (rule 1),
+   kept in its memory: one restarted, even on the same port, holds none of it, and
+   the job is not made again from what the members remember. Each reform checks, on
+   its new connection, that the store still holds the job's id (membership rule 6),
+   and fails naming the store where not; a member whose mailbox connection fails
+   breaks its gang at once (``agang._setup.elastic_gang``, rule 5), so the members
+   fail at their next op or step boundary, not at their next reform. A newcomer on the
+   restarted store cannot know of them until one of them has looked; after that,
+   formation 0 there is refused.
 """
 
 from __future__ import annotations
@@ -183,6 +192,8 @@ class Formed:
     me: Candidate
     epoch: int
     members: list[Candidate]
+    #: The job's id on the store (membership rule 6): checked at each reform (rule 8).
+    job: str
 
     @property
     def rank(self) -> int:
@@ -268,7 +279,7 @@ def first_formation(store: Any, world: WorldInfo, elastic: Elastic, deadline: fl
             alive=lambda indices: set(),
         )
         if members is not None:
-            return Formed(world, store, me, 0, members)
+            return _formed(world, store, me, 0, members)
     return join(world, store, me, elastic, deadline)
 
 
@@ -321,7 +332,7 @@ def _wait_for_admission(
             alive=lambda indices: set(),
         )
         if members is not None:
-            return Formed(world, store, me, following, members)
+            return _formed(world, store, me, following, members)
     why = (
         f"the gang is at max_size={elastic.max_size}; no member left to make room for it"
         if full
@@ -348,6 +359,7 @@ def reform_membership(
     gang still open, so its responder answers the others' pings); where ``formed``'s
     group was never ``made``, with those that checked in to make it (rule 3)."""
     store = connect_store(formed.world, deadline)  # rule 4
+    membership.check_job(store, formed.job, formed.epoch, formed.world.store_address)  # rule 8
     old_epoch_store = dist.PrefixStore(  # type: ignore[attr-defined]
         membership.epoch_key(formed.epoch, "blame"), store
     )
@@ -381,7 +393,21 @@ def reform_membership(
     )
     if members is None:  # this process came after the decision: wait for the next one
         return join(formed.world, store, formed.me, elastic, deadline)
-    return Formed(formed.world, store, formed.me, following, members)
+    return Formed(formed.world, store, formed.me, following, members, formed.job)
+
+
+def _formed(
+    world: WorldInfo, store: Any, me: Candidate, epoch: int, members: list[Candidate]
+) -> Formed:
+    """``me``'s place in ``epoch`` of the job the store holds, whose id was written
+    before any member list (membership rule 6)."""
+    job = membership.job_of(store)
+    if job is None:  # a store written by an agang that did not name its jobs
+        raise GangInitError(
+            f"The store at {world.store_address} holds elastic epochs but no job id: "
+            f"every process of the job must run the same agang."
+        )
+    return Formed(world, store, me, epoch, members, job)
 
 
 @contextlib.contextmanager

@@ -18,6 +18,13 @@ Rules:
 4. A member that starts a reform tells every other member's responder, which breaks
    their gang at once: an op that waits on a dead peer's neighbour fails then, not at
    its deadline, so every member comes to the reform within moments of the first.
+5. A member whose responder loses its store connection (the store stopped or was
+   restarted: a restarted store holds none of the job's state) is out of reach: no
+   ping, no reform notice gets to it, and the store may no longer hold the job. It
+   breaks its gang at once, and ``waiting_to_join()`` raises that error, so the
+   training loop's next op or step boundary fails, naming the store, rather than train
+   on unaware; its ``reform()`` then finds whether the store still holds the job
+   (:mod:`agang._setup.elastic`, rule 8).
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from agang._backends.c10d import mailbox
-from agang._backends.c10d.retry import TransientSetupError
+from agang._backends.c10d.retry import TransientSetupError, one_line
 from agang._collective.process_group_gang import ProcessGroupGang
 from agang._errors import GangBrokenError, GangInitError
 from agang._policy import GangPolicy
@@ -85,8 +92,10 @@ class ElasticGang(ProcessGroupGang):
             "stream_ordered": stream_ordered,
         }
         self._waiting = set(waiting)
-        # Rule 4: this process's mailbox tells the newest epoch's gang (this one).
+        self._lost: GangBrokenError | None = None  # rule 5
+        # Rules 4, 5: this process's mailbox tells the newest epoch's gang (this one).
         mailbox.register("reforming", self._another_member_reforms)
+        mailbox.on_connection_lost(self._store_lost)
 
     def _another_member_reforms(self, responder: mailbox.Responder, text: str) -> None:
         """A member started the next epoch: ops pending here will never finish (rule 4).
@@ -98,6 +107,19 @@ class ElasticGang(ProcessGroupGang):
         )
         self._engine.break_gang(cause)
 
+    def _store_lost(self, error: BaseException) -> None:
+        """The responder's store connection failed with ``error`` (rule 5)."""
+        where = self._formed.world.store_address
+        cause = GangBrokenError(
+            f"Gang '{self.name}' (epoch {self.epoch}) lost its connection to the store at "
+            f"{where} ({one_line(error).rstrip('.')}): the store stopped, or was restarted, "
+            f"and a restarted store holds none of the job's state. Call reform(): it goes "
+            f"on if the store still holds the job, and fails saying so if not.",
+            None,
+        )
+        self._lost = cause
+        self._engine.break_gang(cause)
+
     @property
     def epoch(self) -> int:
         """0 for the first formation, one more at each reform."""
@@ -105,7 +127,13 @@ class ElasticGang(ProcessGroupGang):
 
     def waiting_to_join(self) -> int:
         """How many of the processes waiting to join the next reform would admit: no
-        more than ``max_size`` less this gang's size (rule 3: local, no I/O)."""
+        more than ``max_size`` less this gang's size (rule 3: local, no I/O).
+
+        Raises:
+            GangBrokenError: This member lost its connection to the store (rule 5).
+        """
+        if self._lost is not None:
+            raise GangBrokenError(str(self._lost), self._lost)
         admitted = {c.uid for c in self._formed.members}
         waiting = len((self._waiting | setup.noticed()) - admitted)
         if self._elastic.max_size is None:
@@ -124,7 +152,8 @@ class ElasticGang(ProcessGroupGang):
 
         Raises:
             GangInitError: Fewer than ``min_size`` members came within the deadline (the
-                message names who is missing), or no group could be made in time.
+                message names who is missing), or no group could be made in time, or
+                the store did not answer, or no longer holds the job (restarted empty).
         """
         seconds = check_timeout(timeout, name="timeout")
         seconds = DEFAULT_REFORM_TIMEOUT if seconds is None or math.isinf(seconds) else seconds

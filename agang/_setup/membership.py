@@ -28,6 +28,17 @@ Rules (all of it runs on a set-up thread, never on the loop):
    ``GangInitError`` naming who is missing, raised then.
 5. A member that dies after the decision makes the group's creation fail within the
    deadline; the caller then forms epoch N+1 with whoever is left (it never hangs).
+6. *One job per store.* Formation 0's decision first names the job: a random id under
+   ``job``, written once (``compare_set`` on an empty key), before the member list, so
+   whoever reads the list finds the id. Members check it at each reform
+   (``check_job``): a store that holds another id, or none, lost the job's state (it
+   was restarted empty: a ``TCPStore`` keeps its keys in memory), and the reform fails,
+   naming the store, instead of forming from nothing. A store that holds no job then
+   is marked ``lost`` with the job's id and epoch, and no formation 0 starts on a
+   store so marked: a replacement that came to the restarted store while the job's
+   members lived fails, rather than form a second job beside them. One that comes
+   before any member looked cannot know of them, and forms a job of its own; the old
+   members fail at their next look, since that store holds another job's id.
 """
 
 from __future__ import annotations
@@ -42,6 +53,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from agang._errors import GangInitError
+from agang._validate import check_non_negative_int
 
 #: How long a reform waits for registered joiners to arrive (they poll every _POLL).
 JOINER_GRACE = 0.5
@@ -53,6 +65,9 @@ _ROOT = "agang/elastic"
 #: decision, or given up), one id a line (rule 1).
 _JOINERS = f"{_ROOT}/joiners/list"
 _ENDED = f"{_ROOT}/joiners/admitted"
+#: The job's id; and, on a store found without it by a member, what was lost (rule 6).
+_JOB = f"{_ROOT}/job"
+_LOST = f"{_ROOT}/lost"
 
 
 @dataclass(frozen=True)
@@ -93,6 +108,45 @@ def current_epoch(store: Any) -> int | None:
     """The last epoch whose membership was decided, or None before formation 0's."""
     key = f"{_ROOT}/epoch"
     return int(store.get(key).decode()) if store.check([key]) else None
+
+
+def job_of(store: Any) -> str | None:
+    """The id of the job whose epochs ``store`` holds, or None before formation 0's
+    decision (rule 6)."""
+    return store.get(_JOB).decode() if store.check([_JOB]) else None
+
+
+def check_job(store: Any, job: str, epoch: int, where: str) -> None:
+    """Raises ``GangInitError`` where ``store`` (at ``where``) no longer holds ``job``, of
+    which this process is a member at ``epoch``; a store that holds no job is marked
+    lost, so that no formation 0 starts on it (rule 6)."""
+    if not isinstance(job, str) or not job:  # type: ignore[redundant-expr]  # untyped callers
+        raise ValueError(f"`job` must be a job's id (a non-empty str), but is {job!r} instead.")
+    check_non_negative_int(epoch, name="epoch")
+    found = job_of(store)
+    if found == job:
+        return
+    if found is None:
+        what = f"job {job}, at epoch {epoch}, found the store at {where} without its state"
+        store.compare_set(_LOST, "", what)
+    since = "" if found is None else f"; it holds job {found}, formed on it since"
+    raise GangInitError(
+        f"The store at {where} no longer holds elastic job {job} (this member is at epoch "
+        f"{epoch}): it lost the job's state (restarted empty?){since}. The job cannot "
+        f"reform without it: start it again, on a new store."
+    )
+
+
+def _refuse_if_lost(store: Any) -> None:
+    """Raises ``GangInitError`` where a running job's members found ``store`` without
+    its state: a formation 0 here would run beside them (rule 6)."""
+    if store.check([_LOST]):
+        lost = store.get(_LOST).decode()
+        raise GangInitError(
+            f"This store lost the state of a running elastic job ({lost}): formation 0 "
+            f"here would make a second job beside that one's members. Start a new "
+            f"`agang store` for a new job."
+        )
 
 
 def members_of(store: Any, epoch: int) -> list[Candidate]:
@@ -168,6 +222,8 @@ def form(
     while True:
         if cancelled():
             raise TimeoutError("cancelled")
+        if epoch == 0:
+            _refuse_if_lost(store)  # rule 6
         decided = _lines(store, members_key)
         if decided:
             members = [Candidate.from_text(line) for line in decided[1:]]
@@ -230,6 +286,8 @@ def _decide(
     proposal: list[Candidate],
     previous: list[Candidate] | None,
 ) -> None:
+    if epoch == 0:  # rule 6: named before any list can be read
+        store.compare_set(_JOB, "", secrets.token_hex(8))
     text = "\n".join([f"by {me.uid}", *(c.to_text() for c in proposal)]) + "\n"
     stored = store.compare_set(epoch_key(epoch, "members"), "", text).decode()
     if stored == text:  # this process's list won (rule 3)

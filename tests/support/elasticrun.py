@@ -170,6 +170,14 @@ class Cluster:
     def join(self, worker: Worker, **init: Any) -> None:
         worker.send("init", **{**self.init, **init})
 
+    def restart_store(self) -> None:
+        """Kills the store by pid and starts a new, empty one on the same port, as a
+        supervisor restarting it would; returns once it listens."""
+        self.store.process.kill()
+        self.store.process.wait(10)
+        self.store = Store(self.started, "--port", str(self.port), "--quiet")
+        self.store.out.next(30)
+
     def kill(self, *workers: Worker, signum: int = signal.SIGKILL) -> float:
         """Signals ``workers`` by pid; returns when (``time.monotonic()``)."""
         for worker in workers:

@@ -16,7 +16,7 @@ Commands (``{"do": ...}``) and their events (``{"what": ...}``):
 - ``waiting``: says ``waiting`` once a joiner waits (``waiting_to_join() > 0``).
 - ``noticed``: says ``noticed`` once a joiner told this member that it waits, with how
   many did and ``waiting_to_join()`` (which counts only those a reform can admit).
-- ``count``: says ``count`` with ``waiting_to_join()`` at once.
+- ``count``: says ``count`` with ``waiting_to_join()`` at once (or the error it raised).
 - ``old``: calls ops on the gang of the previous epoch; ``old`` lists the outcomes.
 - ``stats``: ``stats`` with threads, open fds, RSS and the loop's lag (p99, max).
 - ``exit``: closes the gang and ends the process with status 0.
@@ -217,8 +217,14 @@ async def _noticed(rank: Rank, command: dict[str, Any]) -> None:
 
 
 async def _count(rank: Rank, command: dict[str, Any]) -> None:
-    """Says ``count`` with ``waiting_to_join()`` as it reads now."""
-    await rank.say("count", joiners=rank.gang.waiting_to_join())
+    """Says ``count`` with ``waiting_to_join()`` as it reads now, or with the error it
+    raised (a gang whose store was lost)."""
+    try:
+        joiners = rank.gang.waiting_to_join()
+    except agang.GangError as error:
+        await rank.say("count", error=type(error).__name__, message=str(error))
+        return
+    await rank.say("count", joiners=joiners)
 
 
 async def _old(rank: Rank, command: dict[str, Any]) -> None:

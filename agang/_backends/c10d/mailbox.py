@@ -15,7 +15,11 @@ Rules:
    (raises), is skipped, with one warning per responder and DEBUG lines after it: the
    store is open to anyone who reaches it, and a responder ended by one stray line
    would leave its rank reported "no answer" while alive, and deaf to reform notices.
-   Only a stop letter, or the store's connection failing, ends it. A handler replies,
+   Only a stop letter, or the store's connection failing, ends it; a failing
+   connection, on the process's current responder, is told to the one callback set
+   with ``on_connection_lost`` (an elastic gang breaks itself: nobody can reach it
+   through the store any more, and a store restarted empty holds none of its state).
+   A handler replies,
    where the kind asks for it, by appending a line under a key the letter names
    (``Responder.reply``). Blame registers ``ask`` here; elastic set-up registers its
    own kinds (who is alive, who waits to join, who started the next epoch), so the
@@ -27,8 +31,8 @@ Rules:
 4. Keys live in the world's store (the default group's, or an elastic epoch's:
    ``World.store_override``), under the prefix agang gives each init, so a store that
    outlives inits (torchrun's agent's) never mixes them.
-5. A forked child forgets the parent's responder (``agang._runtime.fork``): the thread is
-   the parent's; the child's first gang starts its own.
+5. A forked child forgets the parent's responder (``agang._runtime.fork``), and the
+   callback of rule 2: both are the parent's; the child's first gang starts its own.
 
 Blame: when an op's deadline passes, the rank asks every peer where it stands on that op
 (``Progress``, in ``agang._backends.contract``).
@@ -130,14 +134,27 @@ class Responder:
             while True:
                 try:
                     letter = self._client.queue_pop(_queue(self.world_rank))
-                except Exception:
+                except Exception as error:
                     # The store went away (its host closed or died): nobody can ask any more.
                     log.debug("agang: the blame responder's store connection ended.", exc_info=True)
+                    self._lost(error)
                     return
                 if self._read(letter):
                     return
         finally:
             self._client = None
+
+    def _lost(self, error: BaseException) -> None:
+        """Tells the callback of rule 2, unless this responder was replaced or stopped
+        meanwhile (its gangs are closed)."""
+        with _lock:
+            callback = _on_lost if _responder is self else None
+        if callback is None:
+            return
+        try:
+            callback(error)
+        except Exception:
+            log.exception("agang: the callback for a lost store connection failed.")
 
     def _read(self, letter: bytes) -> bool:
         """Acts on one letter; True for a stop letter that ends this responder (rule 3).
@@ -183,12 +200,26 @@ def register(kind: str, handler: Handler) -> None:
 
 _lock = threading.Lock()
 _responder: Responder | None = None
+#: What the current responder calls when its store connection fails (rule 2).
+_on_lost: Callable[[BaseException], None] | None = None
+
+
+def on_connection_lost(callback: Callable[[BaseException], None] | None) -> None:
+    """Makes the current responder call ``callback`` with the error, on its thread, when
+    its store connection fails (rule 2): one callback, the last set; None for none. It
+    must not wait long, as a handler must not."""
+    global _on_lost
+    if callback is not None and not callable(callback):
+        raise TypeError(f"`callback` must be callable or None, but is {callback!r} instead.")
+    with _lock:
+        _on_lost = callback
 
 
 def _forget_in_child() -> None:  # rule 5
-    global _lock, _responder
+    global _lock, _responder, _on_lost
     _lock = threading.Lock()  # a parent thread may have held it at the fork
     _responder = None
+    _on_lost = None
 
 
 fork.on_fork_in_child(_forget_in_child)

@@ -118,3 +118,32 @@ def test_skipped_letters_are_logged_with_one_warning(
     # Each letter that failed is named (the bytes as they came, escaped).
     assert any("not-a-number" in message for message in skipped)
     assert any("\\\\xff\\\\xfe ask g 1 key" in message for message in skipped)
+
+
+@pytest.mark.parametrize("current", [True, False], ids=["current", "replaced"])
+def test_a_lost_store_connection_is_told_for_the_current_responder_only(
+    monkeypatch: pytest.MonkeyPatch, current: bool
+) -> None:
+    # An elastic gang breaks itself on this call: a store restarted empty holds none of
+    # its state, and nobody can reach it any more. It used to end the responder quietly,
+    # and the gang trained on. A responder already replaced (its gangs closed) has no
+    # gang of the current callback to break.
+    host = dist.TCPStore(  # type: ignore[attr-defined]
+        "127.0.0.1", 0, None, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10)
+    )
+    told: list[BaseException] = []
+    mailbox.on_connection_lost(told.append)
+    try:
+        responder = mailbox.Responder(host, WORLD_RANK)
+        monkeypatch.setattr(mailbox, "_responder", responder if current else None)
+        assert elastic.ping(host, [WORLD_RANK], 5) == {WORLD_RANK}
+        del host  # its server goes with it: the responder's connection fails
+        responder.thread.wait(5)
+    finally:
+        mailbox.on_connection_lost(None)
+    assert len(told) == (1 if current else 0), told
+
+
+def test_the_callback_for_a_lost_connection_must_be_callable() -> None:
+    with pytest.raises(TypeError, match="`callback` must be callable or None"):
+        mailbox.on_connection_lost("break")  # type: ignore[arg-type]

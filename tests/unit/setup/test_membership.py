@@ -174,6 +174,44 @@ def test_a_joiner_beyond_max_size_says_why_it_waits_and_fails_with_that_reason(
     assert membership.waiting_joiners(store) == set()  # it gave up: no reform waits for it
 
 
+def test_formation_0_names_the_job_and_a_reform_checks_that_the_store_still_holds_it() -> None:
+    store = dist.HashStore()
+    _arrive(store, 0, B)
+    assert _form(store, 0, None, target=2) == [A, B]
+    job = membership.job_of(store)
+    assert job is not None
+    assert len(job) == 16, job
+    membership.check_job(store, job, 0, "h:1")  # the same store: no error
+    with pytest.raises(GangInitError, match=r"no longer holds elastic job x .* formed on it"):
+        membership.check_job(store, "x", 3, "h:1")  # it holds another job
+
+
+def test_a_store_restarted_empty_fails_the_reform_and_refuses_a_second_job_at_once() -> None:
+    # Restarted empty, the store let a replacement form a job of its own beside the
+    # old members: it found no epoch, so formation 0 (min_size 1) at its deadline.
+    restarted = dist.HashStore()
+    with pytest.raises(GangInitError) as lost:
+        membership.check_job(restarted, "0123abcd", 4, "10.0.0.1:29500")
+    assert str(lost.value).startswith(
+        "The store at 10.0.0.1:29500 no longer holds elastic job 0123abcd (this member is "
+        "at epoch 4): it lost the job's state (restarted empty?)."
+    )
+    started = time.monotonic()
+    with pytest.raises(GangInitError, match=r"lost the state of a running elastic job \(job 0123"):
+        _form(restarted, 0, None, target=2, seconds=5.0)
+    assert time.monotonic() - started < 1.0  # at once, not at its deadline
+    assert membership.job_of(restarted) is None
+
+
+@pytest.mark.parametrize(
+    ("job", "epoch", "error"),
+    [("", 0, "`job` must be"), (None, 0, "`job` must be"), ("j", -1, "`epoch` must be")],
+)
+def test_check_job_names_the_parameter_it_refuses(job: Any, epoch: int, error: str) -> None:
+    with pytest.raises(ValueError, match=error):
+        membership.check_job(dist.HashStore(), job, epoch, "h:1")
+
+
 def test_connecting_to_a_store_that_never_answers_fails_at_the_deadline_naming_it() -> None:
     # A listener that never accepts is what a stopped store process looks like: the
     # kernel takes the connection, nobody answers. c10d's client waited there past its
