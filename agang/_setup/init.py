@@ -250,17 +250,23 @@ class _Plan:
             missing = error.missing_ranks
         # The cause's own sentence ends where the figures in brackets follow it.
         cause = "did not finish" if error is None else f"failed: {str(error).rstrip('. ')}"
+        # Attempts are counted where agang opens the store itself (not on an elastic
+        # formation's own connections): "0 attempts" would say nothing true.
+        attempts = f"{self.attempts} attempt(s), " if self.attempts else ""
         message = (
             f"Setting up rank {world.rank} of {world.world_size} ({self.backend}, store "
             f"{address}, from {_origin(world)}) {cause} (after {elapsed:.1f} s, "
-            f"{self.attempts} attempt(s), deadline {self.timeout} s)."
+            f"{attempts}deadline {self.timeout} s)."
         )
         if not missing and self.last_missing:
             missing = self.last_missing
             message += " The store host gave up earlier, when ranks were missing."
         if missing:
             message += f" Missing ranks: {list(missing)}."
-        if not isinstance(error, PortInUseError):
+        # agang's own diagnosis (a duplicate RANK, settings that differ, a lost elastic
+        # job, a joiner beyond max_size) says what is wrong: guesses would only blur it.
+        diagnosed = isinstance(error, GangInitError) and not missing
+        if not isinstance(error, PortInUseError) and not diagnosed:
             message += f" Likely causes: {_LIKELY_CAUSES}."
         return GangInitError(
             message,

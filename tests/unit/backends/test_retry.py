@@ -356,7 +356,10 @@ def test_a_transient_failure_is_reported_with_c10ds_own_error_as_its_cause() -> 
 
 
 def test_an_init_failure_says_where_the_world_came_from() -> None:
-    def message(world: agang.WorldInfo) -> str:
+    def message(
+        world: agang.WorldInfo,
+        error: BaseException | None = None,
+    ) -> str:
         plan = _Plan(
             backend="gloo",
             device=None,
@@ -368,8 +371,16 @@ def test_an_init_failure_says_where_the_world_came_from() -> None:
             stream_ordered=False,
             retry=None,
         )
-        return str(plan.report(agang.GangInitError("Ranks [1] of 2 did not check in.")))
+        late = agang.GangInitError("Ranks [1] of 2 did not check in.", missing_ranks=[1])
+        return str(plan.report(late if error is None else error))
 
+    # agang's own diagnosis stands alone: no guessed causes, no count of no attempts.
+    world = agang.WorldInfo(1, 2, 1, "127.0.0.1", 29999)
+    diagnosed = message(world, agang.GangInitError("`RANK` must be unique, but ..."))
+    assert "Likely causes" not in diagnosed
+    assert "attempt(s)" not in diagnosed
+    missing = agang.GangInitError("Ranks [1] of 2 did not check in.", missing_ranks=[1])
+    assert "Likely causes: a rank was not started" in message(world, missing)
     by_hand = agang.WorldInfo(1, 2, 1, "127.0.0.1", 29999, source="torchrun")
     launched = dataclasses.replace(by_hand, job_id="none")  # torchrun always sets it
     assert "from RANK/WORLD_SIZE variables) failed: Ranks [1]" in message(by_hand)
