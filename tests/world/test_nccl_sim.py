@@ -469,6 +469,35 @@ async def test_an_awaited_op_that_ends_soon_is_learned_without_a_thread_hand_off
         await close_all(*gangs)
 
 
+async def test_gradient_sync_steps_are_learned_without_a_thread_hand_off(
+    sim: SimulatedNccl,
+) -> None:
+    """GradientSync's buckets are issued from autograd's hooks and its callback at the
+    end of backward, and awaited by ``wait()``: polled like any awaited op."""
+    gangs = sim.gangs()
+    models = []
+    for _ in gangs:
+        torch.manual_seed(0)
+        models.append(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)))
+    with anyio.fail_after(BOUND):
+        syncs = [
+            agang.GradientSync(m, g, bucket_bytes=64) for m, g in zip(models, gangs, strict=True)
+        ]
+        for sync in syncs:
+            await sync.ready()
+        before = handoffs.num_handoffs()
+        for _ in range(10):
+            for rank, model in enumerate(models):
+                model(torch.full((2, 4), float(rank + 1))).sum().backward()
+            for sync in syncs:
+                await sync.wait()
+        # None in the common case; a pause past a poll budget may park one op (two).
+        assert handoffs.num_handoffs() - before <= 4
+        grads = [[p.grad.clone() for p in m.parameters()] for m in models]  # type: ignore[union-attr]
+        assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+        await close_all(*gangs)
+
+
 async def test_an_op_that_outlasts_its_poll_budget_is_parked_and_still_ends(
     sim: SimulatedNccl,
 ) -> None:
