@@ -18,6 +18,12 @@ from agang._cli.doctor.host import probe_host_facts
 from agang._cli.doctor.network import SocketProbe
 
 
+def _version() -> str:
+    from agang import __version__
+
+    return __version__
+
+
 def _seconds(text: str) -> float:
     try:
         value = float(text)
@@ -40,6 +46,7 @@ def _port(text: str) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="agang", description="agang's command-line tools.")
+    parser.add_argument("--version", action="version", version=f"agang {_version()}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     doctor = commands.add_parser(
         "doctor",
