@@ -36,9 +36,10 @@ Rules (blocking, on set-up threads; never on the loop):
    (:mod:`agang._backends.c10d.mailbox`), with letters of its own kinds, registered
    here: ``ping <key>`` asks whether a member is alive (its responder answers its index
    under the key: ``ping``); ``joining <id>`` says a process waits to join the next
-   epoch (counted locally: ``noticed``); ``reforming <who>`` says a member started the
-   next epoch, and is the elastic gang's own to handle
-   (:mod:`agang._setup.elastic_gang`).
+   epoch (counted locally: ``noticed``; a reform forgets them); ``reforming <who>``
+   says a member started the next epoch, and is the elastic gang's own to handle
+   (:mod:`agang._setup.elastic_gang`). A waiting joiner also beats on the store
+   (membership rule 2), so that no reform waits for one that died.
 7. A joiner never waits silently. Where the gang is at ``max_size``, no reform can
    admit it and its members do not count it (``waiting_to_join``): it says so in an
    INFO line at each such epoch, and waits for a member to leave; at its deadline its
@@ -286,14 +287,39 @@ def first_formation(store: Any, world: WorldInfo, elastic: Elastic, deadline: fl
 def join(world: WorldInfo, store: Any, me: Candidate, elastic: Elastic, deadline: float) -> Formed:
     """Waits, as a joiner, for the next reform that admits this process; tells the
     current members' responders that it waits (``waiting_to_join``). Gives up at
-    ``deadline``, saying why, and so that no reform waits for it any more."""
-    membership.register_joiner(store, me)
+    ``deadline``, saying why, and so that no reform waits for it any more. Beats while
+    it waits (membership rule 2), so that a reform does not wait for it once it died."""
+    stop = _beat_while_waiting(store, me)
     try:
+        membership.register_joiner(store, me)
         return _wait_for_admission(world, store, me, elastic, deadline)
     except GangInitError:
         with contextlib.suppress(Exception):  # a store gone: no reform waits for it either
             membership.withdraw_joiner(store, me)
         raise
+    finally:
+        stop.set()
+
+
+def _beat_while_waiting(store: Any, me: Candidate) -> threading.Event:
+    """Beats once, then every ``JOINER_BEAT`` seconds on a thread of its own (a reform's
+    store calls may block the waiting one), until the event returned is set; a process
+    that ends stops it with itself. The first beat comes before the registration, so
+    that a registered joiner without one is dead, or never waited."""
+    stop = threading.Event()
+    membership.say_waiting(store, me, 1)
+
+    def beat() -> None:
+        count = 1
+        while not stop.wait(membership.JOINER_BEAT):
+            count += 1
+            try:
+                membership.say_waiting(store, me, count)
+            except Exception:  # the store is gone: no reform can admit it either
+                return
+
+    threads.start_daemon(beat, name="agang-elastic joiner beat")
+    return stop
 
 
 def _wait_for_admission(

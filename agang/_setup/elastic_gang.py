@@ -12,6 +12,9 @@ Rules:
    that it waits, so asking costs no store traffic and no collective. A reform forgets
    the notices it had: a joiner it did not admit tells the new epoch's members again
    once that epoch exists, and one that died never does, so it is not counted for ever.
+   A gang made by ``init`` starts from the store's registrations instead, counting only
+   the joiners still beating (:mod:`agang._setup.membership`, rule 2): a registration
+   outlives a joiner killed while it waits.
    It counts only the joiners a reform could admit, up to ``max_size`` less the gang's
    size: none while the gang is at ``max_size``, or a loop that reforms when it is
    above 0 would reform at every step, admitting nobody.
@@ -249,5 +252,6 @@ def form_first(
         device=plan.device,
         policy=plan.policy,
         stream_ordered=plan.stream_ordered,
-        waiting=membership.waiting_joiners(store),
+        # Registered and still beating: a joiner that died waiting is not counted.
+        waiting=membership.live_joiners(store),
     )

@@ -15,7 +15,15 @@ Rules (all of it runs on a set-up thread, never on the loop):
    Waiting joiners get a short grace to arrive, since they poll; none where the
    survivors alone fill ``max_size``, since none could be admitted. A joiner admitted
    into an epoch is no longer waiting, whether it lives on or dies: later reforms do
-   not wait for it.
+   not wait for it. Nor for a waiting joiner that died: one that waits beats
+   (``say_waiting``, every ``JOINER_BEAT`` seconds, from before it registers), and a
+   reform gives the grace only to a joiner whose last beat is under ``JOINER_STALE``
+   old. Its age is read first from the beat's wall-clock time, so that a joiner dead
+   for a while costs no wait at all, then from whether the beat changes as the decider
+   watches it: a clock that differs between hosts only delays the verdict, or costs a
+   live joiner its grace until its next beat is seen; it is never kept out of an
+   epoch it arrived for. A joiner the decider saw not beat for ``JOINER_STALE``, or
+   that never beat, is withdrawn by the decision, so that no reform reads it again.
 3. *One decision.* Every old member that arrived decides on its own, from the store,
    when the formation is complete; the first to write the member list
    (``compare_set`` on an empty key) wins, and every process reads that list. The
@@ -57,6 +65,11 @@ from agang._validate import check_non_negative_int
 
 #: How long a reform waits for registered joiners to arrive (they poll every _POLL).
 JOINER_GRACE = 0.5
+#: How often a waiting joiner beats, and how old its last beat may be for a reform to
+#: wait for it (rule 2): ten beats, so that a loaded machine's late beats do not count
+#: a live joiner as dead.
+JOINER_BEAT = 0.1
+JOINER_STALE = 1.0
 PING_SECONDS = 0.3
 _REPING = 1.0
 _POLL = 0.02
@@ -65,6 +78,8 @@ _ROOT = "agang/elastic"
 #: decision, or given up), one id a line (rule 1).
 _JOINERS = f"{_ROOT}/joiners/list"
 _ENDED = f"{_ROOT}/joiners/admitted"
+#: Each waiting joiner's last beat, under its id: a count and the wall-clock time.
+_BEATS = f"{_ROOT}/joiners/beat"
 #: The job's id; and, on a store found without it by a member, what was lost (rule 6).
 _JOB = f"{_ROOT}/job"
 _LOST = f"{_ROOT}/lost"
@@ -175,6 +190,53 @@ def withdraw_joiner(store: Any, me: Candidate) -> None:
     store.append(_ENDED, me.uid + "\n")
 
 
+def say_waiting(store: Any, me: Candidate, count: int) -> None:
+    """Beat ``count`` of the joiner ``me``: it is alive and waits (rule 2). The count
+    makes each beat differ from the last, whatever the clock says."""
+    store.set(f"{_BEATS}/{me.uid}", f"{count} {time.time():.3f}")
+
+
+def live_joiners(store: Any) -> set[str]:
+    """The waiting joiners whose last beat is under ``JOINER_STALE`` old by this
+    process's wall clock, at one look (rule 2)."""
+    waiting = _waiting(store)
+    beats = _Beats()
+    return {c.uid for c in beats.fresh(store, waiting, time.monotonic())}
+
+
+class _Beats:
+    """What one decider saw of the joiners' beats (rule 2): each one's last beat, when
+    (by its own monotonic clock) that beat was made, as far as it can tell, and since
+    when it has seen that beat unchanged."""
+
+    def __init__(self) -> None:
+        self.seen: dict[str, tuple[str, float, float]] = {}  # uid: beat, made, seen since
+        self.gone: set[str] = set()  # seen not to beat for JOINER_STALE, or never beat
+
+    def fresh(self, store: Any, joiners: list[Candidate], now: float) -> list[Candidate]:
+        """Those of ``joiners`` whose last beat is under ``JOINER_STALE`` old."""
+        alive = []
+        for joiner in joiners:
+            key = f"{_BEATS}/{joiner.uid}"
+            if not store.check([key]):
+                self.gone.add(joiner.uid)  # registered without a beat: nothing to wait for
+                continue
+            beat = store.get(key).decode()
+            last = self.seen.get(joiner.uid)
+            if last is None:  # first seen: as old as its wall-clock time says
+                age = max(0.0, time.time() - float(beat.split()[1]))
+                self.seen[joiner.uid] = (beat, now - age, now)
+            elif last[0] != beat:  # it beat since: seen alive now
+                self.seen[joiner.uid] = (beat, now, now)
+            _, made, since = self.seen[joiner.uid]
+            if now - made < JOINER_STALE:
+                alive.append(joiner)
+                self.gone.discard(joiner.uid)
+            elif now - since >= JOINER_STALE:  # watched, no beat: dead, whatever the clocks
+                self.gone.add(joiner.uid)
+        return alive
+
+
 def check_in(store: Any, epoch: int, me: Candidate) -> None:
     """Says that ``me`` starts making ``epoch``'s group (alive after the decision)."""
     store.append(epoch_key(epoch, "connecting"), me.uid + "\n")
@@ -219,6 +281,7 @@ def form(
     dead: set[str] = set()
     pinged_at = -float("inf")
     members_key = epoch_key(epoch, "members")
+    beats = _Beats()
     while True:
         if cancelled():
             raise TimeoutError("cancelled")
@@ -254,8 +317,12 @@ def form(
                 newcomers = [c for c in arrived if c.uid not in {p.uid for p in previous}]
                 joiners_in = (
                     (max_size is not None and len(survivors) >= max_size)
-                    or all(j.uid in here for j in _registered_joiners(store, previous))
                     or now - arrived_at >= JOINER_GRACE
+                    or not beats.fresh(
+                        store,
+                        [j for j in _registered_joiners(store, previous) if j.uid not in here],
+                        now,
+                    )
                 )
                 enough = len(_capped(survivors + newcomers, max_size)) >= min_size  # rule 4
                 if (not missing and joiners_in and enough) or now >= deadline:
@@ -269,7 +336,7 @@ def form(
                         f"its deadline, fewer than min_size={min_size}; missing: "
                         f"{'; '.join(gone) or 'unknown'}."
                     )
-                _decide(store, me, epoch, proposal, previous)
+                _decide(store, me, epoch, proposal, previous, beats.gone)
                 continue
         if now >= deadline + (0.0 if decider else 1.0):
             raise GangInitError(
@@ -285,6 +352,7 @@ def _decide(
     epoch: int,
     proposal: list[Candidate],
     previous: list[Candidate] | None,
+    gone: set[str],
 ) -> None:
     if epoch == 0:  # rule 6: named before any list can be read
         store.compare_set(_JOB, "", secrets.token_hex(8))
@@ -296,8 +364,10 @@ def _decide(
         waiting = waiting_joiners(store)
         old = {c.uid for c in previous or []}
         admitted = [c.uid for c in proposal if c.uid not in old and c.uid in waiting]
-        if admitted:
-            store.append(_ENDED, "".join(f"{uid}\n" for uid in admitted))
+        # The dead joiners it saw wait no more either (rule 2): no later reform reads them.
+        ended = admitted + sorted((gone & waiting) - set(admitted))
+        if ended:
+            store.append(_ENDED, "".join(f"{uid}\n" for uid in ended))
         store.set(f"{_ROOT}/epoch", str(epoch))
 
 

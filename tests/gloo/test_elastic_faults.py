@@ -22,6 +22,7 @@ import pytest
 from elasticrun import Cluster, Control, Worker
 
 from agang._setup import elastic as elastic_setup
+from agang._setup import membership
 
 pytestmark = pytest.mark.gloo
 
@@ -276,6 +277,34 @@ def test_a_joiner_that_dies_before_it_is_admitted_is_forgotten_by_the_reform(
     assert [event["joiners"] for event in noticed] == [1, 1]
     assert [(e["what"], e["epoch"], e["size"]) for e in epochs] == [("epoch", 1, 2)] * 2
     assert [event["joiners"] for event in counts] == [0, 0]
+    assert exact == [3, 3]
+
+
+def test_a_joiner_killed_while_it_waits_is_not_waited_for_by_the_reforms_after(
+    control: Control,
+) -> None:
+    # Still registered, it made every later reform's decision wait JOINER_GRACE (0.5 s)
+    # for it, for ever: only a joiner that reached its own deadline withdrew.
+    with Cluster(control, 2, min_size=2, **SETTINGS) as cluster:
+        w0, w1 = cluster.workers
+        joiner = cluster.fork(0)
+        cluster.join(joiner)
+        for worker in (w0, w1):
+            worker.ask("waiting", "waiting")  # it registered, and told them
+        cluster.kill(joiner)
+        time.sleep(membership.JOINER_STALE + 0.2)  # its last beat is stale by then
+        epochs = []
+        for _ in range(2):
+            for worker in (w0, w1):
+                worker.send("reform")
+            epochs.append([_epoch(worker) for worker in (w0, w1)])
+        exact = _exact([w0, w1])
+    for epoch, events in enumerate(epochs, start=1):
+        assert [(e["what"], e["epoch"], e["size"]) for e in events] == [("epoch", epoch, 2)] * 2
+        # The member that came second found the other there: it decided at once (~1 ms
+        # here; 0.5 s when it waited out the grace).
+        decided_in = min(e["decided_in"] for e in events)
+        assert decided_in < membership.JOINER_GRACE / 10, (epoch, events)
     assert exact == [3, 3]
 
 

@@ -12,7 +12,8 @@ Commands (``{"do": ...}``) and their events (``{"what": ...}``):
   before each and ``done`` (with whether the sum was exact) after; ``reduced`` at the end.
 - ``recv`` (``source``): says ``issued``, then receives from ``source``.
 - ``reform`` (``timeout``, ``after_joiner``): reforms (once a joiner waits, with
-  ``after_joiner``); ``epoch`` or ``reform_failed``.
+  ``after_joiner``); ``epoch`` (with ``decided_in``: how long deciding its members took
+  here) or ``reform_failed``.
 - ``waiting``: says ``waiting`` once a joiner waits (``waiting_to_join() > 0``).
 - ``noticed``: says ``noticed`` once a joiner told this member that it waits, with how
   many did and ``waiting_to_join()`` (which counts only those a reform can admit).
@@ -42,8 +43,23 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 
 import agang
 from agang._setup import elastic as elastic_setup
+from agang._setup import membership
 
 TICK = 0.01
+#: How long each decision of an epoch's members took here (``membership.form``), newest last.
+DECISIONS: list[float] = []
+_form = membership.form
+
+
+def _timed_form(*arguments: Any, **keywords: Any) -> Any:
+    started = time.monotonic()
+    try:
+        return _form(*arguments, **keywords)
+    finally:
+        DECISIONS.append(time.monotonic() - started)
+
+
+membership.form = _timed_form  # type: ignore[assignment]
 
 
 class Rank:
@@ -77,7 +93,15 @@ class Rank:
 
     async def new_epoch(self, gang: Any, took: float) -> None:
         self.previous, self.gang = self.gang, gang
-        await self.say("epoch", epoch=gang.epoch, rank=gang.rank, size=gang.size, took=took)
+        decided_in = DECISIONS[-1] if DECISIONS else None
+        await self.say(
+            "epoch",
+            epoch=gang.epoch,
+            rank=gang.rank,
+            size=gang.size,
+            took=took,
+            decided_in=decided_in,
+        )
 
     async def reform(self, seconds: float) -> None:
         started = time.monotonic()

@@ -93,6 +93,118 @@ def test_a_joiner_admitted_and_then_dead_is_not_waited_for_by_later_reforms(
     assert took < membership.JOINER_GRACE, took  # decided at its first look (~1 ms)
 
 
+class _WallClockAhead:
+    """This process's clocks, the wall clock ``JOINER_STALE`` x 3 ahead: every beat
+    written before looks that old."""
+
+    monotonic = staticmethod(time.monotonic)
+    sleep = staticmethod(time.sleep)
+
+    @staticmethod
+    def time() -> float:
+        return time.time() + 3 * membership.JOINER_STALE
+
+
+@pytest.mark.parametrize("beat", ["never", "long ago"])
+def test_a_registered_joiner_that_died_waiting_is_not_waited_for(
+    monkeypatch: pytest.MonkeyPatch, beat: str
+) -> None:
+    # Killed before its admission, it stayed registered: every later reform waited
+    # JOINER_GRACE for it (0.5 s of a decision that takes ~1 ms), for ever.
+    store = dist.HashStore()
+    _arrive(store, 0, B)
+    assert _form(store, 0, None, target=2) == [A, B]
+    if beat == "long ago":
+        membership.say_waiting(store, JOINER, 1)
+        monkeypatch.setattr(membership, "time", _WallClockAhead)
+    membership.register_joiner(store, JOINER)
+    for epoch in (1, 2):
+        _arrive(store, epoch, B)
+        started = time.monotonic()
+        assert _form(store, epoch, [A, B]) == [A, B]
+        took = time.monotonic() - started
+        assert took < membership.JOINER_GRACE / 10, (epoch, took)
+    assert membership.live_joiners(store) == set()
+    # One that never beat is withdrawn by the decision: no reform reads it again.
+    assert membership.waiting_joiners(store) == ({JOINER.uid} if beat == "long ago" else set())
+
+
+def test_a_joiner_seen_not_to_beat_is_withdrawn_by_the_decision(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Its last beat fresh at the reform's start, it stops (dies) there; the reform
+    # waits for a replacement (min_size) meanwhile, and sees it beat no more.
+    monkeypatch.setattr(membership, "JOINER_STALE", 0.2)
+    store = dist.HashStore()
+    membership.say_waiting(store, JOINER, 1)
+    membership.register_joiner(store, JOINER)
+    assert membership.live_joiners(store) == {JOINER.uid}
+    _arrive(store, 1, B)
+    replacement = threading.Timer(0.4, lambda: _arrive(store, 1, C))
+    replacement.start()
+    try:
+        assert _form(store, 1, [A, B, C], min_size=3) == [A, B, C]
+    finally:
+        replacement.cancel()
+    assert membership.waiting_joiners(store) == set()
+
+
+def test_a_live_joiner_whose_clock_is_behind_is_not_withdrawn(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Its beats look old by the decider's wall clock, but they change as it watches.
+    monkeypatch.setattr(membership, "JOINER_STALE", 0.2)
+    store = dist.HashStore()
+    stop = threading.Event()
+
+    def beat() -> None:
+        count = 0
+        while not stop.wait(0.05):
+            count += 1
+            store.set(f"{membership._BEATS}/{JOINER.uid}", f"{count} {time.time() - 5:.3f}")
+
+    membership.register_joiner(store, JOINER)
+    beating = threading.Thread(target=beat, daemon=True)
+    beating.start()
+    _arrive(store, 1, B)
+    replacement = threading.Timer(0.5, lambda: _arrive(store, 1, C))
+    replacement.start()
+    try:
+        assert _form(store, 1, [A, B, C], min_size=3) == [A, B, C]
+    finally:
+        replacement.cancel()
+        stop.set()
+        beating.join(5)
+    assert membership.waiting_joiners(store) == {JOINER.uid}
+
+
+def test_a_joiner_that_beats_is_given_the_grace_and_admitted() -> None:
+    store = dist.HashStore()
+    _arrive(store, 0, B)
+    assert _form(store, 0, None, target=2) == [A, B]
+    world = WorldInfo(rank=2, world_size=2, local_rank=0, master_addr="x", master_port=1)
+    joined: list[Any] = []
+    joiner = threading.Thread(
+        target=lambda: joined.append(
+            elastic.join(world, store, JOINER, elastic.Elastic(), time.monotonic() + 10)
+        ),
+        daemon=True,
+    )
+    joiner.start()
+    while JOINER.uid not in membership.live_joiners(store):
+        time.sleep(0.01)
+    time.sleep(2 * membership.JOINER_STALE)  # beating all along, as a live joiner does
+    assert membership.live_joiners(store) == {JOINER.uid}
+    _arrive(store, 1, B)
+    assert _form(store, 1, [A, B]) == [A, B, JOINER]
+    joiner.join(10)
+    assert [f.epoch for f in joined] == [1]
+    assert membership.waiting_joiners(store) == set()
+    beat = store.get(f"{membership._BEATS}/{JOINER.uid}")
+    time.sleep(3 * membership.JOINER_BEAT)
+    assert store.get(f"{membership._BEATS}/{JOINER.uid}") == beat  # admitted: it stopped
+
+
 def test_a_process_that_registers_again_after_its_admission_waits_again() -> None:
     # A joiner admitted once and later left behind (a stale member whose reform came
     # after the decision) registers again with the same id: it waits again.
