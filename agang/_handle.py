@@ -66,7 +66,7 @@ class Handle(Future[T]):
         >>> grad = await handle
     """
 
-    __slots__ = ("_hold", "_owner", "issued_at", "num_bytes", "op", "seq", "timeout")
+    __slots__ = ("_collective", "_hold", "_owner", "issued_at", "num_bytes", "op", "seq", "timeout")
 
     def __init__(
         self,
@@ -80,7 +80,13 @@ class Handle(Future[T]):
         self._set_up(op, seq, num_bytes, timeout, owner)
 
     def _set_up(
-        self, op: str, seq: int, num_bytes: int, timeout: float | None, owner: HandleOwner | None
+        self,
+        op: str,
+        seq: int,
+        num_bytes: int,
+        timeout: float | None,
+        owner: HandleOwner | None,
+        collective: int = -1,
     ) -> None:
         # Future's state, set here rather than through ``super().__init__``: a handle is
         # made for every op, and the call costs a measurable share of issuing one.
@@ -93,8 +99,13 @@ class Handle(Future[T]):
         self._callbacks: list[Callable[[], None]] = []
         #: The collective's name, e.g. ``"all_reduce"``.
         self.op = op
-        #: This op's sequence number on its gang; equal on every rank for the same op.
+        #: This op's sequence number on its gang, in call order: equal on every rank for
+        #: the same op where every op before it involved every rank (point-to-point ops
+        #: among some ranks advance only theirs).
         self.seq = seq
+        # Its number among the gang's collectives (-1: a point-to-point op), equal on every
+        # rank: what a peer's blame asks about (``agang._engine.scheduler``'s rule 6).
+        self._collective = collective
         #: Bytes this rank sends or receives (the size of its tensors).
         self.num_bytes = num_bytes
         #: The deadline in seconds from :attr:`issued_at`, or None for none.
@@ -188,12 +199,18 @@ class Handle(Future[T]):
 
 
 def issued(
-    op: str, seq: int, num_bytes: int, timeout: float | None, owner: HandleOwner | None
+    op: str,
+    seq: int,
+    num_bytes: int,
+    timeout: float | None,
+    owner: HandleOwner | None,
+    collective: int,
 ) -> Handle[Any]:
     """``Handle(op=op, seq=seq, ...)`` for the engine, which makes one per op: the same
-    handle, without the keyword call (half the cost of making one)."""
+    handle, without the keyword call (half the cost of making one), with its number among
+    the gang's collectives."""
     handle: Handle[Any] = _new_object(Handle)
-    handle._set_up(op, seq, num_bytes, timeout, owner)
+    handle._set_up(op, seq, num_bytes, timeout, owner, collective)
     return handle
 
 

@@ -61,10 +61,13 @@ Order checks.
 Blame.
     The engine tells the backend once, with ``serve_progress(progress)``, how to say
     where this rank stands on the gang (a ``Progress``, below, of the op a peer asks
-    about); until a peer asks, this costs nothing. A peer is asked about an op by its
-    sequence number, which is the same on every rank (ops are numbered in call order,
-    and the ranks issue the same ops in the same order). ``start_blame(seq, report)`` asks
-    every other rank about op ``seq`` (once its deadline passed here) and calls
+    about); until a peer asks, this costs nothing. A peer is asked about a collective
+    by its number among the gang's collectives (every op but ``send``, ``recv`` and
+    ``exchange``), which is the same on every rank: the ranks issue the same collectives
+    in the same order, while point-to-point ops among some ranks advance only those
+    ranks' sequence numbers. A point-to-point op is asked about by its sequence number.
+    ``start_blame(number, report, collective=...)`` asks every other rank about the op
+    of that number (once its deadline passed here) and calls
     ``report(peers, note)`` once, within ``BLAME_BOUND`` seconds whatever the peers or
     the channel do: ``peers`` maps each other rank to its answer, None for one that gave
     none; ``peers`` is None where nobody could be asked, and ``note`` says why.
@@ -128,6 +131,10 @@ class Progress:
     #: The op this rank issued at ``asked`` (None: not issued, or too long ago to know):
     #: blame compares it with the asker's, for ranks whose ops went out of step.
     asked_op: str | None = None
+    #: Asked by collective number (``asked`` counts collectives only): the number of the
+    #: last collective this rank issued (-1: none), which says whether it reached the
+    #: one asked about. None: asked by sequence number, as an older rank's answer is.
+    collective: int | None = None
 
     def to_text(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
@@ -143,6 +150,7 @@ class Progress:
             num_in_flight=int(fields["num_in_flight"]),
             state=fields["state"] if fields["state"] in ("open", "broken", "closed") else "open",
             asked_op=None if fields.get("asked_op") is None else str(fields["asked_op"]),
+            collective=None if fields.get("collective") is None else int(fields["collective"]),
         )
 
 
@@ -154,8 +162,9 @@ Checked = Callable[[dict[int, str] | None, BaseException | None], None]
 #: How a blame reports: every other rank's answer (None: it gave none in time), or None
 #: where nobody could be asked; then a note saying why (empty otherwise).
 Blamed = Callable[[Mapping[int, Progress | None] | None, str], None]
-#: How a rank says where it stands on the gang, asked about one op's sequence number.
-ProgressOf = Callable[[int], Progress]
+#: How a rank says where it stands on the gang, asked about one op's number: its
+#: sequence number, or (the flag True) its number among the gang's collectives.
+ProgressOf = Callable[[int, bool], Progress]
 
 #: The most a blame may take, from the call to its report (seconds).
 BLAME_BOUND = 0.5
@@ -291,8 +300,9 @@ class Backend(Protocol):
     def serve_progress(self, progress: ProgressOf) -> None:
         """Lets the peers' blames ask this rank where it stands (called once)."""
 
-    def start_blame(self, seq: int, report: Blamed) -> None:
-        """Asks every other rank where it stands on op ``seq`` (see the module's rules)."""
+    def start_blame(self, number: int, report: Blamed, *, collective: bool = False) -> None:
+        """Asks every other rank where it stands on op ``number``: a sequence number, or
+        with ``collective`` a number among collectives (see the module's rules)."""
 
     def where(self, rank: int) -> str:
         """``rank`` named for a message, with where it runs when known."""

@@ -226,7 +226,7 @@ class FakeBackend:
     def serve_progress(self, progress: ProgressOf) -> None:
         pass  # no peer ever asks
 
-    def start_blame(self, seq: int, report: Blamed) -> None:
+    def start_blame(self, number: int, report: Blamed, *, collective: bool = False) -> None:
         # Its other ranks are simulated by the same process: there is nobody to ask.
         report(None, "a fake gang's other ranks are simulated, not asked")
 

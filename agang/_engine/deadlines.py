@@ -26,6 +26,9 @@ said, per peer, whether it issued the op, is waiting on it, or gave no answer:
 3. *One question per batch.* The ops found late at one check share one blame, asked
    about the oldest of them; a check that finds more while a blame is out adds them to
    it. A thousand ops timing out together cost one round of questions, not a thousand.
+   A collective is asked about by its number among the gang's collectives, the same op
+   on every rank; a point-to-point op by its sequence number, which is the same op on
+   its peer only where the two ranks' earlier ops were (``reports``' rule 4).
 4. *Bounded.* The backend answers within its blame bound whatever the peers do, so a
    timeout is raised at most that much after its deadline; the answer costs nothing
    before a deadline passes (the peers read their own state only when asked).
@@ -300,10 +303,12 @@ class Expiry:
                 self._batch.extend(due)
                 return
             self._batch = list(due)
-        asked, asked_op = due[0].seq, due[0].op
+        asked, asked_op, collective = due[0].seq, due[0].op, due[0].collective
         try:
             owner.backend.start_blame(
-                asked, lambda peers, note: self._blamed(asked, asked_op, peers, note)
+                asked if collective < 0 else collective,
+                lambda peers, note: self._blamed(asked, asked_op, peers, note),
+                collective=collective >= 0,
             )
         except Exception as exc:  # the question never left: fail the ops without answers
             log.debug("Gang '%s' could not ask its peers.", owner.name, exc_info=True)
@@ -357,6 +362,7 @@ class Expiry:
             out_of_step=[] if peers is None else reports.out_of_step(peers, asked_op),
             blamed=blamed,
             peers=dict(peers) if peers is not None else None,
+            asked_op=asked_op,
         )
 
         def count_timed_out() -> None:

@@ -33,6 +33,9 @@ Rules:
    fails and its op stays in flight (tensors busy) until the backend ends it. The error
    says where each peer stood, asked through the backend's blame within its bound
    (``deadlines.Expiry``): issued the op and waiting, not issued it yet, or no answer.
+   A collective is asked about by its number among the gang's collectives, not its
+   sequence number: point-to-point ops among some ranks advance only theirs, so a
+   sequence number is not the same op on every rank (``Engine.progress``).
 6. *A failure breaks the gang.* Any failure of a started op breaks the gang: every
    pending handle fails with ``GangBrokenError`` (the first cause attached), queued ops
    are dropped unstarted, the backend is aborted, and every later call (a woken
@@ -77,7 +80,7 @@ from agang._backends.contract import Backend, Done, Progress, State
 from agang._backends.fingerprint import call_site
 from agang._engine import busy, reports
 from agang._engine.deadlines import Expiry
-from agang._engine.ops import Fingerprint, OpEnd, SecondPhase, Start, start_guarded
+from agang._engine.ops import POINT_TO_POINT, Fingerprint, OpEnd, SecondPhase, Start, start_guarded
 from agang._engine.polling import Polling
 from agang._engine.room import Room
 from agang._engine.scheduler import Entry, Scheduler
@@ -124,6 +127,7 @@ class Engine:
         self.checks_order = policy.check_order is not False
         self._judges_room = policy.limits.when_full != "queue"
         self._next_seq = 0
+        self._next_collective = 0  # rule 5: what blame asks a collective about
         self._next_check = 0
         self._draining = False
         self._inline: OpEnd | None = None  # the op ``_start_now`` is starting, on
@@ -193,13 +197,16 @@ class Engine:
         if self._judges_room:
             self._room.wait_or_refuse(op, num_bytes, seconds)
         seq = self._next_seq
-        handle = issued(op, seq, num_bytes, seconds, self)
+        collective = -1 if op in POINT_TO_POINT else self._next_collective
+        handle = issued(op, seq, num_bytes, seconds, self, collective)
         if len(tensors) == 1:  # most ops: the one-range claim, without building a list
             name, tensor = tensors[0]
             claim = busy.acquire_one(name, tensor, handle)
         else:
             claim = busy.acquire(tensors, handle)
         self._next_seq = seq + 1
+        if collective >= 0:  # committed with the seq, once nothing can raise (rule 1)
+            self._next_collective = collective + 1
         self._last_op = op
         counters = self._counters
         counters.num_issued += 1
@@ -271,7 +278,8 @@ class Engine:
         elif done.inline_error is None and not self._ordered_early:
             now = time.monotonic()
             seconds = now - handle.issued_at
-            self._scheduler.record(handle.seq, handle.op, handle.num_bytes, seconds, "ok")
+            record = self._scheduler.record
+            record(handle.seq, handle.op, handle.num_bytes, seconds, "ok", handle._collective)
             self._counters.completed(handle.op, seconds)
             handle._finish_unseen(done.output, now)
         else:  # a failure, or ordered first: the general end, as if reported later
@@ -288,6 +296,7 @@ class Engine:
         due = None if seconds is None else issued_at + seconds
         entry = Entry(handle.seq, handle.op, handle.num_bytes, issued_at, due, _started)
         entry.item = (handle, done)
+        entry.collective = handle._collective
         self._scheduler.admit_started(entry)
         return due
 
@@ -343,6 +352,7 @@ class Engine:
             item=(handle, done),
             ready=not checked,
             holds_gate=holds_gate,
+            collective=handle._collective,
         )
         self._scheduler.admit(entry)
         if checked:
@@ -627,18 +637,22 @@ class Engine:
 
     # Blame (rule 5): where this rank stands, when a peer's deadline asks.
 
-    def progress(self, seq: int) -> Progress:
+    def progress(self, number: int, collective: bool = False) -> Progress:
+        """Where this rank stands on op ``number``: a sequence number, or with
+        ``collective`` a number among the gang's collectives, which a peer asks by since
+        it is the same op on every rank (rule 5)."""
         with self.lock:
             state: State = "closed" if self.closed else "open" if self.broken is None else "broken"
-            entry = self._scheduler.entries.get(seq)
+            waiting, asked_op = self._scheduler.standing(number, collective)
             return Progress(
-                asked=seq,
+                asked=number,
                 issued=self._next_seq - 1,
                 op=self._last_op,
-                waiting=entry is not None,
+                waiting=waiting,
                 num_in_flight=len(self._scheduler.entries),
                 state=state,
-                asked_op=entry.op if entry is not None else self._scheduler.op_of(seq),
+                asked_op=asked_op,
+                collective=self._next_collective - 1 if collective else None,
             )
 
     # Lifecycle (rule 7).

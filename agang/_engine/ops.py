@@ -44,6 +44,10 @@ SecondPhase = Callable[[Callable[[Start, Callable[[], Any]], None]], None]
 #: CPU machine, 2026-11-25).
 Op = tuple[str, Sequence[tuple[str, torch.Tensor]], Any, Start, Fingerprint | None]
 
+#: The ops between some ranks of a gang, not all: they take a sequence number but no
+#: number among the gang's collectives, which thus stays equal on every rank.
+POINT_TO_POINT = frozenset({"send", "recv", "exchange"})
+
 
 class OpOwner(Protocol):
     """What an op's end reports to (the engine that issued it)."""

@@ -10,9 +10,15 @@ the verdicts below turn them into words, one per peer. Rules of the verdicts:
    (dead, stopped, or cut off from the store); a rank that could not ask at all says so.
 2. Absent ranks are those that had not issued the op, or did not answer: the ones a
    user looks at first. ``check_order``'s census names the same ranks.
-3. A peer that issued another op at the same sequence number is not "waiting for it":
-   the ranks' ops went out of step (a skipped or extra op on some rank), and the
-   verdict names both ops. ``check_order=True`` refuses such a call at issue.
+3. A peer that issued another op at the same number is not "waiting for it": the
+   ranks' ops went out of step (a skipped or extra op on some rank), and the verdict
+   names both ops. ``check_order=True`` refuses such a call at issue.
+4. A collective is asked about by its number among the gang's collectives, and a peer
+   answers with the last one it issued (``Progress.collective``): whether it reached the
+   op is judged by that count, not by its sequence number, which point-to-point ops
+   among some ranks advance on those ranks only. A peer that ran a ``send`` the asker
+   took no part in has not issued the all-reduce the asker is late on, whatever its
+   sequence number says. An answer without the count was asked by sequence number.
 """
 
 from __future__ import annotations
@@ -33,8 +39,10 @@ def verdict(progress: Progress | None, op: str | None = None) -> str:
     ``op`` is the asking rank's op at that number."""
     if progress is None:
         return "no answer (dead, stopped, or cut off from the store)"
+    counted = progress.collective is not None
     if differs(progress, op):
-        return f"issued #{progress.asked} `{progress.asked_op}`, not `{op}`"
+        number = f"collective #{progress.asked}" if counted else f"#{progress.asked}"
+        return f"issued {number} `{progress.asked_op}`, not `{op}`"
     last = "nothing yet" if progress.issued < 0 else f"#{progress.issued} `{progress.op}`"
     if progress.state == "closed":
         return f"has closed the gang (last op issued: {last})"
@@ -42,10 +50,20 @@ def verdict(progress: Progress | None, op: str | None = None) -> str:
         return f"its gang is broken by an earlier failure (last op issued: {last})"
     if progress.waiting:
         return "issued it and is waiting for it"
-    if progress.issued < progress.asked:
+    if not reached(progress):
         busy = f", {progress.num_in_flight} in flight" if progress.num_in_flight else ""
+        # The count of collectives, where point-to-point ops make it differ from the
+        # sequence number (rule 4): the number the question was about.
+        if progress.collective is not None and progress.collective != progress.issued:
+            busy += f"; collectives issued: {progress.collective + 1}"
         return f"has not issued it (last op issued: {last}{busy})"
     return f"has finished it (last op issued: {last})"
+
+
+def reached(progress: Progress) -> bool:
+    """Whether the peer had issued the op it was asked about (rule 4)."""
+    issued = progress.issued if progress.collective is None else progress.collective
+    return issued >= progress.asked
 
 
 def differs(progress: Progress | None, op: str | None) -> bool:
@@ -63,7 +81,7 @@ def absent(peers: Peers) -> list[int]:
     return sorted(
         rank
         for rank, progress in peers.items()
-        if progress is None or (progress.issued < progress.asked and progress.state == "open")
+        if progress is None or (not reached(progress) and progress.state == "open")
     )
 
 
@@ -122,10 +140,13 @@ def timed_out(
     blamed: str,
     peers: dict[int, Progress | None] | None,
     out_of_step: list[int] | None = None,
+    asked_op: str | None = None,
 ) -> GangTimeoutError:
     """An op's deadline passed. ``blamed`` is what the peers said (``describe``);
     ``absent`` the ranks that had not issued the op or did not answer, None where the
-    peers could not be asked; ``index`` the op's order check, when it was still in it."""
+    peers could not be asked; ``index`` the op's order check, when it was still in it;
+    ``asked_op`` this rank's op at the number asked, so that ``peers`` names a peer out
+    of step as the message does."""
     consequence = (
         "The gang is now broken."
         if abort
@@ -159,5 +180,5 @@ def timed_out(
         absent_ranks=absent or [],
         peers={}
         if peers is None
-        else {rank: verdict(progress) for rank, progress in peers.items()},
+        else {rank: verdict(progress, asked_op) for rank, progress in peers.items()},
     )

@@ -28,6 +28,9 @@ Rules:
 5. The flight recorder keeps the last ``history`` finished ops, oldest first, so a
    timeout can show what this rank completed last, next to what it still has in flight.
    It keeps plain tuples; ``recent()`` makes them records, when a timeout asks.
+6. Each op carries its number among the gang's collectives (-1 for a point-to-point
+   op), in flight and in the recorder, so a peer's blame can be answered by that number
+   (``standing``): it is equal on every rank where sequence numbers may not be.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ class Entry:
     holds_gate: bool = False
     started: bool = False
     expired: bool = False
+    collective: int = -1  # its number among the gang's collectives; -1: point-to-point
 
 
 def _deadline_of(entry: Entry) -> float:
@@ -73,6 +77,7 @@ class Record:
     num_bytes: int
     seconds: float
     outcome: str  # "ok", "failed", "timed out", "abandoned"
+    collective: int = -1  # as ``Entry.collective``
 
     def describe(self) -> str:
         milliseconds = 1000 * self.seconds
@@ -94,8 +99,9 @@ class Scheduler:
     _gate_holder: int | None = None
     _timeline: collections.deque[Entry] = field(default_factory=collections.deque)
     _deadlines: list[tuple[float, int]] = field(default_factory=list)
-    # (seq, op, num_bytes, seconds, outcome): Record's fields, made a Record when read.
-    _recent: collections.deque[tuple[int, str, int, float, str]] = field(init=False)
+    # (seq, op, num_bytes, seconds, outcome, collective): Record's fields, made a Record
+    # when read.
+    _recent: collections.deque[tuple[int, str, int, float, str, int]] = field(init=False)
 
     def __post_init__(self) -> None:
         self._recent = collections.deque(maxlen=self.history)
@@ -145,10 +151,12 @@ class Scheduler:
         if entry.holds_gate:
             self._gate_holder = entry.seq
 
-    def record(self, seq: int, op: str, num_bytes: int, seconds: float, outcome: str) -> None:
+    def record(
+        self, seq: int, op: str, num_bytes: int, seconds: float, outcome: str, collective: int = -1
+    ) -> None:
         """Records an op that never entered the core: the driver started it as
         ``may_start`` allowed and it ended before the driver let go (rule 5)."""
-        self._recent.append((seq, op, num_bytes, seconds, outcome))
+        self._recent.append((seq, op, num_bytes, seconds, outcome, collective))
 
     def _register(self, entry: Entry) -> None:
         seq = entry.seq
@@ -212,7 +220,7 @@ class Scheduler:
             self._queue.remove(entry)
         if self._gate_holder == seq:
             self._gate_holder = None
-        self._recent.append((seq, entry.op, entry.num_bytes, seconds, outcome))
+        self._recent.append((seq, entry.op, entry.num_bytes, seconds, outcome, entry.collective))
         timeline = self._timeline
         if timeline:
             while timeline and timeline[0].seq not in self.entries:  # in order: one pop
@@ -231,12 +239,23 @@ class Scheduler:
         self._gate_holder = None
         return dropped
 
-    def op_of(self, seq: int) -> str | None:
-        """The op numbered ``seq`` if the flight recorder still holds it (for blame)."""
-        for recorded, op, *_ in reversed(self._recent):
-            if recorded == seq:
-                return op
-        return None
+    def standing(self, number: int, collective: bool) -> tuple[bool, str | None]:
+        """Whether the op numbered ``number`` (its sequence number, or with ``collective``
+        its number among collectives: rule 6) is in flight, and its name where this rank
+        issued it and still knows it (the flight recorder's); for a peer's blame."""
+        if collective:
+            for entry in self.entries.values():  # a blame's rare question: a scan will do
+                if entry.collective == number:
+                    return True, entry.op
+        else:
+            found = self.entries.get(number)
+            if found is not None:
+                return True, found.op
+        position = 5 if collective else 0
+        for fields in reversed(self._recent):
+            if fields[position] == number:
+                return False, fields[1]
+        return False, None
 
     def recent(self) -> list[Record]:
         return [Record(*fields) for fields in self._recent]

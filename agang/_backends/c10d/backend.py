@@ -362,11 +362,11 @@ class C10dBackend:
             self._progress = progress
             mailbox.serve(self._group_name, self._rank, progress)
 
-    def start_blame(self, seq: int, report: Blamed) -> None:
+    def start_blame(self, number: int, report: Blamed, *, collective: bool = False) -> None:
         if self._stopped or not self._registered:
             return report(None, "the gang's communicator is released")
         peers = {r: world for r, world in enumerate(self._world_ranks) if r != self._rank}
-        mailbox.start_blame(self._group_name, seq, peers, report)
+        mailbox.start_blame(self._group_name, number, peers, report, collective=collective)
 
     def where(self, rank: int) -> str:
         return c10d_world.where(self._world_ranks, rank)

@@ -38,8 +38,10 @@ Blame: when an op's deadline passes, the rank asks every peer where it stands on
 (``Progress``, in ``agang._backends.contract``).
 
 6. *A question* (kind ``ask``) names the gang (c10d's group name: the same on every
-   rank), the op's sequence number and a key to answer under; the responder appends
-   one line there: its rank in that gang and its ``Progress``. A question about a gang
+   rank), the op's number, a key to answer under, and last what the number counts:
+   ``collective`` (the gang's collectives) or ``seq`` (every op); a question without
+   it, an older rank's, counts every op. The responder appends one line under the key:
+   its rank in that gang and its ``Progress``. A question about a gang
    this process does not serve (closed, or never made) gets no answer. Two live gangs
    over one group (a ``DeviceMesh`` wrapped twice) share its name: the one served last
    answers, with its own op numbers, and closing either leaves the other answering.
@@ -288,19 +290,23 @@ def unserve(
 
 
 def _answer(responder: Responder, question: str) -> None:
-    """Rule 6: ``question`` is ``<group> <seq> <key>``; raises ``ValueError`` for any
-    other text (the responder skips it: rule 2)."""
-    parts = question.split(" ", 2)
-    if len(parts) != 3 or not all(parts):
-        raise ValueError(f"a question is '<group> <seq> <key>', but this is {question!r}")
+    """Rule 6: ``question`` is ``<group> <number> <key> [collective|seq]``; raises
+    ``ValueError`` for any other text (the responder skips it: rule 2)."""
+    parts = question.split(" ")
+    by = parts[3] if len(parts) == 4 else "seq"  # an older rank's question: by seq
+    if len(parts) not in (3, 4) or not all(parts) or by not in ("collective", "seq"):
+        raise ValueError(
+            f"a question is '<group> <number> <key> [collective|seq]', but this is {question!r}"
+        )
     group, key = parts[0], parts[2]
-    seq = int(parts[1])
+    number = int(parts[1])
+    collective = by == "collective"
     with _lock:
         served = responder.served.get(group)
         if not served:
             return
         rank, progress = served[-1]
-    responder.reply(key, f"{rank} {progress(seq).to_text()}")
+    responder.reply(key, f"{rank} {progress(number, collective).to_text()}")
 
 
 register("ask", _answer)
@@ -342,11 +348,14 @@ def notices(group_name: str, wait: float = 0.0) -> dict[int, str]:
 
 def start_blame(
     group_name: str,
-    seq: int,
+    number: int,
     peers: Mapping[int, int],
     report: Blamed,
+    *,
+    collective: bool = False,
 ) -> None:
-    """Asks ``peers`` (rank in the gang -> world rank) about op ``seq`` (rule 7)."""
+    """Asks ``peers`` (rank in the gang -> world rank) about op ``number``, a number
+    among the gang's collectives where ``collective`` (rule 7)."""
     lock = threading.Lock()
     reported = False
 
@@ -369,7 +378,7 @@ def start_blame(
 
     def ask() -> None:
         try:
-            answers = _ask(group_name, seq, peers)
+            answers = _ask(group_name, number, peers, collective)
         except Exception as exc:
             log.debug("agang: asking the peers of '%s' failed.", group_name, exc_info=True)
             once(None, f"the store at {store_address} failed: {exc}")
@@ -380,12 +389,15 @@ def start_blame(
     _ = start_thread(ask, name=f"blame on '{group_name}'")
 
 
-def _ask(group_name: str, seq: int, peers: Mapping[int, int]) -> dict[int, Progress | None]:
+def _ask(
+    group_name: str, number: int, peers: Mapping[int, int], collective: bool
+) -> dict[int, Progress | None]:
     store = _store()
     if store is None:
         raise RuntimeError("no default group, so no store")
     key = reply_key("answers")
-    post(store, list(peers.values()), "ask", f"{group_name} {seq} {key}")
+    by = "collective" if collective else "seq"
+    post(store, list(peers.values()), "ask", f"{group_name} {number} {key} {by}")
     answers: dict[int, Progress | None] = dict.fromkeys(peers)
     give_up_at = time.monotonic() + ASK_SECONDS
     while True:

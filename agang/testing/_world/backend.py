@@ -139,12 +139,16 @@ class Communicator:
         for _, report in meeting.values():
             self.world.schedule(functools.partial(report, None if agree else fingerprints, None))
 
-    def blame(self, rank: int, seq: int) -> dict[int, Progress | None]:
-        """Every other rank's answer about op ``seq``, asked directly (rank's own lock
+    def blame(self, rank: int, number: int, collective: bool) -> dict[int, Progress | None]:
+        """Every other rank's answer about op ``number`` (a sequence number, or with
+        ``collective`` a number among collectives), asked directly (rank's own lock
         only: no rank's lock is held while another's is taken)."""
         with self.world.lock:
             asked = {r: self.progress.get(r) for r in range(self.size) if r != rank}
-        return {r: None if progress is None else progress(seq) for r, progress in asked.items()}
+        return {
+            r: None if progress is None else progress(number, collective)
+            for r, progress in asked.items()
+        }
 
     def withdraw(self, rank: int) -> list[Done]:
         """Takes back ``rank``'s ops that no peer has met yet; returns their ``done``."""
@@ -376,8 +380,8 @@ class FakeWorldBackend:
         with self.communicator.world.lock:
             self.communicator.progress[self._rank] = progress
 
-    def start_blame(self, seq: int, report: Blamed) -> None:
-        report(self.communicator.blame(self._rank, seq), "")
+    def start_blame(self, number: int, report: Blamed, *, collective: bool = False) -> None:
+        report(self.communicator.blame(self._rank, number, collective), "")
 
     def where(self, rank: int) -> str:
         return f"rank {rank}"

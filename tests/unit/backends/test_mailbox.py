@@ -29,6 +29,7 @@ GROUP = "g"
 MALFORMED: list[str | bytes] = [
     "ask x",
     "ask g not-a-number key",
+    "ask g 1 key by-nothing",
     "ask",
     "ping",
     "nonsense words",
@@ -37,9 +38,15 @@ MALFORMED: list[str | bytes] = [
 ]
 
 
-def _progress(seq: int) -> Progress:
+def _progress(seq: int, collective: bool = False) -> Progress:
     return Progress(
-        asked=seq, issued=7, op="all_reduce", waiting=False, num_in_flight=0, state="open"
+        asked=seq,
+        issued=7,
+        op="all_reduce",
+        waiting=False,
+        num_in_flight=0,
+        state="open",
+        collective=3 if collective else None,
     )
 
 
@@ -66,10 +73,11 @@ def responder(store: Any) -> Iterator[mailbox.Responder]:
     responder.thread.wait(5)
 
 
-def _asked(store: Any, seq: int) -> str | None:
-    """The responder's answer to a blame question about op ``seq`` of ``GROUP``."""
+def _asked(store: Any, seq: int, by: str = "") -> str | None:
+    """The responder's answer to a blame question about op ``seq`` of ``GROUP``
+    (``by``: what the number counts, or "" for an older rank's question)."""
     key = mailbox.reply_key("answers")
-    mailbox.post(store, [WORLD_RANK], "ask", f"{GROUP} {seq} {key}")
+    mailbox.post(store, [WORLD_RANK], "ask", f"{GROUP} {seq} {key}{by}")
     give_up_at = time.monotonic() + 5
     while time.monotonic() < give_up_at:
         if store.check([key]):
@@ -83,6 +91,13 @@ def test_the_responder_answers_a_ping_and_a_question(
 ) -> None:
     assert elastic.ping(store, [WORLD_RANK], 5) == {WORLD_RANK}
     assert _asked(store, 4) == f"1 {_progress(4).to_text()}\n"
+
+
+def test_a_question_says_whether_its_number_counts_collectives_or_every_op(
+    store: Any, responder: mailbox.Responder
+) -> None:
+    assert _asked(store, 2, " collective") == f"1 {_progress(2, True).to_text()}\n"
+    assert _asked(store, 2, " seq") == f"1 {_progress(2).to_text()}\n"
 
 
 def _push(store: Any, line: str | bytes) -> None:

@@ -106,12 +106,12 @@ def test_blame_names_both_ops_when_the_ranks_issued_different_ones_at_one_number
     reports = run_world(_out_of_step, 3, async_backend="asyncio", timeout=60.0)
     first = reports[0]["message"]
     assert "ranks [1, 2] issued another op at this position" in first, first
-    assert first.count("issued #1 `all_reduce`, not `broadcast`") == 2, first
+    assert first.count("issued collective #1 `all_reduce`, not `broadcast`") == 2, first
     assert "`check_order=True` refuses such a call at issue" in first
     for rank in (1, 2):
         message = reports[rank]["message"]
         assert "ranks [0] issued another op at this position" in message, message
-        assert "issued #1 `broadcast`, not `all_reduce`" in message, message
+        assert "issued collective #1 `broadcast`, not `all_reduce`" in message, message
         other = message.split(f"rank {3 - rank} (")[1]  # the other all-reducer's verdict
         assert _waiting_or_already_failed(other.split(": ", 1)[1].split(";")[0].rstrip(".")), other
     assert all(report["absent"] == () for report in reports)
@@ -230,3 +230,58 @@ def test_the_late_rank_is_told_who_gave_up_on_which_op_and_whom_it_blamed() -> N
     assert f"pid {first['pid']}) gave up first: `all_reduce` (seq 1)" in message, message
     assert "timeout 1.5 s) timed out after" in message, message
     assert f"pid {late['pid']}): has not issued it" in message, message
+
+
+def test_a_collectives_number_is_asked_about_and_answered_by_its_own_count() -> None:
+    """Asked about a collective by its number among the gang's collectives, a peer that
+    ran point-to-point ops meanwhile (its sequence numbers ahead) has not issued it."""
+    behind = Progress(
+        asked=0, issued=0, op="send", waiting=False, num_in_flight=0, state="open", collective=-1
+    )
+    there = dataclasses.replace(behind, issued=1, op="all_reduce", collective=0, waiting=True)
+    done = dataclasses.replace(there, waiting=False, asked_op="all_reduce")
+    other = dataclasses.replace(done, asked_op="broadcast")
+    peers: dict[int, Progress | None] = {1: behind, 2: there, 3: done, 4: other}
+    assert verdict(behind, "all_reduce") == (
+        "has not issued it (last op issued: #0 `send`; collectives issued: 0)"
+    )
+    assert verdict(there, "all_reduce") == WAITING
+    assert verdict(done, "all_reduce") == "has finished it (last op issued: #1 `all_reduce`)"
+    assert verdict(other, "all_reduce") == "issued collective #0 `broadcast`, not `all_reduce`"
+    assert absent(peers) == [1]
+    assert out_of_step(peers, "all_reduce") == [4]
+    assert Progress.from_text(behind.to_text()) == behind
+    # An answer without the field (an older rank's) was asked by sequence number.
+    old = '{"asked":1,"issued":0,"op":"send","waiting":false,"num_in_flight":0,"state":"open"}'
+    assert Progress.from_text(old).collective is None
+
+
+async def _send_among_two_then_late(gang: agang.Gang) -> dict[str, Any]:
+    """Rank 0 sends to rank 1 and rank 2 takes no part, so ranks 0 and 1 are one
+    sequence number ahead; they then come 3 s late to an all-reduce that rank 2 issues
+    at once with a 1 s deadline."""
+    if gang.rank == 0:
+        await gang.send(torch.ones(2), 1)
+    elif gang.rank == 1:
+        await gang.recv(torch.zeros(2), 0)
+    if gang.rank == 2:
+        try:
+            await gang.all_reduce(torch.ones(2), timeout=1.0)
+        except agang.GangTimeoutError as error:
+            return {"peers": dict(error.peers), "absent": error.absent_ranks}
+        return {"error": "no timeout"}
+    await anyio.sleep(3.0)
+    with pytest.raises(agang.GangError):  # rank 2's deadline broke the gang
+        await gang.all_reduce(torch.ones(2), timeout=1.0)
+    return {}
+
+
+@pytest.mark.anyio
+async def test_blame_is_right_after_point_to_point_ops_among_some_ranks() -> None:
+    reports = await FakeWorld(3).run(_send_among_two_then_late)
+    peers = reports[2]["peers"]
+    for rank, op in ((0, "send"), (1, "recv")):
+        assert peers[rank] == (
+            f"has not issued it (last op issued: #0 `{op}`; collectives issued: 0)"
+        ), peers
+    assert reports[2]["absent"] == (0, 1)
