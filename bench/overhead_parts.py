@@ -51,7 +51,7 @@ def _parts(gang: agang.FakeGang, tensor: torch.Tensor) -> dict[str, Callable[[in
     def handle(count: int) -> int:
         start = time.perf_counter_ns()
         for seq in range(count):
-            issued("all_reduce", seq, 4, 300.0, engine)
+            issued("all_reduce", seq, 4, 300.0, engine, seq)
         return time.perf_counter_ns() - start
 
     def deadline(count: int) -> int:

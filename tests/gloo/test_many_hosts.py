@@ -110,7 +110,10 @@ def test_torchrun_without_local_addr_fails_at_once_saying_so(netns: None) -> Non
 
 def _init_seconds(outputs: list[str]) -> list[float]:
     """How long each failed init took, by its own account ("(after 0.1 s, ...")."""
-    found = [re.findall(r"\(after ([0-9.]+) s, \d+ attempt", output) for output in outputs]
+    found = [
+        re.findall(r"\(after ([0-9.]+) s, (?:\d+ attempt\(s\), )?deadline", output)
+        for output in outputs
+    ]
     assert all(found), outputs
     return [float(seconds) for per_output in found for seconds in per_output]
 
