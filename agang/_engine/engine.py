@@ -547,7 +547,9 @@ class Engine:
                 return
             self.broken = cause
             pending, dropped = self._take_pending()
-        log.error("Gang '%s' (rank %d) is broken: %s", self.name, self.rank, cause)
+        # The cause is raised to the op's waiter, and every later call raises it again: a
+        # library logs no ERROR for what it raises (a handled deadline printed twice).
+        log.info("Gang '%s' (rank %d) is broken: %s", self.name, self.rank, cause)
         for future in pending:
             future._finish(None, abandoned(future))
         for handle, abandon in dropped:

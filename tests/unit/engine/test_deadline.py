@@ -7,6 +7,7 @@ the other rank can only end by its deadline. Bounds keep a 10x margin.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from typing import Any
@@ -112,3 +113,19 @@ def test_the_timer_thread_runs_calls_in_time_order_and_skips_cancelled_ones() ->
 
     assert done.wait(PATIENCE)
     assert order == ["early", "late"]
+
+
+@pytest.mark.anyio
+async def test_a_deadline_the_caller_catches_logs_no_warning_or_error(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # What agang raises, it does not also log at WARNING or ERROR: a handled deadline
+    # once printed its message twice (the error, and "Gang ... is broken" at ERROR).
+    world = FakeWorld(2, op_timeout=60.0)
+    with caplog.at_level(logging.INFO, logger="agang"), pytest.raises(agang.GangTimeoutError):
+        await world[0].all_reduce(torch.ones(1), timeout=0.2)  # rank 1 never comes
+    loud = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert loud == []
+    assert any("is broken" in r.getMessage() for r in caplog.records)  # at INFO
+    for gang in world:
+        await gang.close()
