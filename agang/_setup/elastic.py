@@ -63,7 +63,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -306,19 +306,36 @@ def _beat_while_waiting(store: Any, me: Candidate) -> threading.Event:
     store calls may block the waiting one), until the event returned is set; a process
     that ends stops it with itself. The first beat comes before the registration, so
     that a registered joiner without one is dead, or never waited."""
-    stop = threading.Event()
     membership.say_waiting(store, me, 1)
+    return _beat(
+        lambda count: membership.say_waiting(store, me, count + 1),
+        membership.JOINER_BEAT,
+        name="agang-elastic joiner beat",
+        at_once=False,
+    )
 
-    def beat() -> None:
-        count = 1
-        while not stop.wait(membership.JOINER_BEAT):
+
+def _beat(say: Callable[[int], None], every: float, *, name: str, at_once: bool) -> threading.Event:
+    """Calls ``say(1)``, ``say(2)``, ... every ``every`` seconds (the first at once, or
+    after one interval) on a daemon thread of its own, until the event returned is set
+    or ``say`` fails (the store is gone: nobody can read the beats either). The joiners'
+    and the closing members' heartbeats (rules 3 and 6)."""
+    stop = threading.Event()
+
+    def run() -> None:
+        count = 0
+        if not at_once and stop.wait(every):
+            return
+        while True:
             count += 1
             try:
-                membership.say_waiting(store, me, count)
-            except Exception:  # the store is gone: no reform can admit it either
+                say(count)
+            except Exception:
+                return
+            if stop.wait(every):
                 return
 
-    threads.start_daemon(beat, name="agang-elastic joiner beat")
+    threads.start_daemon(run, name=name)
     return stop
 
 
@@ -440,18 +457,12 @@ def _formed(
 def closing(formed: Formed) -> Iterator[None]:
     """Says, every ``CLOSING_BEAT`` seconds inside the block, that this member of
     ``formed``'s epoch is closing its old gang and will come to make the group (rule 3)."""
-    stop = threading.Event()
-
-    def beat() -> None:
-        while True:
-            try:
-                membership.say_closing(formed.store, formed.epoch, formed.me)
-            except Exception:  # the store is gone: the group cannot be made either
-                return
-            if stop.wait(CLOSING_BEAT):
-                return
-
-    threads.start_daemon(beat, name="agang-elastic closing")
+    stop = _beat(
+        lambda _: membership.say_closing(formed.store, formed.epoch, formed.me),
+        CLOSING_BEAT,
+        name="agang-elastic closing",
+        at_once=True,
+    )
     try:
         yield
     finally:
