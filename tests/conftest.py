@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -65,3 +66,16 @@ def no_memory_left_busy() -> Iterator[None]:
     assert left <= 0, (
         f"the test left {left} busy range(s) behind: close the gangs whose ops it left pending"
     )
+
+
+@pytest.fixture(scope="module")
+def control() -> Iterator[Any]:
+    """The control connection of ``tests/support/elasticrun.py``'s clusters, one per
+    module (its workers are the module's)."""
+    from elasticrun import Control
+
+    control = Control()
+    try:
+        yield control
+    finally:
+        control.close()

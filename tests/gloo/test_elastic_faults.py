@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import signal
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -33,15 +32,6 @@ MIB64 = 16 << 20  # float32 elements in 64 MiB
 FAILURES = ("CollectiveError", "GangBrokenError", "GangTimeoutError")
 LAG_P99 = 0.020
 CYCLES = 20
-
-
-@pytest.fixture(scope="module")
-def control() -> Iterator[Control]:
-    control = Control()
-    try:
-        yield control
-    finally:
-        control.close()
 
 
 def _epoch(worker: Worker, timeout: float = REFORM_TIMEOUT + 10) -> dict[str, Any]:
@@ -258,16 +248,23 @@ def test_a_woken_stale_member_is_refused_and_never_corrupts_the_new_gang(
     assert stopped["readmitted_exact"] == [3, 3, 3]
 
 
+def _a_joiner_waits_then_dies(cluster: Cluster) -> list[dict[str, Any]]:
+    """A process joins the cluster's two members and waits; once both have noticed it
+    (their events, returned), it is SIGKILLed before any reform admits it."""
+    joiner = cluster.fork(0)
+    cluster.join(joiner)
+    noticed = [worker.ask("waiting", "waiting") for worker in cluster.workers[:2]]
+    cluster.kill(joiner)
+    return noticed
+
+
 def test_a_joiner_that_dies_before_it_is_admitted_is_forgotten_by_the_reform(
     control: Control,
 ) -> None:
     # Counted for ever, it made every step boundary of the README's loop reform again.
     with Cluster(control, 2, min_size=2, **SETTINGS) as cluster:
         w0, w1 = cluster.workers
-        joiner = cluster.fork(0)
-        cluster.join(joiner)
-        noticed = [worker.ask("waiting", "waiting") for worker in (w0, w1)]
-        cluster.kill(joiner)
+        noticed = _a_joiner_waits_then_dies(cluster)
         for worker in (w0, w1):
             worker.send("reform")
         epochs = [_epoch(worker) for worker in (w0, w1)]
@@ -287,11 +284,7 @@ def test_a_joiner_killed_while_it_waits_is_not_waited_for_by_the_reforms_after(
     # for it, for ever: only a joiner that reached its own deadline withdrew.
     with Cluster(control, 2, min_size=2, **SETTINGS) as cluster:
         w0, w1 = cluster.workers
-        joiner = cluster.fork(0)
-        cluster.join(joiner)
-        for worker in (w0, w1):
-            worker.ask("waiting", "waiting")  # it registered, and told them
-        cluster.kill(joiner)
+        _a_joiner_waits_then_dies(cluster)  # it registered, and told them
         time.sleep(membership.JOINER_STALE + 0.2)  # its last beat is stale by then
         epochs = []
         for _ in range(2):

@@ -13,12 +13,12 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Iterator
 from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
 from elasticrun import Cluster, Control
+from storeutil import wait_until_stopped
 
 from agang._setup import membership
 
@@ -30,15 +30,6 @@ SETTINGS = {"timeout": 30, "op_timeout": OP_TIMEOUT, "reform_timeout": REFORM_TI
 #: The replacement's own deadline: it waits for WORLD_SIZE processes until then, and
 #: then (min_size 1) used to form a job of its own.
 NEWCOMER_TIMEOUT = 20.0
-
-
-@pytest.fixture(scope="module")
-def control() -> Iterator[Control]:
-    control = Control()
-    try:
-        yield control
-    finally:
-        control.close()
 
 
 def test_a_store_restarted_empty_fails_the_members_and_the_newcomer_loudly(
@@ -97,17 +88,6 @@ def _wait_for_formation_0(port: int, seconds: float = 15.0) -> None:
         time.sleep(0.01)
 
 
-def _wait_until_stopped(pid: int, seconds: float = 5.0) -> None:
-    """Returns once ``pid`` is stopped: under load a SIGSTOP can take effect late."""
-    give_up_at = time.monotonic() + seconds
-    while time.monotonic() < give_up_at:
-        with open(f"/proc/{pid}/stat") as stat:
-            if stat.read().rsplit(")", 1)[1].split()[0] == "T":
-                return
-        time.sleep(0.01)
-    raise AssertionError(f"pid {pid} was not stopped within {seconds} s")
-
-
 @pytest.mark.parametrize("signum", [signal.SIGSTOP, signal.SIGKILL], ids=["stopped", "killed"])
 def test_a_reform_against_a_lost_store_fails_at_its_deadline_naming_it(
     control: Control, signum: int
@@ -124,7 +104,7 @@ def test_a_reform_against_a_lost_store_fails_at_its_deadline_naming_it(
         os.kill(store.pid, signum)
         try:
             if signum == signal.SIGSTOP:
-                _wait_until_stopped(store.pid)
+                wait_until_stopped(store.pid)
             else:
                 store.wait(10)
             w0.send("reform", timeout=deadline)

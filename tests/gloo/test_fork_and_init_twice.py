@@ -88,6 +88,17 @@ def _rank_that_forks(rank: int, port: int) -> None:
     gang.close_sync()
 
 
+def _run_program(source: str) -> subprocess.CompletedProcess[str]:
+    """Runs ``source`` (indented Python) in a fresh interpreter; its output, captured."""
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(source)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
 def _reports(text: str) -> list[dict[str, Any]]:
     lines = [line for line in text.splitlines() if line.startswith("REPORT ")]
     return [json.loads(line.removeprefix("REPORT ")) for line in lines]
@@ -151,12 +162,7 @@ INIT_TWICE = """
 def test_init_twice_is_refused_while_the_world_gang_is_open() -> None:
     """Before, a second init wrapped the same world again: two gangs numbering their ops
     apart over one communicator, one of them left open on a destroyed group."""
-    result = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(INIT_TWICE)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = _run_program(INIT_TWICE)
 
     assert result.returncode == 0, result.stderr
     [report] = _reports(result.stdout)
@@ -203,12 +209,7 @@ def test_a_child_leaving_through_its_loops_teardown_leaves_the_parents_loop_awak
     self-pipe: closing it in the child once left the parent's loop deaf to its own
     threads, so 20 awaited all-reduces of a world of one took 5 s or never finished
     (the bound below); now they take about 10 ms."""
-    result = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(CHILD_LEAVES_THROUGH_THE_LOOP)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = _run_program(CHILD_LEAVES_THROUGH_THE_LOOP)
 
     assert result.returncode == 0, result.stderr
     [report] = _reports(result.stdout)

@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 from netutil import rank_env
+from storeutil import wait_until_stopped
 
 pytestmark = pytest.mark.gloo
 
@@ -60,16 +61,6 @@ def _rank(rank: int, port: int, stopped: Any, results: Any) -> None:
         results.put(("result", type(error).__name__, time.monotonic() - started, str(error)))
 
 
-def _wait_until_stopped(pid: int, seconds: float = 5.0) -> None:
-    """Returns once ``pid`` is stopped: under load a SIGSTOP can take effect late."""
-    give_up_at = time.monotonic() + seconds
-    while time.monotonic() < give_up_at:
-        with open(f"/proc/{pid}/stat") as stat:
-            if stat.read().rsplit(")", 1)[1].split()[0] == "T":
-                return
-        time.sleep(0.01)
-
-
 def test_blame_answers_within_its_bound_when_the_store_host_is_stopped() -> None:
     store = subprocess.Popen(
         [sys.executable, "-c", _STORE], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
@@ -87,7 +78,7 @@ def test_blame_answers_within_its_bound_when_the_store_host_is_stopped() -> None
         assert {results.get(timeout=90) for _ in range(2)} == {("ready", 0), ("ready", 1)}
         os.kill(store.pid, signal.SIGSTOP)
         try:
-            _wait_until_stopped(store.pid)
+            wait_until_stopped(store.pid)
             stopped.set()
             report = results.get(timeout=20)  # the old behaviour: nothing for 37 s
         finally:

@@ -101,3 +101,14 @@ class Store:
             "last": self.out.rest(5)[-1],
             "log": self.err.rest(5),
         }
+
+
+def wait_until_stopped(pid: int, seconds: float = 5.0) -> None:
+    """Returns once ``pid`` is stopped: under load a SIGSTOP can take effect late."""
+    give_up_at = time.monotonic() + seconds
+    while time.monotonic() < give_up_at:
+        with open(f"/proc/{pid}/stat") as stat:
+            if stat.read().rsplit(")", 1)[1].split()[0] == "T":
+                return
+        time.sleep(0.01)
+    raise AssertionError(f"pid {pid} was not stopped within {seconds} s")

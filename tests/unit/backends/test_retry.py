@@ -330,18 +330,23 @@ def test_open_store_retries_a_check_in_at_a_closing_store(flaky: type[_FlakyStor
     assert len(checked) == 2  # the closing store was retried; the missing rank was not
 
 
-def test_a_transient_failure_is_reported_with_c10ds_own_error_as_its_cause() -> None:
-    plan = _Plan(
+def _plan_of(world: agang.WorldInfo) -> _Plan:
+    """An init plan of ``world`` over Gloo with a 1 s deadline, for its failure messages."""
+    return _Plan(
         backend="gloo",
         device=None,
         timeout=1,
         policy=make_policy(op_timeout=1, env={}),
         env={},
-        world=agang.WorldInfo(1, 2, 1, "127.0.0.1", 29999),
+        world=world,
         in_process=False,
         stream_ordered=False,
         retry=None,
     )
+
+
+def test_a_transient_failure_is_reported_with_c10ds_own_error_as_its_cause() -> None:
+    plan = _plan_of(agang.WorldInfo(1, 2, 1, "127.0.0.1", 29999))
     original = dist.DistNetworkError(_NOT_UP)
 
     def fails() -> None:
@@ -360,17 +365,7 @@ def test_an_init_failure_says_where_the_world_came_from() -> None:
         world: agang.WorldInfo,
         error: BaseException | None = None,
     ) -> str:
-        plan = _Plan(
-            backend="gloo",
-            device=None,
-            timeout=1,
-            policy=make_policy(op_timeout=1, env={}),
-            env={},
-            world=world,
-            in_process=False,
-            stream_ordered=False,
-            retry=None,
-        )
+        plan = _plan_of(world)
         late = agang.GangInitError("Ranks [1] of 2 did not check in.", missing_ranks=[1])
         return str(plan.report(late if error is None else error))
 
