@@ -1,5 +1,8 @@
 """The ``agang`` command (or ``python -m agang``): ``doctor``, ``selfcheck`` and ``store``.
 
+Each command's modules load inside its branch of :func:`main`, so that ``agang --help``
+and ``agang --version`` load no torch (``agang/__init__.py`` is lazy too).
+
 Exit status: 0 when the doctor found no problem (warnings allowed), every self-check
 passed, or the store was stopped by SIGTERM or SIGINT; 1 otherwise; 2 on a usage error.
 """
@@ -8,14 +11,8 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 from collections.abc import Sequence
-
-from agang._cli.doctor.diagnose import diagnose
-from agang._cli.doctor.findings import has_problems, render, render_json
-from agang._cli.doctor.host import probe_host_facts
-from agang._cli.doctor.network import SocketProbe
 
 
 def _version() -> str:
@@ -140,9 +137,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         from agang._cli.selfcheck.run import selfcheck  # imports torch.cuda paths only here
 
         return selfcheck(simulate=arguments.simulate, out=sys.stdout, verbose=arguments.verbose)
-    findings = diagnose(os.environ, probe_host_facts(), SocketProbe(timeout=arguments.timeout))
-    sys.stdout.write(render_json(findings) if arguments.json else render(findings))
-    return 1 if has_problems(findings) else 0
+    from agang._cli.doctor.command import run_doctor  # torch loads for the doctor only
+
+    return run_doctor(timeout=arguments.timeout, as_json=arguments.json, out=sys.stdout)
 
 
 if __name__ == "__main__":

@@ -62,6 +62,7 @@ LAYERS: dict[str, int] = {
 LAZY_IMPORTS: dict[tuple[str, str], str] = {
     ("agang.__main__", "agang._cli.store"): "the store command's modules load for it only",
     ("agang.__main__", "agang._cli.selfcheck.run"): "torch's CUDA paths load for it only",
+    ("agang.__main__", "agang._cli.doctor.command"): "torch loads for the doctor only",
     ("agang._cli.selfcheck.run", "agang._cli.selfcheck.cuda_harness"): "only with a GPU",
     ("agang._cli.store", "agang._setup.rendezvous"): "torch.distributed loads on bind only",
     ("agang._parallel.gangs", "agang._parallel.mesh"): "torch's DeviceMesh loads on use only",

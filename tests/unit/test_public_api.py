@@ -85,11 +85,12 @@ COLLECTIVES = [
 
 
 def public_names(module: types.ModuleType) -> set[str]:
-    """The public names bound in ``module``, apart from its subpackages."""
+    """The public names ``dir(module)`` lists, apart from its subpackages: agang's own
+    ``__dir__`` lists the names it loads on first use as well as those bound so far."""
     return {
         name
-        for name, value in vars(module).items()
-        if not name.startswith("_") and not isinstance(value, types.ModuleType)
+        for name in dir(module)
+        if not name.startswith("_") and not isinstance(getattr(module, name), types.ModuleType)
     }
 
 
