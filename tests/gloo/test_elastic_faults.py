@@ -261,7 +261,8 @@ def _a_joiner_waits_then_dies(cluster: Cluster) -> list[dict[str, Any]]:
 def test_a_joiner_that_dies_before_it_is_admitted_is_forgotten_by_the_reform(
     control: Control,
 ) -> None:
-    # Counted for ever, it made every step boundary of the README's loop reform again.
+    # Counted for ever, it made every step boundary of the elastic guide's loop
+    # (docs/guides/elastic.md) reform again.
     with Cluster(control, 2, min_size=2, **SETTINGS) as cluster:
         w0, w1 = cluster.workers
         noticed = _a_joiner_waits_then_dies(cluster)
@@ -404,9 +405,10 @@ def test_too_few_members_fail_the_reform_naming_who_is_missing(control: Control)
 def test_a_joiner_beyond_max_size_is_not_counted_and_is_told_why_it_waits(
     control: Control,
 ) -> None:
-    """The README's loop reforms when ``waiting_to_join() > 0``: a joiner that no reform
-    can admit (the gang at max_size) made it reform at every step until the joiner's
-    deadline, and the joiner then failed without saying why. It is not counted; it
+    """The elastic guide's loop (docs/guides/elastic.md) reforms when
+    ``waiting_to_join() > 0``: a joiner that no reform can admit (the gang at max_size)
+    made it reform at every step until the joiner's deadline, and the joiner then failed
+    without saying why. It is not counted; it
     waits, logging why, until a member leaves (then a reform admits it) or until its
     deadline (then its error says why)."""
     with Cluster(control, 2, min_size=1, max_size=2, **SETTINGS) as cluster:

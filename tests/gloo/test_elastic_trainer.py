@@ -1,5 +1,5 @@
-"""examples/elastic_trainer.py as the README runs it: 4 workers, rank 2 SIGKILLed at step 20,
-the survivors reform, a replacement joins; and its arguments are checked.
+"""examples/elastic_trainer.py as docs/guides/elastic.md runs it: 4 workers, rank 2 SIGKILLed
+at step 20, the survivors reform, a replacement joins; and its arguments are checked.
 
 The script starts its own ``agang store`` and workers and ends them by pid; the test
 ends the script by pid if it outlives its timeout, and checks that every process the
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.gloo
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "elastic_trainer.py"
-COMMAND = ["--workers", "4", "--kill", "2", "--at-step", "20", "--respawn"]  # the README's
+COMMAND = ["--workers", "4", "--kill", "2", "--at-step", "20", "--respawn"]  # the guide's
 ROW = re.compile(r"^\s*(\d+)\s+(\d+)\s+(\d+)\s+(.*)$")  # step, epoch, size, event
 
 
