@@ -42,6 +42,7 @@ LAYERS: dict[str, int] = {
     "agang._cli": 1,  # the commands
     "agang.testing": 2,  # public testing tools
     "agang": 3,  # the public face: re-exports only
+    "agang._weights": 3,  # weights to a changing fleet: above set-up, re-exported
     "agang._setup": 4,  # making the root gang, elastic gangs
     "agang._parallel": 4,  # gangs for parallel layouts, DeviceMesh
     "agang._gradient_sync": 4,  # a feature on the public Gang API

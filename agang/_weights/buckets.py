@@ -1,0 +1,74 @@
+"""The byte buffers a round moves, per bucket of the plan (``agang._weights.plan``).
+
+Rules:
+1. On the publisher, a packed bucket is a buffer of its own, filled from the tensors
+   just before it is sent (``fill``); a direct bucket is the tensor's own bytes.
+2. On a subscriber, by default every bucket is a buffer of its own (the staging copy:
+   one extra copy of the model's bytes), and ``unpack`` copies it into the user's
+   tensors when the application asks (``receive``); in place, a direct bucket is the
+   user's tensor itself, and only the packed buckets are buffers (the small tensors'
+   bytes), unpacked right after the round.
+3. Bucket 0 starts with the round's header: ``HEADER_WORDS`` int64 words.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from agang._weights.plan import HEADER_BYTES, HEADER_WORDS, Plan
+
+
+def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes, as a flat uint8 view of its memory."""
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+class Buckets:
+    """The buffers of ``plan``'s buckets over ``tensors`` (rules 1, 2)."""
+
+    def __init__(
+        self, plan: Plan, tensors: dict[str, torch.Tensor], *, publisher: bool, in_place: bool
+    ) -> None:
+        self.plan = plan
+        self.layout = plan.buckets()
+        self._tensors = list(tensors.values())
+        self._bytes = [as_bytes(t) if t.numel() else None for t in self._tensors]
+        self.in_place = in_place
+        self.wire: list[torch.Tensor] = []
+        self._owned: list[bool] = []  # a buffer of its own, not the user's tensor
+        for direct, nbytes, parts in self.layout:
+            if direct and (publisher or in_place):
+                view = self._bytes[parts[0][0]]
+                assert view is not None
+                self.wire.append(view)
+                self._owned.append(False)
+            else:
+                self.wire.append(torch.zeros(nbytes, dtype=torch.uint8))
+                self._owned.append(True)
+        self.header = self.wire[0][:HEADER_BYTES].view(torch.int64)[:HEADER_WORDS]
+
+    @property
+    def staging_bytes(self) -> int:
+        """The bytes this side holds beyond the user's tensors."""
+        return sum(w.numel() for w, owned in zip(self.wire, self._owned, strict=True) if owned)
+
+    def fill(self, index: int) -> None:
+        """Copies the tensors of packed bucket ``index`` into its buffer (rule 1)."""
+        direct, _, parts = self.layout[index]
+        if direct:
+            return
+        wire = self.wire[index]
+        for tensor_index, offset, nbytes in parts:
+            source = self._bytes[tensor_index]
+            assert source is not None
+            wire[offset : offset + nbytes].copy_(source)
+
+    def unpack(self, *, packed_only: bool = False) -> None:
+        """Copies every bucket (or only the packed ones) into the user's tensors (rule 2)."""
+        for (direct, _, parts), wire in zip(self.layout, self.wire, strict=True):
+            if direct and (packed_only or self.in_place):
+                continue
+            for tensor_index, offset, nbytes in parts:
+                target = self._bytes[tensor_index]
+                assert target is not None
+                target.copy_(wire[offset : offset + nbytes])

@@ -1,0 +1,68 @@
+"""One epoch's gang: a Gloo group of the channel's own, never the process's default
+group, so that a server or a trainer that has its own gang (elastic or not) keeps it.
+
+Rules:
+1. The group is made from the epoch's prefix of the store, as ``init_process_group``
+   would make it, but registered nowhere: c10d's default group and agang's world gang
+   (one per process) stay the process's own. The gang over it is a ``ProcessGroupGang``
+   whose ops have agang's deadlines, and whose timeout aborts the group (on Gloo:
+   closes its connections, so the peers' ops fail at once instead of hanging).
+2. Blame at the channel's level: the group answers no mailbox (its ranks are not the
+   process's world ranks); the publisher asks the subscribers itself
+   (:mod:`agang._weights.channel`, rule 5).
+3. The round's header is bucket 0's first ``HEADER_WORDS`` int64 words: what the round
+   is (``DATA``, ``REFORM``: go to the epoch named, ``CLOSE``: the publisher closes),
+   the version, the epoch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from agang._backends.c10d.backend import C10dBackend
+from agang._collective.process_group_gang import ProcessGroupGang
+from agang._policy import make_policy
+from agang._weights.channel import Channel
+
+DATA, REFORM, CLOSE = 1, 2, 3
+_POLICY = make_policy(op_timeout=None, on_timeout="abort", check_order=False)
+
+
+@dataclass
+class Member:
+    """One member of an epoch: the publisher (rank 0) or a subscriber."""
+
+    uid: str
+    name: str
+    where: str
+
+    def to_text(self) -> str:
+        return f"{self.uid} {self.name} {self.where}"
+
+    @classmethod
+    def from_text(cls, text: str) -> Member:
+        uid, name, where = text.split(" ", 2)
+        return cls(uid, name, where)
+
+
+def make_gang(
+    channel: Channel, epoch: int, rank: int, size: int, seconds: float
+) -> ProcessGroupGang:
+    """Epoch ``epoch``'s gang (rule 1); blocks until every member connected, or raises
+    once ``seconds`` passed. Call it off the caller's loop."""
+    store = channel.group_store(epoch)
+    timeout = timedelta(seconds=max(1.0, seconds))
+    gloo = dist.ProcessGroupGloo(store, rank, size, timeout)
+    group = dist.ProcessGroup(store, rank, size)
+    group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)
+    group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+    name = f"weights:{channel.name}:{channel.session}:{epoch}"
+    group._set_group_name(name)  # type: ignore[arg-type]  # a GroupName is a str
+    backend = C10dBackend(
+        group, device=torch.device("cpu"), kind="gloo", name=name, is_world=False, registered=False
+    )
+    return ProcessGroupGang._from_backend(backend, _POLICY)

@@ -1,0 +1,149 @@
+"""The plan of a channel: which tensors move, in which order, with which shapes and
+dtypes, agreed by both sides before any byte moves; and how they are cut into buckets.
+
+Rules:
+1. The plan is the tensors' names, in order, each with its dtype and shape. Its
+   fingerprint is a hash of exactly that text: two plans move the same bytes to the
+   same places if and only if their fingerprints are equal.
+2. The publisher writes its plan (and bucket size) to the store; a subscriber whose own
+   plan differs is refused at ``open``, with the first differing tensor named on both
+   sides (``difference``).
+3. Buckets: tensors are taken in plan order; one of at least ``bucket_bytes`` bytes is
+   a *direct* bucket of its own (its bytes move as they are, with no copy on the
+   publisher); the others are *packed* into buckets of up to ``bucket_bytes``, each
+   tensor at an offset aligned to ``ALIGN`` bytes. Bucket 0 is always packed and starts
+   with the round's header (``HEADER_BYTES``), so a small model moves in one
+   broadcast. Empty tensors move nothing. Both sides derive the same buckets from the
+   same plan and bucket size.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+
+import torch
+
+#: The round's header at the start of bucket 0 (int64 words: what, version, epoch, spare).
+HEADER_WORDS = 4
+HEADER_BYTES = 64
+ALIGN = 64
+DEFAULT_BUCKET_BYTES = 16 * 1024 * 1024
+
+
+def _aligned(offset: int) -> int:
+    return (offset + ALIGN - 1) // ALIGN * ALIGN
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The tensors' names, dtypes and shapes in order (rule 1), and the buckets they move
+    in (rule 3): each bucket is ``(direct, nbytes, [(index, offset, nbytes), ...])``."""
+
+    entries: tuple[tuple[str, str, tuple[int, ...]], ...]
+    sizes: tuple[int, ...]
+    bucket_bytes: int
+
+    @classmethod
+    def of(cls, tensors: dict[str, torch.Tensor], bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Plan:
+        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int):
+            raise TypeError(f"`bucket_bytes` must be an int, but is {bucket_bytes!r}.")
+        if bucket_bytes < 1024:
+            raise ValueError(f"`bucket_bytes` must be at least 1024, but is {bucket_bytes}.")
+        entries = tuple(
+            (name, str(t.dtype).removeprefix("torch."), tuple(t.shape))
+            for name, t in tensors.items()
+        )
+        sizes = tuple(t.numel() * t.element_size() for t in tensors.values())
+        return cls(entries, sizes, bucket_bytes)
+
+    @property
+    def fingerprint(self) -> str:
+        """Rule 1: a hash of the names, order, dtypes and shapes."""
+        return hashlib.sha256(self._describe_all().encode()).hexdigest()[:32]
+
+    def _describe_all(self) -> str:
+        return "\n".join(self.describe(i) for i in range(len(self.entries)))
+
+    def describe(self, index: int) -> str:
+        """Tensor ``index`` as "'name' dtype[shape]"."""
+        name, dtype, shape = self.entries[index]
+        return f"'{name}' {dtype}[{', '.join(map(str, shape))}]"
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.sizes)
+
+    def to_text(self) -> str:
+        """The plan as the store keeps it (rule 2)."""
+        return json.dumps(
+            {
+                "fingerprint": self.fingerprint,
+                "bucket_bytes": self.bucket_bytes,
+                "tensors": [[n, d, list(s)] for n, d, s in self.entries],
+                "sizes": list(self.sizes),
+            }
+        )
+
+    @classmethod
+    def from_text(cls, text: str) -> Plan:
+        data = json.loads(text)
+        entries = tuple((str(n), str(d), tuple(int(x) for x in s)) for n, d, s in data["tensors"])
+        plan = cls(entries, tuple(int(x) for x in data["sizes"]), int(data["bucket_bytes"]))
+        if plan.fingerprint != data["fingerprint"]:
+            raise ValueError("the stored plan does not match its own fingerprint")
+        return plan
+
+    def difference(
+        self, theirs: Plan, *, mine: str = "here", other: str = "the publisher's"
+    ) -> str | None:
+        """None where the plans match (rule 1), else a sentence naming the first tensor
+        that differs, on both sides (rule 2)."""
+        if self.fingerprint == theirs.fingerprint:
+            return None
+        for index, (a, b) in enumerate(zip(self.entries, theirs.entries, strict=False)):
+            if a != b:
+                return (
+                    f"tensor #{index} is {self.describe(index)} {mine}, and "
+                    f"{theirs.describe(index)} in {other} plan"
+                )
+        longer = self if len(self.entries) > len(theirs.entries) else theirs
+        shorter = theirs if longer is self else self
+        extra = longer.describe(len(shorter.entries))
+        where = mine if longer is self else f"in {other} plan"
+        return (
+            f"{mine} {len(self.entries)} tensors, {other} plan {len(theirs.entries)}: the "
+            f"first without a counterpart is tensor #{len(shorter.entries)}, {extra} {where}"
+        )
+
+    def buckets(self) -> list[tuple[bool, int, list[tuple[int, int, int]]]]:
+        """Rule 3: ``(direct, nbytes, [(index, offset, nbytes), ...])`` per bucket; bucket
+        0 is packed, its first ``HEADER_BYTES`` the header."""
+        packed: list[tuple[int, int, int]] = []
+        offset = HEADER_BYTES
+        out: list[tuple[bool, int, list[tuple[int, int, int]]]] = []
+        direct: list[tuple[bool, int, list[tuple[int, int, int]]]] = []
+        first = True
+
+        def close_packed() -> None:
+            nonlocal packed, offset, first
+            out.append((False, offset, packed))
+            packed, offset, first = [], 0, False
+
+        for index, size in enumerate(self.sizes):
+            if size == 0:
+                continue
+            if size >= self.bucket_bytes:
+                direct.append((True, size, [(index, 0, size)]))
+                continue
+            start = _aligned(offset)
+            if packed and start + size > self.bucket_bytes:
+                close_packed()
+                start = 0
+            packed.append((index, start, size))
+            offset = start + size
+        if packed or first:
+            close_packed()
+        # Packed buckets first (bucket 0 carries the header), then the direct ones.
+        return out + direct

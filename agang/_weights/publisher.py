@@ -1,0 +1,402 @@
+"""The trainer's side: ``WeightPublisher``.
+
+Rules:
+1. *Membership at round boundaries.* A push first reads the registrations: every
+   registered subscriber whose beat is fresh is admitted, and the members then move to
+   a new epoch (the old gang is told ``REFORM`` in bucket 0's header, the new members
+   are written, every one checks in, then all make the new group). A joiner with the
+   name of a member replaces it (a restarted server).
+2. *A round* sends the buckets in order, each filled just before it is issued (the
+   next one fills while the last one moves), then takes each subscriber's confirmation
+   (its version and epoch, sent to rank 0). The whole round has the push's deadline.
+3. *Recovery.* A round that fails (a deadline: the gang aborts; a lost connection)
+   leaves the subscribers that confirmed delivered; the others are asked where they
+   stand (blame, :mod:`agang._weights.channel` rule 5). Those that do not answer are
+   dropped, with why; the rest move to a new epoch without them and the round runs
+   again there, once, within ``RECOVERY_SECONDS`` (plus the time the bytes take at
+   ``RECOVERY_BYTES_PER_SECOND``) after the failure. A member that fails the second
+   round too is dropped. So a push returns within its deadline plus that bound, and
+   never raises for a lost server.
+4. A member that does not come to make a new epoch's group within
+   ``CHECK_IN_SECONDS`` is dropped, and the epoch after is made without it, within the
+   same bound; every step is bounded by the deadline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import os
+import socket
+import time
+from collections.abc import Mapping
+
+import torch
+
+from agang._backends.c10d.retry import one_line
+from agang._collective.process_group_gang import ProcessGroupGang
+from agang._errors import GangError
+from agang._weights import channel as channel_keys
+from agang._weights import checks
+from agang._weights.blocking import beat, blocking, bound, run_sync
+from agang._weights.buckets import Buckets
+from agang._weights.channel import Channel
+from agang._weights.epoch import CLOSE, DATA, REFORM, Member, make_gang
+from agang._weights.plan import DEFAULT_BUCKET_BYTES, Plan
+from agang._weights.report import PushReport
+
+RECOVERY_SECONDS = 2.0
+RECOVERY_BYTES_PER_SECOND = 200e6
+CHECK_IN_SECONDS = 2.0
+_POLL = 0.01
+_NO_ANSWER = "no answer (dead, stopped, or cut off from the store)"
+
+
+class WeightPublisher:
+    """Pushes a ``state_dict``'s values to the subscribers of a channel, whoever they
+    are at each push. Open it with :meth:`open`.
+
+    Example:
+        >>> publisher = await agang.WeightPublisher.open(model.state_dict(),
+        ...     store="10.0.0.1:29500", channel="policy")
+        >>> report = await publisher.push(step)
+    """
+
+    def __init__(
+        self, channel: Channel, plan: Plan, tensors: dict[str, torch.Tensor], timeout: float | None
+    ) -> None:
+        self._channel = channel
+        self._plan = plan
+        self._buckets = Buckets(plan, tensors, publisher=True, in_place=True)
+        self._timeout = timeout
+        self._me = Member("publisher", "publisher", f"{socket.gethostname()}, pid {os.getpid()}")
+        self._members: list[Member] = []  # the subscribers of the current epoch, by rank - 1
+        self._pending: dict[str, Member] = {}  # registered, not admitted yet
+        self._read = 0  # registrations read
+        self._gang: ProcessGroupGang | None = None
+        self._epoch = -1
+        self._last: int | None = None
+        self._busy = False
+        self._closed = False
+        self._stop_beat = beat(lambda n: channel.beat("publisher", n), "publisher")
+
+    @classmethod
+    async def open(
+        cls,
+        tensors: Mapping[str, torch.Tensor],
+        *,
+        store: str,
+        channel: str,
+        timeout: float | None = 60.0,  # noqa: ASYNC109  # the default deadline of open and push
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    ) -> WeightPublisher:
+        """Opens ``channel`` on the ``agang store`` at ``store`` ("HOST:PORT") and writes
+        the plan of ``tensors`` there; subscribers may open before or after.
+
+        Args:
+            tensors: Names to contiguous CPU tensors (a ``state_dict()``): what each push
+                sends, read during the push (do not change them until it returns).
+            store: The store's "HOST:PORT".
+            channel: The channel's name; subscribers name the same.
+            timeout: The store connection's deadline, and each push's default one
+                (seconds; None: none for pushes, 60 s for connecting).
+            bucket_bytes: The most bytes of small tensors packed into one broadcast.
+
+        Raises:
+            GangInitError: The store did not answer before the deadline.
+        """
+        checked = checks.check_tensors(tensors)
+        host, port = checks.check_store(store)
+        name = checks.check_channel(channel)
+        seconds = checks.check_timeout(timeout)
+        plan = Plan.of(checked, bucket_bytes)
+        where = f"{socket.gethostname()}, pid {os.getpid()}"
+        connect_for = 60.0 if seconds is None else seconds
+        opened = await blocking(
+            lambda: Channel.start(
+                channel_keys.connect(host, port, time.monotonic() + connect_for),
+                name,
+                plan.to_text(),
+                where,
+                store,
+            ),
+            connect_for + 2.0,
+            what=f"connecting to the store at {store}",
+        )
+        return cls(opened, plan, checked, seconds)
+
+    @classmethod
+    def open_sync(
+        cls,
+        tensors: Mapping[str, torch.Tensor],
+        *,
+        store: str,
+        channel: str,
+        timeout: float | None = 60.0,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    ) -> WeightPublisher:
+        """:meth:`open` for programs without an event loop."""
+        return run_sync(  # type: ignore[no-any-return]
+            functools.partial(
+                cls.open,
+                tensors,
+                store=store,
+                channel=channel,
+                timeout=timeout,
+                bucket_bytes=bucket_bytes,
+            )
+        )
+
+    @property
+    def subscribers(self) -> tuple[str, ...]:
+        """The names of the subscribers admitted now (the current epoch's)."""
+        return tuple(m.name for m in self._members)
+
+    @property
+    def plan(self) -> Plan:
+        return self._plan
+
+    async def push(self, version: int, timeout: float | None = None) -> PushReport:  # noqa: ASYNC109
+        """One round: every admitted subscriber, and every one that opened since the last
+        push, receives ``version`` in full. Never raises for a lost subscriber: it is in
+        the report's ``dropped``, with why, and the others' round goes on (module rules).
+
+        Args:
+            version: An int above the last one pushed.
+            timeout: The round's deadline in seconds (None: ``open``'s timeout). A
+                failure adds a bounded recovery (``RECOVERY_SECONDS``, plus the bytes'
+                time) after it.
+        """
+        if self._closed:
+            raise RuntimeError("The publisher is closed.")
+        if self._busy:
+            raise RuntimeError("A push is under way on this publisher: await it first.")
+        version = checks.check_version(version, self._last)
+        seconds = checks.check_timeout(timeout)
+        seconds = self._timeout if seconds is None else seconds
+        started = time.monotonic()
+        deadline = started + (math.inf if seconds is None else seconds)
+        dropped: dict[str, str] = {}
+        self._busy = True
+        try:
+            await self._admit(version, deadline, dropped)
+            delivered = await self._round_with_recovery(version, deadline, dropped)
+        finally:
+            self._busy = False
+        self._last = version
+        return PushReport(
+            version=version,
+            delivered=tuple(sorted(delivered - set(dropped))),
+            dropped=dropped,
+            seconds=time.monotonic() - started,
+            bytes=self._plan.nbytes,
+            epoch=max(0, self._epoch),
+        )
+
+    def push_sync(self, version: int, timeout: float | None = None) -> PushReport:
+        """:meth:`push` for programs without an event loop."""
+        return run_sync(functools.partial(self.push, version, timeout))  # type: ignore[no-any-return]
+
+    # Rule 1: admission.
+
+    async def _admit(self, version: int, deadline: float, dropped: dict[str, str]) -> None:
+        joiners = await blocking(self._joiners, bound(deadline), what="reading the joiners")
+        if not joiners:
+            return
+        members = list(self._members)
+        for joiner in joiners:
+            for old in [m for m in members if m.name == joiner.name]:
+                members.remove(old)
+                why = f"replaced: a subscriber of the same name opened ({joiner.where})"
+                dropped[old.name] = why
+                await blocking(
+                    functools.partial(self._channel.drop, old.uid, why), 5.0, what="a drop"
+                )
+            members.append(joiner)
+        await self._reform(members, version, deadline, dropped)
+
+    def _joiners(self) -> list[Member]:
+        """The registered subscribers, not members, whose beat is fresh (blocking)."""
+        lines = self._channel.registrations()
+        for line in lines[self._read :]:
+            member = Member.from_text(line)
+            self._pending[member.uid] = member
+        self._read = len(lines)
+        admitted = []
+        for uid, member in list(self._pending.items()):
+            age = self._channel.beat_age(uid)
+            if age is not None and age < channel_keys.STALE:
+                admitted.append(member)
+                del self._pending[uid]
+            elif age is None or age > 10 * channel_keys.STALE:
+                del self._pending[uid]  # gone before it was admitted
+        current = {m.uid for m in self._members}
+        return [m for m in admitted if m.uid not in current]
+
+    async def _reform(
+        self, members: list[Member], version: int, deadline: float, dropped: dict[str, str]
+    ) -> None:
+        """Moves to a new epoch of ``members`` (rules 1, 4); drops those that do not come."""
+        await self._leave_epoch(REFORM, version)
+        for _ in range(len(members) + 1):  # each try drops one member at least, or ends
+            self._epoch += 1
+            epoch = self._epoch
+            self._members = members
+            if not members:
+                await blocking(
+                    functools.partial(self._channel.set_members, epoch, [self._me.to_text()]),
+                    bound(deadline),
+                    what="writing the members",
+                )
+                return
+            came = await blocking(
+                functools.partial(self._gather_check_ins, epoch, members, deadline),
+                bound(deadline) + CHECK_IN_SECONDS,
+                what="the check-ins",
+            )
+            missing = [m for m in members if m.uid not in came]
+            if not missing:
+                self._channel.say_go(epoch, True)
+                try:
+                    self._gang = await blocking(
+                        functools.partial(
+                            make_gang, self._channel, epoch, 0, len(members) + 1, bound(deadline)
+                        ),
+                        bound(deadline) + 2.0,
+                        what=f"making epoch {epoch}'s group",
+                    )
+                    return
+                except (GangError, RuntimeError) as error:
+                    why = f"epoch {epoch}'s group could not be made: {one_line(error)}"
+                    missing = [m for m in members if not self._fresh(m)] or list(members)
+            else:
+                self._channel.say_go(epoch, False)
+                why = (
+                    f"admitted to epoch {epoch} at version {version}, but did not come to "
+                    f"make its group within {CHECK_IN_SECONDS:g} s (dead or stopped)"
+                )
+            for member in missing:
+                dropped[member.name] = why
+                self._channel.drop(member.uid, why)
+            members = [m for m in members if m not in missing]
+        self._members = []
+
+    def _fresh(self, member: Member) -> bool:
+        age = self._channel.beat_age(member.uid)
+        return age is not None and age < channel_keys.STALE
+
+    def _gather_check_ins(self, epoch: int, members: list[Member], deadline: float) -> set[str]:
+        """Writes the members of ``epoch`` and waits for their check-ins (blocking)."""
+        self._channel.set_members(epoch, [self._me.to_text(), *(m.to_text() for m in members)])
+        give_up_at = min(deadline, time.monotonic() + CHECK_IN_SECONDS)
+        wanted = {m.uid for m in members}
+        while True:
+            came = self._channel.checked_in(epoch) & wanted
+            if came == wanted or time.monotonic() >= give_up_at:
+                return came
+            time.sleep(_POLL)
+
+    async def _leave_epoch(self, what: int, version: int) -> None:
+        """Tells the current gang ``what`` comes next (``REFORM``, ``CLOSE``) and closes it."""
+        gang, self._gang = self._gang, None
+        if gang is None:
+            return
+        if not gang.closed:
+            header = self._buckets.header
+            header.copy_(torch.tensor([what, version, self._epoch + 1, 0]))
+            with contextlib.suppress(GangError):  # a member gone: the abort told the others
+                await gang.broadcast(self._buckets.wire[0], 0, timeout=5.0)
+        await gang.close()
+
+    # Rules 2, 3: the round and its recovery.
+
+    async def _round_with_recovery(
+        self, version: int, deadline: float, dropped: dict[str, str]
+    ) -> set[str]:
+        """The names of the subscribers that confirmed ``version`` (rule 3)."""
+        delivered: set[str] = set()
+        for attempt in range(2):
+            if self._gang is None:
+                return delivered
+            acked, failure = await self._round(version, deadline)
+            delivered |= {m.name for m in self._members if m.uid in acked}
+            if failure is None:
+                return delivered
+            failed_at = time.monotonic()
+            missing = [m for m in self._members if m.uid not in acked]
+            answers = await blocking(
+                functools.partial(self._channel.ask, [m.uid for m in missing]),
+                5.0,
+                what="asking the subscribers",
+            )
+            error = one_line(failure).rstrip(".")
+            kept = list(self._members)
+            for member in missing:
+                answer = answers.get(member.uid)
+                if answer is None or attempt == 1:
+                    said = _NO_ANSWER if answer is None else f"failed twice; it says: {answer}"
+                    why = f"{said}; version {version}'s round failed: {error}"
+                    dropped[member.name] = why
+                    await blocking(
+                        functools.partial(self._channel.drop, member.uid, why), 5.0, what="a drop"
+                    )
+                    kept.remove(member)
+            bound = failed_at + RECOVERY_SECONDS + self._plan.nbytes / RECOVERY_BYTES_PER_SECOND
+            await self._reform(kept, version, bound, dropped)
+            deadline = bound
+        return delivered
+
+    async def _round(self, version: int, deadline: float) -> tuple[set[str], BaseException | None]:
+        """Rule 2: the subscribers (uids) that confirmed ``version``, and the first failure."""
+        gang = self._gang
+        assert gang is not None
+        buckets = self._buckets
+        header = torch.tensor([DATA, version, self._epoch, 0])
+        handles = []
+        failure: BaseException | None = None
+        try:
+            for index in range(len(buckets.wire)):
+                buckets.fill(index)
+                if index == 0:
+                    buckets.header.copy_(header)
+                handles.append(
+                    gang.broadcast(buckets.wire[index], 0, timeout=bound(deadline, 0.001))
+                )
+            acks = [torch.zeros(2, dtype=torch.int64) for _ in self._members]
+            for rank, ack in enumerate(acks, 1):
+                handles.append(gang.recv(ack, rank, timeout=bound(deadline, 0.001)))
+        except GangError as error:
+            failure = error
+            acks = []
+        for handle in handles:
+            try:
+                await handle
+            except GangError as error:
+                failure = failure or error
+        acked = set()
+        sent = len(handles) - len(acks)
+        for member, ack, handle in zip(self._members, acks, handles[sent:], strict=False):
+            if (
+                handle.done()
+                and handle.exception() is None
+                and ack.tolist() == [version, self._epoch]
+            ):
+                acked.add(member.uid)
+        if failure is not None:
+            await gang.close()
+        return acked, failure
+
+    async def close(self) -> None:
+        """Tells the subscribers that the channel closes (their ``receive`` then raises,
+        saying so) and lets go of the store. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        await self._leave_epoch(CLOSE, self._last or 0)
+        self._stop_beat.set()
+        await blocking(self._channel.say_closed, 5.0, what="closing the channel")
+
+    def close_sync(self) -> None:
+        """:meth:`close` for programs without an event loop."""
+        run_sync(self.close)

@@ -1,0 +1,269 @@
+"""The subscriber's side of every round, on a thread and an asyncio loop of its own.
+
+Rules:
+1. *Never waits for the application.* Once admitted, the service takes part in every
+   round whatever the application's own loop or threads are doing; the application
+   takes the newest version when it chooses (``WeightSubscriber.receive``).
+2. *A round.* Bucket 0 arrives in a buffer of its own (its header says what follows);
+   for ``DATA`` the service then holds the staging lock, copies bucket 0 in and takes
+   the other buckets straight into the staging buffers (or, in place, into the user's
+   tensors), confirms the version to the publisher, and says a version is ready.
+   ``receive`` copies the staging buffers into the user's tensors under the same lock,
+   so it never reads half a version, and a round waits for that copy at most.
+3. *Membership.* The service registers, waits for an epoch that lists it, checks in,
+   and makes the group once the publisher says go. ``REFORM`` moves it to the epoch
+   named. Its group failing, it looks at the store for what happened: a newer epoch
+   that lists it (it goes on there), a drop (it registers again, to be admitted at a
+   later push; a drop because another subscriber of its name replaced it ends it), or
+   the publisher gone (no beat for ``PUBLISHER_GONE`` s) or closed, or the store gone:
+   each ends the service with an error that says which, for ``receive`` to raise.
+4. Every wait is bounded: by the subscriber's timeout within a round, by
+   ``PUBLISHER_GONE`` while the publisher does not beat, and by ``close``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import torch
+
+from agang._backends.c10d.retry import one_line
+from agang._collective.process_group_gang import ProcessGroupGang
+from agang._errors import GangError
+from agang._runtime.future import Future
+from agang._runtime.threads import start_daemon
+from agang._weights.buckets import Buckets
+from agang._weights.channel import Channel
+from agang._weights.epoch import CLOSE, DATA, REFORM, Member, make_gang
+
+PUBLISHER_GONE = 3.0
+_POLL = 0.02
+
+
+class Service:
+    """The subscriber ``me``'s rounds on ``channel`` into ``buckets`` (module rules)."""
+
+    def __init__(self, channel: Channel, buckets: Buckets, me: Member, timeout: float) -> None:
+        self.channel = channel
+        self.buckets = buckets
+        self.me = me
+        self.timeout = timeout
+        self.staging = threading.Lock()  # rule 2
+        self._state = threading.Lock()
+        self.ready: int | None = None  # the newest whole version in staging (or in place)
+        self.error: GangError | None = None
+        self.status = "registered, waiting to be admitted at the next push"
+        self._news: Future[None] = Future("weights news")
+        self._stopping = threading.Event()
+        self._epoch = -1
+        self._bucket0 = torch.zeros_like(buckets.wire[0])
+        self._header = self._bucket0[: buckets.header.numel() * 8].view(torch.int64)
+        self._gang: ProcessGroupGang | None = None
+        self._drop_seen: str | None = None
+        self._thread = start_daemon(self._run, name=f"agang: weights subscriber {me.name}")
+
+    def news(self) -> Future[None]:
+        """A future that finishes at the next version or error."""
+        with self._state:
+            return self._news
+
+    def _tell(self) -> None:
+        with self._state:
+            news, self._news = self._news, Future("weights news")
+        news._finish(None, None)
+
+    def _say(self, status: str) -> None:
+        self.status = status
+
+    def _run(self) -> None:
+        try:
+            asyncio.run(self._main())
+        except GangError as error:
+            self.error = error
+        except Exception as error:  # the store failed under a call, or a bug
+            self.error = GangError(
+                f"Subscriber '{self.me.name}' lost the channel '{self.channel.name}': "
+                f"{self._store_or(error)}"
+            )
+            self.error.__cause__ = error
+        finally:
+            self._tell()
+
+    def _store_or(self, error: BaseException) -> str:
+        try:
+            self.channel.store.check(["agang/weights/ping"])
+        except Exception as lost:
+            return f"the store at {self.channel.address} went away ({one_line(lost).rstrip('.')})."
+        return one_line(error)
+
+    async def _main(self) -> None:
+        self.channel.register(self.me.uid, self.me.name, self.me.where)
+        while not self._stopping.is_set():
+            epoch = self._wait_for_epoch()
+            if epoch is None:
+                return
+            next_epoch = await self._serve(epoch)
+            if next_epoch is None:
+                return
+
+    def _publisher_gone(self) -> str | None:
+        """Why the publisher is gone (rule 3), or None."""
+        if self.channel.closed():
+            return f"the publisher ({self.channel.publisher()}) closed the channel"
+        if not self.channel.current():
+            return "another publisher opened the channel since (the last one was restarted)"
+        age = self.channel.beat_age("publisher")
+        if age is not None and age > PUBLISHER_GONE:
+            return (
+                f"the publisher ({self.channel.publisher()}) went away: it has not beaten "
+                f"on the store at {self.channel.address} for {age:.1f} s (dead or stopped)"
+            )
+        return None
+
+    def _lost(self, why: str) -> GangError:
+        return GangError(
+            f"Subscriber '{self.me.name}' lost the channel '{self.channel.name}': {why}."
+        )
+
+    def _wait_for_epoch(self) -> int | None:
+        """The first epoch past this one that lists this subscriber (rule 3)."""
+        seen = self._epoch
+        while not self._stopping.is_set():
+            newest = self.channel.epoch()
+            while seen < newest:
+                seen += 1
+                members = self.channel.members(seen) or []
+                if any(line.split(" ", 1)[0] == self.me.uid for line in members):
+                    self._epoch = seen
+                    return seen
+            self._epoch = max(self._epoch, seen)
+            self._register_again_if_dropped()
+            gone = self._publisher_gone()
+            if gone is not None:
+                raise self._lost(gone)
+            time.sleep(_POLL)
+        return None
+
+    async def _serve(self, epoch: int) -> int | None:
+        """Serves ``epoch``'s rounds until it ends; the epoch to look for next (rule 3)."""
+        members = [Member.from_text(line) for line in self.channel.members(epoch) or []]
+        rank = next(i for i, m in enumerate(members) if m.uid == self.me.uid)
+        self.channel.check_in(epoch, self.me.uid)
+        self._say(f"admitted to epoch {epoch} as rank {rank}; waiting for the go")
+        give_up_at = time.monotonic() + self.timeout
+        while (go := self.channel.go(epoch)) is None:
+            if self._stopping.is_set():
+                return None
+            if time.monotonic() > give_up_at:
+                return await self._after_failure(epoch, "no go to make its group")
+            await asyncio.sleep(_POLL)
+        if go != "go":
+            return epoch + 1
+        try:
+            self._gang = make_gang(self.channel, epoch, rank, len(members), self.timeout)
+        except Exception as error:
+            return await self._after_failure(
+                epoch, f"its group could not be made: {one_line(error)}"
+            )
+        try:
+            return await self._rounds(epoch)
+        finally:
+            gang, self._gang = self._gang, None
+            if gang is not None:
+                await gang.close()
+
+    async def _rounds(self, epoch: int) -> int | None:
+        gang = self._gang
+        assert gang is not None
+        buckets = self.buckets
+        while not self._stopping.is_set():
+            self._say(f"waiting for a round of epoch {epoch} (holds version {self.ready})")
+            try:
+                await gang.broadcast(self._bucket0, 0, timeout=None)
+            except GangError as error:
+                return await self._after_failure(epoch, one_line(error))
+            what, version, named, _ = self._header.tolist()
+            if what == REFORM:
+                self._say(f"moving from epoch {epoch} to epoch {named}")
+                return int(named)
+            if what == CLOSE:
+                raise self._lost(f"the publisher ({self.channel.publisher()}) closed the channel")
+            if what != DATA:
+                raise self._lost(f"a round of epoch {epoch} had an unknown header {what}")
+            self._say(f"receiving version {version} in epoch {epoch}")
+            with self.staging:
+                self.ready = None  # rule 2: staging is being written
+                buckets.wire[0].copy_(self._bucket0)
+                handles = [
+                    gang.broadcast(wire, 0, timeout=self.timeout) for wire in buckets.wire[1:]
+                ]
+                failure = None
+                for handle in handles:
+                    try:
+                        await handle
+                    except GangError as error:
+                        failure = failure or error
+                if failure is not None:
+                    return await self._after_failure(epoch, one_line(failure))
+                if buckets.in_place:
+                    buckets.unpack(packed_only=True)
+                try:
+                    ack = torch.tensor([version, epoch], dtype=torch.int64)
+                    await gang.send(ack, 0, timeout=self.timeout)
+                except GangError as error:
+                    return await self._after_failure(epoch, one_line(error))
+                self.ready = int(version)
+            self._say(f"holds version {version} in epoch {epoch}")
+            self._tell()
+        return None
+
+    async def _after_failure(self, epoch: int, error: str) -> int | None:
+        """Rule 3: what happened to ``epoch``, from the store; the epoch to look at next."""
+        gang, self._gang = self._gang, None
+        if gang is not None:
+            await gang.close()
+        self._say(f"lost epoch {epoch}'s group ({error}); looking for the next epoch")
+        give_up_at = time.monotonic() + max(self.timeout, PUBLISHER_GONE + 1.0)
+        while not self._stopping.is_set():
+            newest = self.channel.epoch()
+            for later in range(epoch + 1, newest + 1):
+                members = self.channel.members(later) or []
+                if any(line.split(" ", 1)[0] == self.me.uid for line in members):
+                    self._epoch = later - 1
+                    return later
+            if newest > epoch and self._register_again_if_dropped():
+                self._epoch = newest
+                return newest
+            gone = self._publisher_gone()
+            if gone is not None:
+                raise self._lost(f"{gone}; its group had failed: {error}")
+            if time.monotonic() > give_up_at:
+                raise self._lost(
+                    f"its group of epoch {epoch} failed ({error}), and the publisher "
+                    f"({self.channel.publisher()}) neither made a new epoch nor dropped it "
+                    f"within {self.timeout:g} s"
+                )
+            await asyncio.sleep(_POLL)
+        return None
+
+    def _register_again_if_dropped(self) -> bool:
+        """Registers again after a drop not seen before (rule 3); True if it did."""
+        why = self.channel.dropped(self.me.uid)
+        if why is None or why == self._drop_seen:
+            return False
+        self._drop_seen = why
+        if why.startswith("replaced"):
+            raise self._lost(f"the publisher dropped it: {why}")
+        self._say(f"dropped ({why}); registered again")
+        self.channel.register(self.me.uid, self.me.name, self.me.where)
+        return True
+
+    def stop(self, seconds: float) -> None:
+        """Ends the service: its waits end within a poll, its group is closed."""
+        self._stopping.set()
+        gang = self._gang
+        if gang is not None:
+            gang.close_sync()  # a wait on bucket 0 ends with the gang
+        self._thread.join(seconds)

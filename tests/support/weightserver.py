@@ -1,0 +1,104 @@
+"""A weights subscriber (or publisher) process for ``tests/gloo/test_weights.py``.
+
+``python weightserver.py serve STORE CHANNEL NAME [--shape-of-b N] [--in-place]``
+opens a ``WeightSubscriber`` and prints one JSON line per event: ``opened`` (with its
+pid), then ``received`` per version (``exact``: the tensors equal ``model(version)``),
+then ``failed`` (the error's type and message) when receive raises.
+``python weightserver.py publish STORE CHANNEL`` opens a ``WeightPublisher``, prints
+``opened``, and pushes the versions read from stdin, one a line, printing ``pushed``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+
+import torch
+
+import agang
+from agang._weights.publisher import WeightPublisher
+from agang._weights.subscriber import WeightSubscriber
+
+SMALL = 1000  # elements of the small tensors
+
+
+def model(version: int, *, b_rows: int = 4, big: int = 64 * 1024) -> dict[str, torch.Tensor]:
+    """The weights of ``version``: a few small tensors of several dtypes and a big one,
+    each a function of the version and the position."""
+    return {
+        "a": torch.arange(SMALL, dtype=torch.float32) + version,
+        "b": torch.full((b_rows, 3), float(version), dtype=torch.float64),
+        "steps": torch.tensor([version], dtype=torch.int64),
+        "mask": torch.arange(7) % (version % 3 + 1) == 0,
+        "big": torch.arange(big, dtype=torch.float32) * 0.5 - version,
+    }
+
+
+def say(**event: object) -> None:
+    print(json.dumps(event), flush=True)
+
+
+async def serve(args: argparse.Namespace) -> None:
+    tensors = {k: torch.zeros_like(v) for k, v in model(0, b_rows=args.b_rows).items()}
+    try:
+        subscriber = await WeightSubscriber.open(
+            tensors,
+            store=args.store,
+            channel=args.channel,
+            name=args.name,
+            timeout=args.timeout,
+            in_place=args.in_place,
+        )
+    except (ValueError, agang.GangError) as error:
+        say(event="refused", error=type(error).__name__, message=str(error))
+        return
+    say(event="opened", pid=os.getpid(), name=subscriber.name)
+    for _ in range(10_000):
+        try:
+            version = await subscriber.receive(timeout=120)
+        except (agang.GangError, TimeoutError) as error:
+            say(event="failed", error=type(error).__name__, message=str(error))
+            break
+        expected = model(version, b_rows=args.b_rows)
+        exact = all(torch.equal(tensors[k], expected[k]) for k in tensors)
+        say(event="received", version=version, exact=exact)
+    await subscriber.close()
+
+
+async def publish(args: argparse.Namespace) -> None:
+    tensors = model(0)
+    publisher = await WeightPublisher.open(
+        tensors, store=args.store, channel=args.channel, timeout=args.timeout
+    )
+    say(event="opened", pid=os.getpid())
+    loop = asyncio.get_running_loop()
+    for _ in range(10_000):
+        line = await loop.run_in_executor(None, sys.stdin.readline)
+        if not line:
+            break
+        version = int(line)
+        for name, value in model(version).items():
+            tensors[name].copy_(value)
+        report = await publisher.push(version)
+        say(event="pushed", version=version, delivered=list(report.delivered))
+    await publisher.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("role", choices=["serve", "publish"])
+    parser.add_argument("store")
+    parser.add_argument("channel")
+    parser.add_argument("name", nargs="?")
+    parser.add_argument("--b-rows", type=int, default=4)
+    parser.add_argument("--in-place", action="store_true")
+    parser.add_argument("--timeout", type=float, default=20.0)
+    args = parser.parse_args()
+    asyncio.run(serve(args) if args.role == "serve" else publish(args))
+
+
+if __name__ == "__main__":
+    main()

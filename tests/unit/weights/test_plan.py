@@ -1,0 +1,146 @@
+"""The weights channel's plan, buckets and input checks (``agang._weights``), in process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from agang._weights import checks
+from agang._weights.buckets import Buckets
+from agang._weights.plan import HEADER_BYTES, Plan
+
+
+def tensors(**shapes: tuple[int, ...]) -> dict[str, torch.Tensor]:
+    return {name: torch.randn(*shape) for name, shape in shapes.items()}
+
+
+def test_the_fingerprint_covers_names_order_shapes_and_dtypes_only() -> None:
+    base = Plan.of({"a": torch.zeros(2, 3), "b": torch.zeros(4)})
+    same = Plan.of({"a": torch.ones(2, 3), "b": torch.ones(4)}, bucket_bytes=4096)
+    assert base.fingerprint == same.fingerprint  # values and bucket size do not count
+    others = [
+        {"a": torch.zeros(3, 2), "b": torch.zeros(4)},  # shape
+        {"a": torch.zeros(2, 3, dtype=torch.float64), "b": torch.zeros(4)},  # dtype
+        {"b": torch.zeros(4), "a": torch.zeros(2, 3)},  # order
+        {"a": torch.zeros(2, 3), "c": torch.zeros(4)},  # name
+        {"a": torch.zeros(2, 3)},  # count
+    ]
+    assert len({base.fingerprint, *(Plan.of(t).fingerprint for t in others)}) == 6
+
+
+def test_a_difference_names_the_first_differing_tensor_on_both_sides() -> None:
+    mine = Plan.of({"a": torch.zeros(2), "b": torch.zeros(5, 3), "c": torch.zeros(1)})
+    theirs = Plan.of({"a": torch.zeros(2), "b": torch.zeros(4, 3), "c": torch.zeros(2)})
+    assert mine.difference(mine) is None
+    assert mine.difference(theirs) == (
+        "tensor #1 is 'b' float32[5, 3] here, and 'b' float32[4, 3] in the publisher's plan"
+    )
+    fewer = Plan.of({"a": torch.zeros(2)})
+    message = mine.difference(fewer)
+    assert message is not None
+    assert "tensor #1, 'b' float32[5, 3] here" in message, message
+
+
+def test_the_plan_survives_the_store_and_refuses_a_forged_fingerprint() -> None:
+    plan = Plan.of(tensors(a=(3,), b=(2, 2)), bucket_bytes=2048)
+    assert Plan.from_text(plan.to_text()) == plan
+    forged = plan.to_text().replace(plan.fingerprint, "0" * 32)
+    with pytest.raises(ValueError, match="fingerprint"):
+        Plan.from_text(forged)
+
+
+def test_small_tensors_are_packed_behind_the_header_and_large_ones_move_directly() -> None:
+    model = {
+        "w1": torch.zeros(100),  # 400 bytes
+        "big": torch.zeros(2048),  # 8 KiB: a bucket of its own
+        "w2": torch.zeros(400),  # 1600 bytes: does not fit after w1 in 2 KiB
+        "empty": torch.zeros(0),
+        "w3": torch.zeros(10, dtype=torch.int8),
+    }
+    layout = Plan.of(model, bucket_bytes=2048).buckets()
+    assert [direct for direct, _, _ in layout] == [False, False, True]
+    (_, size0, parts0), (_, size1, parts1), (_, size2, parts2) = layout
+    assert parts0 == [(0, HEADER_BYTES, 400)]
+    assert size0 == HEADER_BYTES + 400
+    assert parts1 == [(2, 0, 1600), (4, 1600, 10)]  # offsets aligned to 64 bytes
+    assert size1 == 1610
+    assert (size2, parts2) == (8192, [(1, 0, 8192)])
+
+
+def test_a_model_of_one_large_tensor_has_a_header_only_bucket_0() -> None:
+    layout = Plan.of({"x": torch.zeros(4096)}, bucket_bytes=1024).buckets()
+    assert layout == [(False, HEADER_BYTES, []), (True, 16384, [(0, 0, 16384)])]
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_buckets_move_every_byte_of_every_dtype(in_place: bool) -> None:
+    source = {
+        "f": torch.randn(33),
+        "d": torch.randn(4, 5, dtype=torch.float64),
+        "i": torch.randint(-9, 9, (7,), dtype=torch.int64),
+        "b": torch.rand(9) > 0.5,
+        "h": torch.randn(3, dtype=torch.bfloat16),
+        "big": torch.randn(1000),
+        "scalar": torch.tensor(2.5),
+    }
+    plan = Plan.of(source, bucket_bytes=1024)
+    sender = Buckets(plan, source, publisher=True, in_place=True)
+    target = {k: torch.zeros_like(v) for k, v in source.items()}
+    receiver = Buckets(plan, target, publisher=False, in_place=in_place)
+    for index, wire in enumerate(sender.wire):
+        sender.fill(index)
+        receiver.wire[index].copy_(wire)  # what a broadcast does
+    receiver.unpack(packed_only=in_place)
+    for name in source:
+        assert torch.equal(target[name], source[name]), name
+    big_bytes = 4000
+    assert receiver.staging_bytes == (0 if in_place else big_bytes) + sum(
+        size for direct, size, _ in plan.buckets() if not direct
+    )
+
+
+@pytest.mark.parametrize(
+    ("tensors", "error", "words"),
+    [
+        ([torch.zeros(1)], TypeError, "`tensors` must be a mapping"),
+        ({}, ValueError, "`tensors` must hold at least one tensor"),
+        ({"a": 1}, TypeError, "`tensors['a']` must be a tensor"),
+        ({3: torch.zeros(1)}, TypeError, "non-empty str names"),
+        ({"a": torch.zeros(4, 4).t()}, ValueError, "`tensors['a']` must be contiguous"),
+        ({"a": torch.zeros(2, dtype=torch.complex64).conj()}, ValueError, "lazy"),
+        ({"a": torch.zeros(1), "b": torch.zeros(1, device="meta")}, ValueError, "one device"),
+        ({"a": torch.zeros(1, device="meta")}, ValueError, "on the CPU"),
+    ],
+)
+def test_tensors_are_checked_naming_the_parameter(
+    tensors: object, error: type[Exception], words: str
+) -> None:
+    with pytest.raises(error) as raised:
+        checks.check_tensors(tensors)
+    assert words in str(raised.value)
+
+
+def test_the_other_inputs_are_checked_naming_the_parameter() -> None:
+    with pytest.raises(ValueError, match="`channel` must be a non-empty str"):
+        checks.check_channel("")
+    with pytest.raises(TypeError, match="`channel` must be a str"):
+        checks.check_channel(3)
+    with pytest.raises(ValueError, match="`timeout` must be a positive number"):
+        checks.check_timeout(0)
+    with pytest.raises(TypeError, match="`timeout` must be a positive number"):
+        checks.check_timeout("5")
+    assert checks.check_timeout(None) is None
+    with pytest.raises(ValueError, match="`store` must be 'HOST:PORT'"):
+        checks.check_store("localhost")
+    assert checks.check_store("[::1]:29500") == ("::1", 29500)
+    with pytest.raises(TypeError, match="`version` must be an int"):
+        checks.check_version(1.0, None)
+    with pytest.raises(TypeError, match="`version` must be an int"):
+        checks.check_version(True, None)
+    with pytest.raises(ValueError, match="`version` must increase: 3 is not above the last"):
+        checks.check_version(3, 3)
+    assert checks.check_version(4, 3) == 4
+    with pytest.raises(ValueError, match="`name` must be a non-empty str"):
+        checks.check_name("a b")
+    with pytest.raises(ValueError, match="`bucket_bytes` must be at least 1024"):
+        Plan.of({"a": torch.zeros(1)}, bucket_bytes=10)
