@@ -51,7 +51,8 @@ def _parser() -> argparse.ArgumentParser:
         description="Checks what agang.init() would make of this process's environment: "
         "the launcher's variables, torch's backends, and whether MASTER_ADDR:MASTER_PORT "
         "can be bound (rank 0) or reached (other ranks). Run it the way the job runs, e.g. "
-        "`torchrun --nproc-per-node=4 -m agang doctor`.",
+        "`torchrun --nproc-per-node=4 -m agang doctor`: each node's local rank 0 prints "
+        "the report, the other ranks only problems of their own.",
     )
     doctor.add_argument("--json", action="store_true", help="print the findings as JSON")
     doctor.add_argument(

@@ -16,7 +16,9 @@ rendering in :mod:`agang._cli.doctor.findings`. The rules:
    in-process gang, which is fine.
 3. Several ranks on one node each size torch's thread pool to the whole node unless
    ``OMP_NUM_THREADS`` says otherwise, so an unset value with several local ranks is a
-   warning that names the per-rank share (CPUs // local ranks).
+   warning that names the per-rank share (CPUs // local ranks, at least 1), and so is a
+   value above the share. 1 is never above it: with more ranks than CPUs there is no
+   smaller value to advise (torchrun sets 1).
 4. A world of one rank uses no network: the network checks run only for a larger world.
 5. Every warning and problem comes with the fix, and where there are several likely
    causes, with those too.
@@ -239,7 +241,7 @@ def _threads_finding(
                 f"`OMP_NUM_THREADS` must be a positive integer, but is {value!r} instead.",
                 fix=f"Set it to each rank's share of this node's CPUs{share_text}, or unset it.",
             )
-        if num_cpus and threads * ranks > num_cpus:
+        if share and threads > share:
             return Finding(
                 "threads",
                 Status.WARN,
@@ -247,6 +249,13 @@ def _threads_finding(
                 f"{threads * ranks} compute threads on {num_cpus} CPUs.",
                 causes=("the ranks' thread pools compete for the same cores",),
                 fix=f"Set OMP_NUM_THREADS to each rank's share{share_text}.",
+            )
+        if num_cpus and ranks > num_cpus:  # one thread each, and still more than the CPUs
+            return Finding(
+                "threads",
+                Status.OK,
+                f"OMP_NUM_THREADS=1 per rank, the fewest: the {ranks} ranks on this node "
+                f"outnumber its {num_cpus} CPUs by themselves.",
             )
         return Finding("threads", Status.OK, f"OMP_NUM_THREADS={threads} per rank.")
     if ranks > 1:

@@ -5,6 +5,7 @@ Every network call here is bounded (the probe's timeout) and goes to 127.0.0.1 o
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import ipaddress
 import json
@@ -216,6 +217,28 @@ def test_omp_num_threads_is_judged_against_the_per_rank_share(threads: str, stat
     env = torchrun_env(world_size=4, OMP_NUM_THREADS=threads)  # 8 CPUs, 4 ranks: share 2
 
     assert only(run(env), "threads").status is status
+
+
+@pytest.mark.parametrize("num_cpus", [2, 4, 8])
+def test_one_thread_per_rank_is_never_told_to_be_one(num_cpus: int) -> None:
+    # torchrun sets OMP_NUM_THREADS=1: with more ranks than CPUs there is no smaller share.
+    env = torchrun_env(world_size=4, OMP_NUM_THREADS="1")
+    facts = dataclasses.replace(CPU_HOST, num_cpus=num_cpus)
+
+    finding = only(run(env, facts=facts), "threads", Status.OK)
+
+    assert finding.seen.startswith("OMP_NUM_THREADS=1 per rank")
+    assert not finding.fix
+
+
+def test_more_threads_than_the_share_with_more_ranks_than_cpus_warns_to_set_1() -> None:
+    env = torchrun_env(world_size=4, OMP_NUM_THREADS="2")
+    facts = dataclasses.replace(CPU_HOST, num_cpus=2)
+
+    warning = only(run(env, facts=facts), "threads", Status.WARN)
+
+    assert "asks for 8 compute threads on 2 CPUs" in warning.seen
+    assert "(2 CPUs // 4 ranks = 1)" in warning.fix
 
 
 def slurm_env(procid: int = 1, num_tasks: int = 8, **extra: str) -> dict[str, str]:
