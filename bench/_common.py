@@ -51,7 +51,7 @@ def add_out_argument(parser: argparse.ArgumentParser) -> None:
         type=Path,
         default=OUT_DIR,
         metavar="DIR",
-        help=f"where to write the JSON and plots (default {OUT_DIR})",
+        help="where to write the JSON and plots (default: %(default)s)",
     )
 
 

@@ -68,8 +68,11 @@ async def measure(rounds: int, gang: agang.Gang) -> dict[str, list[list[float]]]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=300)
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--rounds", type=int, default=300, help="rounds, the first 10%% warm-up")
     args = parser.parse_args()
     if args.rounds < 10:
         parser.error("--rounds must be at least 10")

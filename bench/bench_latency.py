@@ -464,7 +464,10 @@ def parse_size(text: str) -> int:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0] if __doc__ else None)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0] if __doc__ else None,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     modes = parser.add_mutually_exclusive_group()
     modes.add_argument("--quick", action="store_true", help="short smoke-test run (~25 s)")
     modes.add_argument(
@@ -473,7 +476,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--sizes",
         default=DEFAULT_SIZES,
-        help=f"comma-separated message sizes in bytes, K/M/G suffixes (default {DEFAULT_SIZES})",
+        help="comma-separated message sizes in bytes, K/M/G suffixes",
     )
     _common.add_out_argument(parser)
     args = parser.parse_args(argv)

@@ -126,9 +126,14 @@ def _positive(text: str) -> int:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     parser.add_argument("--rounds", type=_positive, default=5, help="measured rounds")
-    parser.add_argument("--loop", choices=["asyncio", "uvloop"], default="asyncio")
+    parser.add_argument(
+        "--loop", choices=["asyncio", "uvloop"], default="asyncio", help="the event loop"
+    )
     arguments = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_nccl: no CUDA GPU here; bench/bench_nccl_sim.py measures the CPU side.")

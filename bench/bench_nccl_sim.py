@@ -158,7 +158,10 @@ async def parts(ops: int, rounds: int) -> None:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     parser.add_argument("--ops", type=int, default=200, help="ops per mode and round")
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds")
     parser.add_argument("--no-parts", action="store_true", help="skip the instant-device parts")

@@ -168,9 +168,12 @@ def formats(quick: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0] if __doc__ else None)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0] if __doc__ else None,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     parser.add_argument("--quick", action="store_true", help="1 KiB and 1 MiB, fewer rounds")
-    parser.add_argument("--world-sizes", default="2,4", help="comma-separated (default 2,4)")
+    parser.add_argument("--world-sizes", default="2,4", help="comma-separated")
     parser.add_argument("--formats-only", action="store_true", help="only the formats alone")
     args = parser.parse_args(argv)
     if args.formats_only:

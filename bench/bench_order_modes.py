@@ -50,10 +50,13 @@ async def _measure(rounds: int, ops: int) -> dict[str, list[float]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0] if __doc__ else None)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0] if __doc__ else None,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     parser.add_argument("--quick", action="store_true", help="3 rounds of 500 ops")
-    parser.add_argument("--ops", type=int, default=2000)
-    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--ops", type=int, default=2000, help="ops per mode and round")
+    parser.add_argument("--rounds", type=int, default=15, help="rounds")
     args = parser.parse_args()
     rounds, ops = (3, 500) if args.quick else (args.rounds, args.ops)
     samples = asyncio.run(_measure(rounds, ops))

@@ -437,9 +437,12 @@ def write_plot(plt: Any, path: Path, rows: list[Row]) -> None:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0] if __doc__ else None)
-    parser.add_argument("--rounds", type=int, default=40, help="rounds (default 40)")
-    parser.add_argument("--batch", type=int, default=500, help="ops per batch (default 500)")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0] if __doc__ else None,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--rounds", type=int, default=40, help="rounds")
+    parser.add_argument("--batch", type=int, default=500, help="ops per batch")
     parser.add_argument(
         "--smoke", action="store_true", help="1 round of 2 ops: every output, no meaning"
     )

@@ -147,7 +147,10 @@ def _rank_main(plan: Plan) -> list[Row]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0] if __doc__ else None)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0] if __doc__ else None,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     parser.add_argument("--smoke", action="store_true", help="100 ops held 0.2 s")
     _common.add_out_argument(parser)
     args = parser.parse_args(argv)

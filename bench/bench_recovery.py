@@ -335,7 +335,10 @@ def table(results: list[Repetition]) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     parser.add_argument("--reps", type=int, default=5, help="repetitions of each mode")
     parser.add_argument("--agang-worker", type=float, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--torchrun-worker", action="store_true", help=argparse.SUPPRESS)

@@ -55,16 +55,19 @@ class Run:
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=150)
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--steps", type=int, default=150, help="training steps")
     parser.add_argument("--batch", type=int, default=64, help="samples per rank and step")
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=3)
-    parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--bucket-mb", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--hidden", type=int, default=512, help="width of the MLP")
+    parser.add_argument("--layers", type=int, default=3, help="hidden layers")
+    parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate")
+    parser.add_argument("--bucket-mb", type=float, default=1.0, help="gradient bucket size, MiB")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the model and data")
     parser.add_argument("--check-ddp", action="store_true", help="compare with torch DDP")
-    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.batch < 1 or args.hidden < 1 or args.layers < 1:
         parser.error("--steps, --batch, --hidden and --layers must be positive")

@@ -48,7 +48,10 @@ EVENT = "EVENT "  # a worker's stdout lines that start so are events for the tim
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     """The command line, checked: every error names the parameter (status 2)."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     parser.add_argument("--workers", type=int, default=4, help="worker processes (1-64)")
     parser.add_argument("--steps", type=int, default=100, help="training steps in all")
     parser.add_argument("--kill", type=int, metavar="RANK", help="the rank to SIGKILL")
@@ -71,7 +74,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--op-timeout", type=float, default=10.0, help="each op's deadline")
     parser.add_argument("--timeout", type=float, default=120.0, help="bound on the whole run")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the model and data")
     parser.add_argument("--verbose", action="store_true", help="show the workers' output")
     # A worker's own arguments: set by the script when it starts one.
     parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)

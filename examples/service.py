@@ -162,12 +162,15 @@ class Service:
 async def main(argv: list[str] | None = None) -> int:
     env = os.environ
     local_rank = int(env.get("LOCAL_RANK", "0"))
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     parser.add_argument(
         "--port",
         type=int,
         default=int(env.get("AGANG_SERVICE_PORT", "8000")) + local_rank,
-        help="HTTP port on 127.0.0.1 (default: $AGANG_SERVICE_PORT or 8000, plus LOCAL_RANK)",
+        help="HTTP port on 127.0.0.1: $AGANG_SERVICE_PORT or 8000, plus LOCAL_RANK",
     )
     parser.add_argument("--timeout", type=float, default=60.0, help="init deadline (s)")
     parser.add_argument("--linger", type=float, default=5.0, help="serve 'failed' this long")
