@@ -25,6 +25,36 @@ SLOW_FOLDER = TESTS / "gloo"
 SLOW_MARKERS = ("gloo", "cuda")
 
 
+# What a run is, for its header: keep the timings in step with the suite.
+LANES = (
+    "agang's tests: every async test runs on asyncio, asyncio+uvloop and trio.",
+    '  fast lane, -m "not slow": in process only (tests/unit, tests/world), about 40 s to '
+    "a minute on 2 cores;",
+    "  the full suite adds the slow tests (tests/gloo and every gloo or cuda test: real "
+    "processes, network namespaces, GPUs): about 7-8 minutes on a 2-core machine.",
+    "  cuda tests skip without a GPU, namespace tests without root; -rs says why.",
+)
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    """Says what the run is: its lanes, what each costs, the loops, and this run's lane."""
+    selected = config.getoption("markexpr", "") or ""
+    if selected.replace("'", '"') == "not slow":
+        lane = "the fast lane"
+    elif not selected:
+        lane = "the full suite (or the paths given)"
+    else:
+        lane = f'-m "{selected}"'
+    return [*LANES, f"  this run: {lane}."]
+
+
+def pytest_report_collectionfinish(config: pytest.Config, items: list[pytest.Item]) -> str:
+    """How many tests the run holds, fast and slow (without xdist; with it, the workers
+    collect, and xdist's own line gives the total)."""
+    slow = sum(1 for item in items if item.get_closest_marker("slow"))
+    return f"{len(items)} tests selected: {len(items) - slow} fast, {slow} slow."
+
+
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marker
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Marks ``slow`` every test under ``tests/gloo`` and every ``gloo`` or ``cuda`` test

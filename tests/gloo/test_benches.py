@@ -140,7 +140,9 @@ def test_plot_scheduler_says_it_cannot_plot_without_matplotlib(
 
 
 def test_plot_scheduler_still_plots_with_matplotlib(tmp_path: Path) -> None:
-    pytest.importorskip("matplotlib")
+    pytest.importorskip(
+        "matplotlib", reason="matplotlib (the dev extra) is not installed: nothing to plot with"
+    )
     source = _scheduler_document(tmp_path)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     result = _run([str(BENCH / "plot_scheduler.py"), str(source), str(tmp_path)], env, 60)

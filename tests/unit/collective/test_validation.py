@@ -1015,7 +1015,7 @@ async def test_init_names_the_bad_argument(
     arguments: dict[str, Any], error: type[Exception], parameter: str
 ) -> None:
     if arguments == {"backend": "nccl"} and torch.cuda.is_available():
-        pytest.skip("with CUDA, nccl picks a CUDA device")
+        pytest.skip("with CUDA, nccl picks a CUDA device: a bare nccl is refused only without one")
     with pytest.raises(error, match=f"`{parameter}`"):
         await agang.init(env={}, **arguments)
 
@@ -1025,7 +1025,7 @@ def test_init_sync_names_the_bad_argument(
     arguments: dict[str, Any], error: type[Exception], parameter: str
 ) -> None:
     if arguments == {"backend": "nccl"} and torch.cuda.is_available():
-        pytest.skip("with CUDA, nccl picks a CUDA device")
+        pytest.skip("with CUDA, nccl picks a CUDA device: a bare nccl is refused only without one")
     with pytest.raises(error, match=f"`{parameter}`"):
         agang.init_sync(env={}, **arguments)
 

@@ -49,7 +49,7 @@ def test_c6_resolve_device_adds_the_local_index(
 
 def test_c6_a_bare_cuda_device_without_cuda_is_refused_naming_device() -> None:
     if torch.cuda.is_available():
-        pytest.skip("CUDA is available here")
+        pytest.skip("CUDA is available here: this checks the refusal on a machine without it")
     with pytest.raises(ValueError, match="`device`"):
         resolve_device("cuda", "nccl", _world(0))
 
