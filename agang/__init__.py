@@ -49,6 +49,9 @@ if _typing.TYPE_CHECKING:
     from agang._setup.init import init_sync as init_sync
     from agang._statistics import GangStatistics as GangStatistics
     from agang._statistics import Quantiles as Quantiles
+    from agang._weights.publisher import WeightPublisher as WeightPublisher
+    from agang._weights.report import PushReport as PushReport
+    from agang._weights.subscriber import WeightSubscriber as WeightSubscriber
 
 # Public name -> the module that defines it: loaded on the name's first use.
 _EXPORTS: dict[str, str] = {
@@ -86,6 +89,9 @@ _EXPORTS: dict[str, str] = {
     "init_sync": "agang._setup.init",
     "GangStatistics": "agang._statistics",
     "Quantiles": "agang._statistics",
+    "WeightPublisher": "agang._weights.publisher",
+    "PushReport": "agang._weights.report",
+    "WeightSubscriber": "agang._weights.subscriber",
 }
 
 __version__ = "0.1.0"
@@ -118,6 +124,10 @@ __all__ = [
     "current_gangs",
     "broadcast_flag",
     "all_sum",
+    # Weights to a changing fleet
+    "WeightPublisher",
+    "WeightSubscriber",
+    "PushReport",
     # Errors
     "GangError",
     "GangInitError",

@@ -11,8 +11,9 @@ Rules:
 3. Buckets: tensors are taken in plan order; one of at least ``bucket_bytes`` bytes is
    a *direct* bucket of its own (its bytes move as they are, with no copy on the
    publisher); the others are *packed* into buckets of up to ``bucket_bytes``, each
-   tensor at an offset aligned to ``ALIGN`` bytes. Bucket 0 is always packed and starts
-   with the round's header (``HEADER_BYTES``), so a small model moves in one
+   tensor at an offset aligned to ``ALIGN`` bytes. Bucket 0 is always packed, starts
+   with the round's header (``HEADER_BYTES``) and holds at most ``FIRST_BUCKET_BYTES``
+   (a subscriber receives it apart, then copies it), so a small model moves in one
    broadcast. Empty tensors move nothing. Both sides derive the same buckets from the
    same plan and bucket size.
 """
@@ -29,7 +30,9 @@ import torch
 HEADER_WORDS = 4
 HEADER_BYTES = 64
 ALIGN = 64
-DEFAULT_BUCKET_BYTES = 16 * 1024 * 1024
+DEFAULT_BUCKET_BYTES = 4 * 1024 * 1024
+#: The most bytes of bucket 0, which a subscriber receives apart and then copies.
+FIRST_BUCKET_BYTES = 4 * 1024 * 1024
 
 
 def _aligned(offset: int) -> int:
@@ -138,7 +141,8 @@ class Plan:
                 direct.append((True, size, [(index, 0, size)]))
                 continue
             start = _aligned(offset)
-            if packed and start + size > self.bucket_bytes:
+            limit = min(self.bucket_bytes, FIRST_BUCKET_BYTES) if first else self.bucket_bytes
+            if (packed or first) and start + size > limit:
                 close_packed()
                 start = 0
             packed.append((index, start, size))

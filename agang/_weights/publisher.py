@@ -79,7 +79,7 @@ class WeightPublisher:
         self._last: int | None = None
         self._busy = False
         self._closed = False
-        self._stop_beat = beat(lambda n: channel.beat("publisher", n), "publisher")
+        self._stop_beat = beat(self._beat, "publisher")
 
     @classmethod
     async def open(
@@ -147,6 +147,10 @@ class WeightPublisher:
                 bucket_bytes=bucket_bytes,
             )
         )
+
+    def _beat(self, count: int) -> None:
+        """The publisher's beat (``agang._weights.channel`` rule 2)."""
+        self._channel.beat("publisher", count)
 
     @property
     def subscribers(self) -> tuple[str, ...]:

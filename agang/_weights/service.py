@@ -27,6 +27,7 @@ import asyncio
 import threading
 import time
 
+import anyio
 import torch
 
 from agang._backends.c10d.retry import one_line
@@ -40,6 +41,7 @@ from agang._weights.epoch import CLOSE, DATA, REFORM, Member, make_gang
 
 PUBLISHER_GONE = 3.0
 _POLL = 0.02
+_IDLE_LOOK = 0.1
 
 
 class Service:
@@ -99,7 +101,6 @@ class Service:
         return one_line(error)
 
     async def _main(self) -> None:
-        self.channel.register(self.me.uid, self.me.name, self.me.where)
         while not self._stopping.is_set():
             epoch = self._wait_for_epoch()
             if epoch is None:
@@ -181,9 +182,11 @@ class Service:
         while not self._stopping.is_set():
             self._say(f"waiting for a round of epoch {epoch} (holds version {self.ready})")
             try:
-                await gang.broadcast(self._bucket0, 0, timeout=None)
+                moved = await self._wait_for_round(gang, epoch)
             except GangError as error:
                 return await self._after_failure(epoch, one_line(error))
+            if moved is not None:  # the publisher left this epoch without telling it
+                return await self._after_failure(epoch, moved)
             what, version, named, _ = self._header.tolist()
             if what == REFORM:
                 self._say(f"moving from epoch {epoch} to epoch {named}")
@@ -219,11 +222,27 @@ class Service:
             self._tell()
         return None
 
+    async def _wait_for_round(self, gang: ProcessGroupGang, epoch: int) -> str | None:
+        """Waits for the next round's bucket 0; looks at the store every ``_IDLE_LOOK``
+        seconds meanwhile, and returns why it stopped waiting where the publisher moved
+        to a later epoch (its abort may not reach an idle member: rule 3)."""
+        handle = gang.broadcast(self._bucket0, 0, timeout=None)
+        while not handle.done():
+            with anyio.move_on_after(_IDLE_LOOK):
+                await handle
+                return None
+            if self.channel.epoch() > epoch:
+                return f"the publisher moved on from epoch {epoch}"
+            if self._stopping.is_set():
+                return "closing"
+        await handle
+        return None
+
     async def _after_failure(self, epoch: int, error: str) -> int | None:
         """Rule 3: what happened to ``epoch``, from the store; the epoch to look at next."""
         gang, self._gang = self._gang, None
-        if gang is not None:
-            await gang.close()
+        if gang is not None:  # closed apart: checking in to the next epoch must not wait
+            start_daemon(gang.close_sync, name="agang: weights, closing a failed epoch")
         self._say(f"lost epoch {epoch}'s group ({error}); looking for the next epoch")
         give_up_at = time.monotonic() + max(self.timeout, PUBLISHER_GONE + 1.0)
         while not self._stopping.is_set():

@@ -71,6 +71,7 @@ class WeightSubscriber:
         self._version: int | None = None
         self._closed = False
         self._stop_beat = _beat_for(channel, self._me.uid)
+        channel.register(self._me.uid, name, where)  # before open returns
         self._service = Service(channel, self._buckets, self._me, timeout)
         self._responder = channel.serve_status(self._me.uid, lambda: self._service.status)
 

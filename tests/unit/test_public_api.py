@@ -52,6 +52,9 @@ AGANG_API = {
     "OpContext",
     "Elastic",
     "ElasticGang",
+    "WeightPublisher",
+    "WeightSubscriber",
+    "PushReport",
 }
 
 TESTING_API = {

@@ -1,0 +1,221 @@
+"""Weights to a changing fleet: one ``WeightPublisher.push`` against a raw c10d
+broadcast of the same bytes, among the same processes, in the same run.
+
+A publisher (this process) and 1 to 4 servers (processes of this script) meet on an
+``agang store``. For each model size, the same processes first time the raw c10d path,
+a ``ProcessGroupGloo`` broadcast of one flat tensor of the model's bytes followed by a
+barrier (so the publisher knows that every server holds it), then open a channel and
+time ``push`` (buckets, pipelined broadcasts, each server's confirmation). The model is
+16 float32 tensors of equal size. The ratio is push / raw (target: at most 1.2x).
+
+    python bench/bench_weights.py --quick     # 1 KiB, 1 MiB, 16 MiB; 1 and 2 servers
+    python bench/bench_weights.py             # 1 KiB .. 256 MiB; 1 to 4 servers
+
+It prints a table, writes ``weights.json`` and, with matplotlib, ``weights.png`` under
+``--out`` (default bench/out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _common import add_out_argument, format_bytes, format_seconds, write_plots
+
+import agang
+from agang._weights import channel as channel_keys
+from agang._weights.publisher import WeightPublisher
+from agang._weights.subscriber import WeightSubscriber
+
+TENSORS = 16
+FULL_SIZES = [2**10, 2**16, 2**20, 2**24, 2**28]
+QUICK_SIZES = [2**10, 2**20, 2**24]
+
+
+def model(num_bytes: int) -> dict[str, torch.Tensor]:
+    each = max(1, num_bytes // TENSORS // 4)
+    return {f"layer{i}": torch.full((each,), float(i)) for i in range(TENSORS)}
+
+
+def rounds_for(num_bytes: int, quick: bool) -> int:
+    many = 20 if quick else 50
+    return max(3, min(many, int(2**24 // max(num_bytes, 1))))
+
+
+def raw_group(store: Any, servers: int, rank: int) -> Any:
+    prefix = dist.PrefixStore(f"bench/raw/{servers}", store)  # type: ignore[attr-defined]
+    return dist.ProcessGroupGloo(prefix, rank, servers + 1, timedelta(seconds=120))  # type: ignore[attr-defined]
+
+
+def raw_round(group: Any, flat: torch.Tensor) -> None:
+    options = dist.BroadcastOptions()
+    options.rootRank = 0
+    group.broadcast([flat], options).wait()
+    group.barrier(dist.BarrierOptions()).wait()
+
+
+async def serve(address: str, servers: int, rank: int, sizes: list[int], quick: bool) -> None:
+    host, port = address.rsplit(":", 1)
+    store = channel_keys.connect(host, int(port), time.monotonic() + 60)
+    group = raw_group(store, servers, rank)
+    for size in sizes:
+        tensors = {k: torch.zeros_like(v) for k, v in model(size).items()}
+        flat = torch.zeros(sum(t.numel() for t in tensors.values()))
+        for _ in range(rounds_for(size, quick) + 1):
+            raw_round(group, flat)
+        subscriber = await WeightSubscriber.open(
+            tensors, store=address, channel=f"bench{servers}-{size}", name=f"server{rank}"
+        )
+        for _ in range(10_000):  # until the publisher closes the channel
+            try:
+                await subscriber.receive(timeout=120)
+            except agang.GangError:
+                break
+        await subscriber.close()
+
+
+async def publish(
+    address: str, servers: int, sizes: list[int], quick: bool
+) -> list[dict[str, Any]]:
+    host, port = address.rsplit(":", 1)
+    store = channel_keys.connect(host, int(port), time.monotonic() + 60)
+    group = raw_group(store, servers, 0)
+    rows = []
+    for size in sizes:
+        tensors = model(size)
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        flat = torch.cat([t for t in tensors.values()])
+        count = rounds_for(size, quick)
+        raw_round(group, flat)  # warm-up
+        raw = []
+        for _ in range(count):
+            started = time.perf_counter()
+            raw_round(group, flat)
+            raw.append(time.perf_counter() - started)
+        publisher = await WeightPublisher.open(
+            tensors, store=address, channel=f"bench{servers}-{size}", timeout=120
+        )
+        version = 0
+        for _ in range(200):  # the first push that reaches every server admits them
+            version += 1
+            if len((await publisher.push(version)).delivered) == servers:
+                break
+            await asyncio.sleep(0.05)
+        pushes = []
+        for _ in range(count):
+            version += 1
+            started = time.perf_counter()
+            report = await publisher.push(version)
+            pushes.append(time.perf_counter() - started)
+            assert len(report.delivered) == servers, report
+        await publisher.close()
+        raw_s, push_s = statistics.median(raw), statistics.median(pushes)
+        rows.append(
+            {
+                "servers": servers,
+                "bytes": nbytes,
+                "rounds": count,
+                "raw": raw_s,
+                "push": push_s,
+                "ratio": push_s / raw_s,
+            }
+        )
+        print(
+            f"{servers:>7}  {format_bytes(nbytes):>9}  {format_seconds(raw_s):>10}  "
+            f"{format_seconds(push_s):>10}  {push_s / raw_s:>6.2f}x",
+            flush=True,
+        )
+    return rows
+
+
+def run(servers: int, sizes: list[int], quick: bool) -> list[dict[str, Any]]:
+    started: list[subprocess.Popen[str]] = []
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    try:
+        store = subprocess.Popen(
+            [sys.executable, "-m", "agang", "store", "--port", "0", "--quiet"],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        started.append(store)
+        assert store.stdout is not None
+        address = store.stdout.readline().split()[-1]
+        args = [str(s) for s in sizes] + (["--quick"] if quick else [])
+        for rank in range(1, servers + 1):
+            started.append(
+                subprocess.Popen(
+                    [sys.executable, __file__, "--serve", address, str(servers), str(rank), *args],
+                    env=env,
+                    text=True,
+                )
+            )
+        return asyncio.run(publish(address, servers, sizes, quick))
+    finally:
+        for process in reversed(started):  # ours, by pid
+            if process.poll() is None:
+                process.kill()
+            process.wait(timeout=30)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0] if __doc__ else None)
+    parser.add_argument("--quick", action="store_true", help="3 sizes, 1 and 2 servers")
+    parser.add_argument("--servers", type=int, nargs="+", help="server counts (default 1 2 3 4)")
+    parser.add_argument(
+        "--serve", nargs=3, metavar=("STORE", "SERVERS", "RANK"), help=argparse.SUPPRESS
+    )
+    parser.add_argument("sizes", type=int, nargs="*", help=argparse.SUPPRESS)
+    add_out_argument(parser)
+    args = parser.parse_args(argv)
+    if args.serve:
+        address, servers, rank = args.serve
+        asyncio.run(serve(address, int(servers), int(rank), args.sizes, args.quick))
+        return 0
+    sizes = args.sizes or (QUICK_SIZES if args.quick else FULL_SIZES)
+    counts = args.servers or ([1, 2] if args.quick else [1, 2, 3, 4])
+    print("servers      model  raw bcast+barrier       push   ratio")
+    rows = [row for servers in counts for row in run(servers, sizes, args.quick)]
+    worst = max(row["ratio"] for row in rows)
+    print(f"worst ratio {worst:.2f}x (target <= 1.2x)")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "weights.json").write_text(
+        json.dumps({"quick": args.quick, "rows": rows}, indent=1)
+    )
+
+    def draw(plt: Any) -> None:
+        figure, axes = plt.subplots(figsize=(7, 4))
+        for servers in counts:
+            mine = [r for r in rows if r["servers"] == servers]
+            axes.plot(
+                [r["bytes"] for r in mine],
+                [r["ratio"] for r in mine],
+                marker="o",
+                label=f"{servers} server(s)",
+            )
+        axes.set_xscale("log", base=2)
+        axes.axhline(1.2, color="grey", linestyle="--", label="target 1.2x")
+        axes.set_xlabel("model bytes")
+        axes.set_ylabel("push / raw broadcast + barrier")
+        axes.legend()
+        figure.savefig(args.out / "weights.png", dpi=120, bbox_inches="tight")
+
+    write_plots([args.out / "weights.png"], draw)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
