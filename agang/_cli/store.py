@@ -53,7 +53,7 @@ from datetime import timedelta
 from types import FrameType
 from typing import Any, TextIO
 
-log = logging.getLogger("agang")
+log = logging.getLogger("agang.store")
 
 POLL_SECONDS = 0.2
 MAX_LOGGED = 32
@@ -268,9 +268,12 @@ def serve_store(
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s agang store: %(message)s"))
     handler.setLevel(logging.WARNING if quiet else logging.INFO)
-    log.addHandler(handler)
-    old_level = log.level
-    log.setLevel(logging.INFO)
+    # On the package's logger, which every agang logger propagates to: the store's own
+    # records and those of set-up's code it runs (binding the address) reach stderr.
+    package = logging.getLogger("agang")
+    package.addHandler(handler)
+    old_level = package.level
+    package.setLevel(logging.INFO)
     try:
         listener = _bind(host, port)
         if everywhere:
@@ -283,8 +286,8 @@ def serve_store(
             )
         return _serve(listener, out)
     finally:
-        log.removeHandler(handler)
-        log.setLevel(old_level)
+        package.removeHandler(handler)
+        package.setLevel(old_level)
 
 
 def _serve(listener: socket.socket, out: TextIO) -> int:

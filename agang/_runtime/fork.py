@@ -41,7 +41,7 @@ from typing import Any, Protocol
 
 from agang._errors import GangInheritedError
 
-log = logging.getLogger("agang")
+log = logging.getLogger("agang.runtime")
 
 
 class Inheritable(Protocol):

@@ -53,7 +53,7 @@ import anyio
 from agang._runtime import fork
 from agang._runtime.future import Future
 
-log = logging.getLogger("agang")
+log = logging.getLogger("agang.runtime")
 
 EXIT_SECONDS = 5.0
 

@@ -33,7 +33,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
-log = logging.getLogger("agang")
+log = logging.getLogger("agang.setup")
 
 DEBUG_VARIABLE = "AGANG_DEBUG"
 #: torch's own variables that, set by the user, leave c10d's log as torch makes it.

@@ -81,7 +81,7 @@ from agang._setup.env import WorldInfo
 from agang._setup.membership import Candidate
 from agang._setup.rendezvous import prove
 
-log = logging.getLogger("agang")
+log = logging.getLogger("agang.setup")
 
 #: The most one attempt at an epoch's group waits for its members to check in to make
 #: it (seconds; rule 3). Once all have, making the group may take the rest of the deadline.

@@ -61,7 +61,7 @@ from agang._setup.rendezvous import (
 )
 from agang._validate import check_timeout
 
-log = logging.getLogger("agang")
+log = logging.getLogger("agang.setup")
 
 DEFAULT_INIT_TIMEOUT = 300.0
 DEFAULT_OP_TIMEOUT = 300.0

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from agang._errors import GangInitError
 
-log = logging.getLogger("agang")
+log = logging.getLogger("agang.setup")
 
 #: One interface for both transports, named by the user.
 IFNAME_ENV = "AGANG_SOCKET_IFNAME"

@@ -55,7 +55,7 @@ from agang._setup import c10d_log
 from agang._setup.env import WorldInfo
 from agang._setup.interface import apply_interface, check_master_reachable
 
-log = logging.getLogger("agang")
+log = logging.getLogger("agang.setup")
 
 #: Name -> (agang's value, why), in the order they are applied.
 NCCL_SETTINGS: dict[str, tuple[str, str]] = {

@@ -76,7 +76,7 @@ from agang._setup.c10d_log import quiet_c10d
 from agang._setup.env import WorldInfo
 from agang._setup.interface import Link, disagreement
 
-log = logging.getLogger("agang")
+log = logging.getLogger("agang.setup")
 
 ATTEMPT_SECONDS = 2.0
 PORT_CANDIDATES = 8

@@ -28,7 +28,7 @@ from typing import Any, Protocol
 
 import torch
 
-log = logging.getLogger("agang")
+log = logging.getLogger("agang.cuda")
 
 _NON_BLOCKING = 1  # cudaStreamNonBlocking
 

@@ -43,7 +43,7 @@ import torch
 
 from agang._runtime import fork, threads
 
-log = logging.getLogger("agang")
+log = logging.getLogger("agang.testing")
 
 #: The longest the device thread sleeps: how late it may notice a c10d timeout.
 WATCHDOG_TICK = 0.02

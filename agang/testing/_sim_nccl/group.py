@@ -52,7 +52,7 @@ from agang.testing._sim_nccl.device import (
 )
 from agang.testing._sim_nccl.kernels import kernel_for
 
-log = logging.getLogger("agang")
+log = logging.getLogger("agang.testing")
 
 #: ``TORCH_NCCL_ASYNC_ERROR_HANDLING``'s values under which c10d tears the process down.
 _TEAR_DOWN = ("1", "3")
