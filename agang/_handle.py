@@ -21,7 +21,7 @@ import torch
 
 from agang._policy import GangPolicy
 from agang._runtime import brief_wait
-from agang._runtime.future import _DONE, _PENDING, Future, wait_async
+from agang._runtime.future import _DONE, _PENDING, READY_STREAK, Future, _parked, wait_async
 from agang._validate import check_timeout
 
 T = TypeVar("T")
@@ -42,6 +42,9 @@ class HandleOwner(Protocol):
 
     def waiting(self) -> None:
         """A waiter starts on one of its pending ops (a lost deadline check is re-armed)."""
+
+    def learn(self, handle: Handle[Any]) -> None:
+        """Asks the backend once, on this thread, whether ``handle``'s op ended."""
 
     async def settle(self, handle: Handle[Any]) -> None:
         """Learns of ``handle``'s end on the awaiting task's loop, within a budget."""
@@ -139,6 +142,22 @@ class Handle(Future[T]):
         if self._finished_at is None:
             return None
         return self._finished_at - self.issued_at
+
+    def __await__(self) -> Generator[Any, None, T]:
+        # The usual await of an op that ended already (learned at a later issue, or
+        # ended inside its call): its output, with no coroutine made and, within the
+        # ready streak (``agang._runtime.future.READY_STREAK``), no pass of the loop.
+        owner = self._owner
+        if self._state != _DONE and owner is not None and owner.polls:
+            owner.learn(self)  # one poll on this thread: most ops end soon
+        if self._state == _DONE:
+            parked = _parked
+            if parked.ready < READY_STREAK and (
+                owner is None or owner.policy.wait_mode != "block_briefly"
+            ):
+                parked.ready += 1
+                return self.result()
+        return (yield from self._wait_async().__await__())
 
     async def _wait_async(self) -> T:
         self._check_not_held()

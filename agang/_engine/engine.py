@@ -146,6 +146,8 @@ class Engine:
         #: Whether the backend learns of ends only when asked (rule 11).
         self.polls = backend.polls
         self._polling = Polling(backend)
+        #: One poll for a task about to await an op (``agang._handle.HandleOwner``).
+        self.learn = self._polling.learn
         backend.allow_timeout(policy.op_timeout)
         backend.serve_progress(self.progress)
         fork.track(self)
@@ -260,8 +262,20 @@ class Engine:
         The op enters the core only if it did not end inside its start. One that did
         (the fake backend's all do) never waited on anything, and other threads wait
         for the lock meanwhile, so nobody can tell: it is only recorded and counted,
-        and its handle, not returned yet, finished without waking anyone.
+        and its handle, not returned yet, finished without waking anyone. A polling
+        backend's op enters first, since its end is only ever learned later (rule 11).
         """
+        if self.polls:
+            # A polling backend's op never ends inside its start (its end is learned by
+            # asking, later): into the core first, then started, with no inline watch.
+            due = self._enter_started(handle, done)
+            try:
+                start(done)
+            except Exception as exc:  # as ``start_guarded``: the op's error
+                done(exc)
+            if self._scheduler.num_queued:
+                self._drain()
+            return due
         self._inline = done
         self._inline_thread = threading.get_ident()
         self._draining = True  # ops admitted meanwhile (re-entrant calls) wait for it

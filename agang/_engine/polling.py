@@ -33,6 +33,7 @@ from typing import Any
 from agang._backends.contract import Backend
 from agang._handle import Handle
 from agang._runtime import loops
+from agang._runtime.future import _DONE, passed_loop
 
 #: How long an awaiting task polls, at least and at most, from the op's issue (rule 2).
 #: At least 200 us: parking costs two wake-ups of sleeping threads, about that much on an
@@ -51,7 +52,15 @@ class Polling:
 
     def __init__(self, backend: Backend) -> None:
         self._backend = backend
+        self._poll = backend.poll
         self._recent: collections.deque[float] = collections.deque(maxlen=NUM_RECENT)
+
+    def learn(self, handle: Handle[Any]) -> None:
+        """One poll for a task about to await ``handle`` (1): an op found ended counts
+        towards the budget (2)."""
+        self._poll()
+        if handle._state == _DONE:
+            self._recent.append(time.monotonic() - handle.issued_at)
 
     async def settle(self, handle: Handle[Any]) -> None:
         """Polls until ``handle`` finished or its budget passed, then parks (1-3)."""
@@ -65,6 +74,7 @@ class Polling:
         checkpoint = loops.checkpoint
         while (now := time.monotonic()) < give_up:
             await checkpoint()
+            passed_loop()  # the await that follows need not pass it again
             backend.poll()
             if handle.done():
                 recent.append(time.monotonic() - handle.issued_at)

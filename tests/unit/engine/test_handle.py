@@ -363,3 +363,51 @@ async def test_repr() -> None:
     with pytest.raises(agang.GangTimeoutError):
         await failing
     assert repr(failing) == "<agang.Handle barrier seq=1 bytes=0 failed>"
+
+
+# Loop passes: an await of a finished op returns at once, within a streak; every
+# READY_STREAK + 1-th takes one pass, so a loop of such awaits still lets others run.
+
+
+async def test_awaits_of_finished_ops_let_other_tasks_run_once_per_streak() -> None:
+    from agang._runtime.future import READY_STREAK
+
+    gang = agang.FakeGang()  # every op ends inside its call: finished when awaited
+    tensor = torch.ones(1)
+    passes = 0
+    stop = anyio.Event()
+
+    async def count_passes() -> None:
+        nonlocal passes
+        while not stop.is_set():
+            passes += 1
+            await anyio.lowlevel.checkpoint()
+
+    num_awaits = 10 * (READY_STREAK + 1)
+    async with anyio.create_task_group() as group:
+        group.start_soon(count_passes)
+        await anyio.lowlevel.checkpoint()  # the counter is running
+        passes = 0
+        for _ in range(num_awaits):
+            await gang.all_reduce(tensor)
+        seen = passes
+        stop.set()
+    # One pass per streak, not one per await (before: 160 for 160 awaits).
+    assert seen == pytest.approx(num_awaits / (READY_STREAK + 1), abs=1)
+    await gang.close()
+
+
+async def test_a_cancelled_loop_of_awaits_of_finished_ops_stops_within_a_streak() -> None:
+    from agang._runtime.future import READY_STREAK
+
+    gang = agang.FakeGang()
+    tensor = torch.ones(1)
+    done = 0
+    with anyio.CancelScope() as scope:
+        scope.cancel()
+        for _ in range(10 * READY_STREAK):
+            await gang.all_reduce(tensor)
+            done += 1
+    assert scope.cancelled_caught
+    assert done <= READY_STREAK
+    await gang.close()
