@@ -8,8 +8,9 @@ simulated ranks in this process, whose device runs a kernel as soon as it can, o
 thread that made it runnable (no thread hop a GPU would not make). Each op is a
 4-element all-reduce issued on both ranks. Three modes, interleaved round by round,
 ``N`` ops per mode and round:
-- raw: the process group's own ``allreduce`` + ``Work.wait()`` + a device synchronize,
-  what a blocking c10d caller pays on the same simulated device;
+- raw: the process group's own ``allreduce`` with options made per call (as
+  ``dist.all_reduce`` makes them) + ``Work.wait()`` + a device synchronize, what a
+  blocking c10d caller pays on the same simulated device;
 - agang: ``await gang.all_reduce(t)`` on both ranks (done = finished on the device);
 - agang stream-ordered: the same with ``stream_ordered=True`` (done = ordered).
 Prints the median microseconds per op over the rounds, the ratio to raw, and agang's
@@ -35,6 +36,7 @@ import time
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 import agang
 from agang._runtime import handoffs
@@ -61,7 +63,12 @@ async def _agang(
 def _raw(sim: SimulatedNccl, groups: list[Any], tensors: list[torch.Tensor], ops: int) -> float:
     started = time.perf_counter()
     for _ in range(ops):
-        works = [group.allreduce([t]) for group, t in zip(groups, tensors, strict=True)]
+        works = []
+        for group, t in zip(groups, tensors, strict=True):
+            # What ``dist.all_reduce(t, async_op=True)`` does: options made per call.
+            options = dist.AllreduceOptions()
+            options.reduceOp = dist.ReduceOp.SUM
+            works.append(group.allreduce([t], options))
         for work in works:
             work.wait()
         for rank in range(len(groups)):
