@@ -17,6 +17,7 @@ Rules:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -29,7 +30,7 @@ from agang._policy import make_policy
 from agang._weights.channel import Channel
 
 DATA, REFORM, CLOSE = 1, 2, 3
-_POLICY = make_policy(op_timeout=None, on_timeout="abort", check_order=False)
+_POLICY = make_policy(op_timeout=math.inf, on_timeout="abort", check_order=False)
 
 
 @dataclass

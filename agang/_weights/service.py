@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from typing import Any
 
 import anyio
 import torch
@@ -63,6 +64,7 @@ class Service:
         self._bucket0 = torch.zeros_like(buckets.wire[0])
         self._header = self._bucket0[: buckets.header.numel() * 8].view(torch.int64)
         self._gang: ProcessGroupGang | None = None
+        self._closing: ProcessGroupGang | None = None  # a failed epoch's, to close
         self._drop_seen: str | None = None
         self._thread = start_daemon(self._run, name=f"agang: weights subscriber {me.name}")
 
@@ -91,6 +93,9 @@ class Service:
             )
             self.error.__cause__ = error
         finally:
+            closing, self._closing = self._closing, None
+            if closing is not None:
+                closing.close_sync()
             self._tell()
 
     def _store_or(self, error: BaseException) -> str:
@@ -168,6 +173,7 @@ class Service:
             return await self._after_failure(
                 epoch, f"its group could not be made: {one_line(error)}"
             )
+        await self._close_old()  # its ops end, and free the buffers for this epoch's
         try:
             return await self._rounds(epoch)
         finally:
@@ -202,47 +208,58 @@ class Service:
                 handles = [
                     gang.broadcast(wire, 0, timeout=self.timeout) for wire in buckets.wire[1:]
                 ]
-                failure = None
-                for handle in handles:
-                    try:
-                        await handle
-                    except GangError as error:
-                        failure = failure or error
-                if failure is not None:
-                    return await self._after_failure(epoch, one_line(failure))
+                try:
+                    moved = await self._watch(handles, epoch)
+                except GangError as error:
+                    return await self._after_failure(epoch, one_line(error))
+                if moved is not None:
+                    return await self._after_failure(epoch, moved)
                 if buckets.in_place:
                     buckets.unpack(packed_only=True)
                 try:
                     ack = torch.tensor([version, epoch], dtype=torch.int64)
-                    await gang.send(ack, 0, timeout=self.timeout)
+                    moved = await self._watch([gang.send(ack, 0, timeout=self.timeout)], epoch)
                 except GangError as error:
                     return await self._after_failure(epoch, one_line(error))
+                if moved is not None:
+                    return await self._after_failure(epoch, moved)
                 self.ready = int(version)
             self._say(f"holds version {version} in epoch {epoch}")
             self._tell()
         return None
 
+    async def _close_old(self) -> None:
+        closing, self._closing = self._closing, None
+        if closing is not None:
+            await closing.close()
+
     async def _wait_for_round(self, gang: ProcessGroupGang, epoch: int) -> str | None:
         """Waits for the next round's bucket 0; looks at the store every ``_IDLE_LOOK``
         seconds meanwhile, and returns why it stopped waiting where the publisher moved
         to a later epoch (its abort may not reach an idle member: rule 3)."""
-        handle = gang.broadcast(self._bucket0, 0, timeout=None)
-        while not handle.done():
-            with anyio.move_on_after(_IDLE_LOOK):
-                await handle
-                return None
-            if self.channel.epoch() > epoch:
-                return f"the publisher moved on from epoch {epoch}"
-            if self._stopping.is_set():
-                return "closing"
-        await handle
+        return await self._watch([gang.broadcast(self._bucket0, 0, timeout=None)], epoch)
+
+    async def _watch(self, handles: list[Any], epoch: int) -> str | None:
+        """Awaits ``handles``, looking at the store every ``_IDLE_LOOK`` seconds; returns
+        why it stopped waiting where the publisher moved to a later epoch (rule 3)."""
+        for handle in handles:
+            while not handle.done():
+                with anyio.move_on_after(_IDLE_LOOK):
+                    await handle
+                if handle.done():
+                    break
+                if self.channel.epoch() > epoch:
+                    return f"the publisher moved on from epoch {epoch}"
+                if self._stopping.is_set():
+                    return "closing"
+            await handle
         return None
 
     async def _after_failure(self, epoch: int, error: str) -> int | None:
         """Rule 3: what happened to ``epoch``, from the store; the epoch to look at next."""
-        gang, self._gang = self._gang, None
-        if gang is not None:  # closed apart: checking in to the next epoch must not wait
-            start_daemon(gang.close_sync, name="agang: weights, closing a failed epoch")
+        # Closed once this subscriber made the next epoch's group (``_serve``): closing
+        # may wait up to 2 s for the aborted ops' ends, which the others must not wait for.
+        self._closing, self._gang = self._gang, None
         self._say(f"lost epoch {epoch}'s group ({error}); looking for the next epoch")
         give_up_at = time.monotonic() + max(self.timeout, PUBLISHER_GONE + 1.0)
         while not self._stopping.is_set():
