@@ -4,10 +4,11 @@ Every collective is a plain method that checks its input, issues the op at once,
 returns a :class:`~agang.Handle`. All ranks of a gang must issue its collectives in the
 same order (one gang is one ordering domain).
 
-Timeouts: ``timeout=None`` means the gang's default deadline, ``math.inf`` means none, and
-a number is seconds from issue. When a deadline passes the handle raises
-:class:`~agang.GangTimeoutError`; with the default policy (``on_timeout="abort"``) the
-gang is then broken: every later call raises :class:`~agang.GangBrokenError` at once.
+Timeouts, as everywhere in agang: ``timeout=None`` means the default (for an op, the
+gang's ``op_timeout``), ``math.inf`` means no deadline, and a number is seconds from
+issue. When a deadline passes the handle raises :class:`~agang.GangTimeoutError`; with
+the default policy (``on_timeout="abort"``) the gang is then broken: every later call
+raises :class:`~agang.GangBrokenError` at once.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass
 from typing import Literal
 
-from agang._validate import check_positive_int, check_timeout
+from agang._validate import check_deadline, check_positive_int
 
 WhenFull = Literal["queue", "raise", "block"]
 OnTimeout = Literal["abort", "raise"]
@@ -23,6 +23,10 @@ WaitMode = Literal["park", "block_briefly"]
 _WHEN_FULL = ("queue", "raise", "block")
 _ON_TIMEOUT = ("abort", "raise")
 _WAIT_MODES = ("park", "block_briefly")
+
+#: The deadline of an op called without one, where its gang is made with
+#: ``op_timeout=None`` (the default): seconds from the op's issue.
+DEFAULT_OP_TIMEOUT = 300.0
 
 #: Environment variable that turns order checking on for every gang (``1``/``0``, or
 #: ``call_site``).
@@ -90,7 +94,7 @@ def make_policy(
     ``check_order=None`` reads ``AGANG_CHECK_ORDER``, ``wait_mode=None`` reads
     ``AGANG_WAIT_MODE``, from ``env`` (default ``os.environ``).
     """
-    timeout = check_timeout(op_timeout, name="op_timeout")
+    timeout = check_deadline(op_timeout, name="op_timeout", default=DEFAULT_OP_TIMEOUT)
     if on_timeout not in _ON_TIMEOUT:
         raise ValueError(
             f"`on_timeout` must be one of {', '.join(map(repr, _ON_TIMEOUT))}, "

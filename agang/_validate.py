@@ -31,6 +31,16 @@ def check_timeout(timeout: object, *, name: str = "timeout") -> float | None:
     return value
 
 
+def check_deadline(value: object, *, name: str, default: float | None) -> float | None:
+    """A setting's deadline in seconds, in agang's one meaning of a timeout argument:
+    None is the setting's ``default``, ``math.inf`` is no deadline (returned as None),
+    and a number is seconds."""
+    if value is None:
+        return default
+    seconds = check_timeout(value, name=name)
+    return None if seconds is None or math.isinf(seconds) else seconds
+
+
 def check_positive_int(value: object, *, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"`{name}` must be a positive int, but is {value!r} instead.")

@@ -28,7 +28,8 @@ class FakeGang(CollectiveGang):
         rank: The simulated rank.
         size: The simulated number of ranks.
         device: Where tensors must live.
-        op_timeout: The default deadline of ops (they finish at once, so rarely matters).
+        op_timeout: The default deadline of ops (they finish at once, so rarely matters;
+            None: agang's default, 300 s; ``math.inf``: none).
         on_timeout: ``"abort"`` (break the gang) or ``"raise"`` (fail only that op).
         limits: The in-flight bounds; None for the defaults.
         check_order: Accepted for symmetry; one simulated rank always agrees with itself.

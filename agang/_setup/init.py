@@ -59,12 +59,12 @@ from agang._setup.rendezvous import (
     open_store,
     prove,
 )
-from agang._validate import check_timeout
+from agang._validate import check_deadline
 
 log = logging.getLogger("agang.setup")
 
+#: The deadline of the whole set-up where ``init`` is given ``timeout=None`` (the default).
 DEFAULT_INIT_TIMEOUT = 300.0
-DEFAULT_OP_TIMEOUT = 300.0
 # The proving barrier after construction: every rank already checked in, so it is quick.
 # How long past the deadline the caller waits for the thread's own, more precise, error.
 _REPORT_GRACE = 2.0
@@ -93,7 +93,7 @@ class _Plan:
         stream_ordered: bool,
         retry: RetryPolicy | None,
     ) -> None:
-        self.timeout = check_timeout(timeout)
+        self.timeout = check_deadline(timeout, name="timeout", default=DEFAULT_INIT_TIMEOUT)
         self.policy = policy
         self.op_timeout = self.policy.op_timeout
         if world is not None and not isinstance(world, WorldInfo):
@@ -326,7 +326,7 @@ def _start(
     """The body :func:`init` and :func:`init_sync` share: checks the arguments, plans,
     and starts the set-up thread. No handle means an in-process gang
     (``plan.local_gang()``); only how the caller waits for the handle differs."""
-    timeout = check_timeout(timeout)
+    check_deadline(timeout, name="timeout", default=None)  # refused first; the plan keeps it
     policy = make_policy(
         op_timeout=op_timeout,
         on_timeout=on_timeout,
@@ -366,8 +366,8 @@ async def init(
     device: torch.device | str | None = None,
     # A deadline on the whole set-up is part of init's contract, so it is an argument
     # of the coroutine (not a cancel scope around it, which ASYNC109 would suggest).
-    timeout: float | None = DEFAULT_INIT_TIMEOUT,  # noqa: ASYNC109
-    op_timeout: float | None = DEFAULT_OP_TIMEOUT,
+    timeout: float | None = None,  # noqa: ASYNC109
+    op_timeout: float | None = None,
     env: Mapping[str, str] | None = None,
     world: WorldInfo | None = None,
     in_process: bool | None = None,
@@ -391,8 +391,10 @@ async def init(
     Args:
         backend: ``"gloo"``, ``"nccl"``, or None to pick from the device.
         device: The gang's device; None for ``cuda:LOCAL_RANK`` if CUDA is there, else CPU.
-        timeout: Seconds the whole set-up may take; None for no deadline.
-        op_timeout: The default deadline of every op of the gang; None for none.
+        timeout: Seconds the whole set-up may take: None for the default (300 s),
+            ``math.inf`` for no deadline.
+        op_timeout: The deadline of every op of the gang called without one: None for
+            the default (300 s), ``math.inf`` for none.
         env: The environment to read instead of ``os.environ`` (for tests).
         world: The world, given explicitly instead of read from the environment.
         in_process: Force (True) or refuse (False) the in-process gang; None decides by
@@ -471,8 +473,8 @@ def init_sync(
     *,
     backend: str | None = None,
     device: torch.device | str | None = None,
-    timeout: float | None = DEFAULT_INIT_TIMEOUT,
-    op_timeout: float | None = DEFAULT_OP_TIMEOUT,
+    timeout: float | None = None,
+    op_timeout: float | None = None,
     env: Mapping[str, str] | None = None,
     world: WorldInfo | None = None,
     in_process: bool | None = None,

@@ -151,8 +151,9 @@ def run_world(
         async_backend: ``"asyncio"``, ``"uvloop"`` or ``"trio"``.
         timeout: Seconds for the whole run, start-up included; never exceeded by more
             than the few seconds killing takes.
-        init_timeout: The ranks' :func:`agang.init` deadline.
-        op_timeout: The ranks' default op deadline.
+        init_timeout: The ranks' :func:`agang.init` deadline (None: init's default;
+            ``math.inf``: none).
+        op_timeout: The ranks' default op deadline (as ``init``'s).
         env: Extra environment variables for the ranks.
         init_options: More keyword arguments for the ranks' :func:`agang.init`, such
             as ``on_timeout``, ``limits`` or ``check_order``; they must pickle.

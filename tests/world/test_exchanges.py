@@ -9,6 +9,7 @@ between a pair, fingerprints), deadlines, busy tensors and FakeGang's copies.
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -343,7 +344,7 @@ async def test_a_peer_that_never_calls_is_the_deadline_error() -> None:
 
 
 async def test_an_exchange_holds_its_tensors_until_it_ends() -> None:
-    world = FakeWorld(2, op_timeout=None)
+    world = FakeWorld(2, op_timeout=math.inf)
     sent, received = torch.ones(4), torch.zeros(4)
     first = world[0].exchange([(sent, 1)], [(received, 1)])
 
@@ -364,7 +365,7 @@ async def test_an_exchange_holds_its_tensors_until_it_ends() -> None:
 async def test_sends_that_overlap_hold_all_their_memory() -> None:
     # Two sends that share part of one buffer: the whole span is busy, not only the
     # first send's part (a claim once kept the first and dropped the overlapping one).
-    world = FakeWorld(3, op_timeout=None)
+    world = FakeWorld(3, op_timeout=math.inf)
     buffer = torch.arange(8.0)
     sent = world[0].exchange([(buffer[:4], 1), (buffer[2:], 2)])
 

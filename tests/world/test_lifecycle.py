@@ -66,7 +66,7 @@ async def test_close_twice_is_harmless() -> None:
 
 
 async def test_closing_fails_pending_waiters_at_once() -> None:
-    world = FakeWorld(3, op_timeout=None)
+    world = FakeWorld(3, op_timeout=math.inf)
     tensor = torch.ones(2)
     pending = [world[0].all_reduce(tensor), world[0].barrier()]  # the peers never come
     errors: list[BaseException] = []
@@ -93,7 +93,7 @@ async def test_closing_fails_pending_waiters_at_once() -> None:
 
 
 async def test_closing_fails_thread_waiters_too() -> None:
-    world = FakeWorld(2, op_timeout=None)
+    world = FakeWorld(2, op_timeout=math.inf)
     handle = world[0].barrier()
     errors: list[BaseException] = []
 
@@ -173,7 +173,7 @@ async def test_a_straggler_within_the_deadline_is_no_timeout() -> None:
 
 
 async def test_a_timeout_breaks_the_gang() -> None:
-    world = FakeWorld(2, op_timeout=None)
+    world = FakeWorld(2, op_timeout=math.inf)
     with pytest.raises(agang.GangTimeoutError) as info:
         await world[0].barrier(timeout=0.05)
     first_cause = info.value
@@ -194,7 +194,7 @@ async def test_a_timeout_breaks_the_gang() -> None:
 
 
 async def test_a_timeout_fails_the_other_pending_handles_with_gang_broken_error() -> None:
-    world = FakeWorld(2, op_timeout=None)
+    world = FakeWorld(2, op_timeout=math.inf)
     tensor = torch.ones(2)
     doomed = world[0].barrier(timeout=0.1)
     others = [world[0].all_reduce(tensor), world[0].all_gather_objects("x")]
@@ -215,7 +215,7 @@ async def test_a_timeout_fails_the_other_pending_handles_with_gang_broken_error(
 async def test_the_gang_is_broken_before_any_waiter_wakes(failure: str) -> None:
     # A deadline can fire on a timer thread and c10d reports on its own threads; a waiter
     # woken by the failure that calls again at once must find the gang broken already.
-    world = FakeWorld(2, op_timeout=None)
+    world = FakeWorld(2, op_timeout=math.inf)
     if failure == "timeout":
         handle = world[0].all_reduce(torch.ones(1), timeout=0.05)
     else:
@@ -259,7 +259,7 @@ async def test_a_cancelled_waiter_then_a_peer_that_never_comes() -> None:
 
 
 async def test_a_cancelled_wait_leaves_the_op_running() -> None:
-    world = FakeWorld(2, op_timeout=None)
+    world = FakeWorld(2, op_timeout=math.inf)
     tensors = [torch.full((2,), 1.0), torch.full((2,), 2.0)]
     handle = world[0].all_reduce(tensors[0])
 
@@ -287,7 +287,7 @@ async def test_a_cancelled_wait_leaves_the_op_running() -> None:
 
 
 async def test_fail_after_around_an_await_leaves_the_op_running() -> None:
-    world = FakeWorld(2, op_timeout=None, latency=0.2)
+    world = FakeWorld(2, op_timeout=math.inf, latency=0.2)
     tensors = [torch.full((2,), 1.0), torch.full((2,), 2.0)]
     handles = [gang.all_reduce(t) for gang, t in zip(world, tensors, strict=True)]
 
@@ -311,7 +311,7 @@ async def test_fail_after_around_an_await_leaves_the_op_running() -> None:
     ],
 )
 async def test_asyncio_wait_for_around_an_await_leaves_the_op_running() -> None:
-    world = FakeWorld(2, op_timeout=None)
+    world = FakeWorld(2, op_timeout=math.inf)
     tensor = torch.ones(2)
     handle = world[0].all_reduce(tensor)
 
@@ -324,7 +324,7 @@ async def test_asyncio_wait_for_around_an_await_leaves_the_op_running() -> None:
 
 
 async def test_cancelling_a_task_group_leaves_the_op_running() -> None:
-    world = FakeWorld(2, op_timeout=None)
+    world = FakeWorld(2, op_timeout=math.inf)
     tensors = [torch.full((1,), 1.0), torch.full((1,), 2.0)]
     handle = world[0].all_reduce(tensors[0])
     reached: list[str] = []
@@ -347,7 +347,7 @@ async def test_cancelling_a_task_group_leaves_the_op_running() -> None:
 
 
 async def test_disjoint_slices_of_one_buffer_may_be_in_flight_at_once() -> None:
-    world = FakeWorld(2, op_timeout=None)
+    world = FakeWorld(2, op_timeout=math.inf)
     buffers = [torch.arange(8.0) for _ in range(2)]
 
     # Both halves of rank 0's buffer are in flight: rank 1 has not issued yet.
@@ -364,7 +364,7 @@ async def test_disjoint_slices_of_one_buffer_may_be_in_flight_at_once() -> None:
 async def test_a_failing_sibling_leaves_no_stray_tasks_or_errors(
     anyio_backend_name: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    world = FakeWorld(2, op_timeout=None)
+    world = FakeWorld(2, op_timeout=math.inf)
     tensors = [torch.full((1,), 1.0), torch.full((1,), 2.0)]
     problems: list[dict[str, Any]] = []
     if anyio_backend_name == "asyncio":
@@ -412,7 +412,7 @@ async def test_a_failing_sibling_leaves_no_stray_tasks_or_errors(
 
 
 async def test_statistics_count_ops_and_bytes() -> None:
-    world = FakeWorld(2, op_timeout=None)
+    world = FakeWorld(2, op_timeout=math.inf)
     gang = world[0]
     assert gang.statistics().num_issued == 0
     assert gang.statistics().latency_p50 is None
@@ -434,7 +434,7 @@ async def test_statistics_count_ops_and_bytes() -> None:
 
 
 async def test_statistics_count_timeouts() -> None:
-    world = FakeWorld(2, op_timeout=None)
+    world = FakeWorld(2, op_timeout=math.inf)
     await all_reduce_everywhere(world, [torch.ones(2), torch.ones(2)])
 
     with pytest.raises(agang.GangTimeoutError):
@@ -448,7 +448,7 @@ async def test_statistics_count_timeouts() -> None:
 
 
 async def test_statistics_count_failures() -> None:
-    world = FakeWorld(2, op_timeout=None)
+    world = FakeWorld(2, op_timeout=math.inf)
     # The ranks disagree: FakeWorld fails both sides, where c10d might hang.
     handles = [world[0].all_reduce(torch.ones(2)), world[1].barrier()]
 
@@ -468,7 +468,7 @@ async def test_statistics_count_failures() -> None:
 
 
 async def test_two_worlds_are_independent() -> None:
-    first, second = FakeWorld(2, op_timeout=None), FakeWorld(2, op_timeout=None)
+    first, second = FakeWorld(2, op_timeout=math.inf), FakeWorld(2, op_timeout=math.inf)
     pending = first[0].all_reduce(torch.ones(1))
 
     # The other world's ops do not meet this one's, and are numbered on their own.

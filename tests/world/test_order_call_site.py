@@ -9,6 +9,7 @@ the issuing line into each fingerprint, so the swap fails with
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -66,9 +67,9 @@ async def test_call_site_mode_passes_a_program_that_issues_in_order() -> None:
 
 
 def test_call_site_mode_from_the_environment_and_bad_values() -> None:
-    policy = make_policy(op_timeout=None, env={"AGANG_CHECK_ORDER": "call_site"})
+    policy = make_policy(op_timeout=math.inf, env={"AGANG_CHECK_ORDER": "call_site"})
     assert policy.check_order == "call_site"
     with pytest.raises(ValueError, match="AGANG_CHECK_ORDER"):
-        make_policy(op_timeout=None, env={"AGANG_CHECK_ORDER": "yes"})
+        make_policy(op_timeout=math.inf, env={"AGANG_CHECK_ORDER": "yes"})
     with pytest.raises(TypeError, match="`check_order`"):
-        make_policy(op_timeout=None, check_order="site")
+        make_policy(op_timeout=math.inf, check_order="site")

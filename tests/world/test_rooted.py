@@ -8,6 +8,8 @@ checking of the root, busy tensors, statistics and results into leaves that requ
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -115,7 +117,7 @@ async def test_ranks_that_disagree_on_the_root_fail_the_order_check() -> None:
 
 
 async def test_a_busy_output_of_gather_is_refused() -> None:
-    world = FakeWorld(2, op_timeout=None)
+    world = FakeWorld(2, op_timeout=math.inf)
     output = torch.zeros(2, 2)
     first = world[0].gather(output, torch.ones(2), 0)  # pending: rank 1 has not issued
 

@@ -60,7 +60,8 @@ class FakeWorld:
     Args:
         size: The number of ranks.
         device: Where tensors must live.
-        op_timeout: The gangs' default deadline in seconds, or None for none.
+        op_timeout: The gangs' default deadline in seconds (None: agang's default, 300 s;
+            ``math.inf``: none).
         latency: Seconds each op takes to complete once every rank has issued it.
         on_timeout: ``"abort"`` (a timeout breaks the gang) or ``"raise"`` (only that op
             fails).

@@ -818,7 +818,7 @@ async def test_a_lazy_view_once_resolved_is_reduced_by_its_values() -> None:
 
 
 async def test_a_busy_tensor_is_refused_and_the_ranks_stay_in_step() -> None:
-    world = FakeWorld(2, op_timeout=None)
+    world = FakeWorld(2, op_timeout=math.inf)
     tensors = [torch.full((3,), float(rank + 1)) for rank in range(2)]
     first = world[0].all_reduce(tensors[0])  # pending: rank 1 has not issued yet
 
@@ -912,7 +912,7 @@ def describe(output: object) -> object:
 
 
 async def test_zero_element_tensors_are_never_busy() -> None:
-    world = FakeWorld(2, op_timeout=None)
+    world = FakeWorld(2, op_timeout=math.inf)
     empty = torch.empty(0)
     first = world[0].all_reduce(empty)
     second = world[0].broadcast(empty)  # the same (empty) memory, in flight twice

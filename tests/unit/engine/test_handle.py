@@ -216,7 +216,7 @@ def test_wait_without_any_loop() -> None:
 
 
 def test_wait_timeout_expiry_abandons_the_wait_not_the_op() -> None:
-    world = FakeWorld(2, op_timeout=None)
+    world = FakeWorld(2, op_timeout=math.inf)
     tensors = [torch.ones(2), torch.full((2,), 2.0)]
     handle = world[0].all_reduce(tensors[0])
 
@@ -236,7 +236,7 @@ def test_wait_timeout_expiry_abandons_the_wait_not_the_op() -> None:
 
 
 def test_wait_with_zero_timeout_polls() -> None:
-    world = FakeWorld(2, op_timeout=None)
+    world = FakeWorld(2, op_timeout=math.inf)
     handle = world[0].barrier()
 
     with pytest.raises(TimeoutError):
@@ -251,7 +251,7 @@ def test_wait_with_zero_timeout_polls() -> None:
     [(-1.0, ValueError), (math.nan, ValueError), ("1", TypeError), (True, TypeError)],
 )
 def test_wait_checks_its_timeout(timeout: Any, error: type[Exception]) -> None:
-    world = FakeWorld(2, op_timeout=None)
+    world = FakeWorld(2, op_timeout=math.inf)
     handle = world[0].barrier()
 
     with pytest.raises(error, match="`timeout`"):
@@ -262,7 +262,7 @@ def test_wait_checks_its_timeout(timeout: Any, error: type[Exception]) -> None:
 
 
 def test_wait_raises_the_error_of_a_failed_op() -> None:
-    world = FakeWorld(2, op_timeout=None)
+    world = FakeWorld(2, op_timeout=math.inf)
     handle = world[0].all_reduce(torch.ones(2))
     world[1].barrier()  # another op at the same position
 
@@ -341,7 +341,7 @@ async def test_metadata() -> None:
 
 
 async def test_a_world_without_a_default_timeout() -> None:
-    world = FakeWorld(2, op_timeout=None)
+    world = FakeWorld(2, op_timeout=math.inf)
 
     handles = [gang.barrier() for gang in world]
 

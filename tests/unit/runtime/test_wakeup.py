@@ -10,6 +10,7 @@ Gloo ranks (whose ops finish on Gloo's thread, so blocks do catch them).
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 from typing import Any
 
@@ -139,13 +140,13 @@ async def test_no_block_while_the_loop_has_other_ready_work(
 
 
 def test_the_mode_is_checked_and_read_from_the_environment() -> None:
-    assert make_policy(op_timeout=None).wait_mode == "park"
-    policy = make_policy(op_timeout=None, env={WAIT_MODE_ENV: "block_briefly"})
+    assert make_policy(op_timeout=math.inf).wait_mode == "park"
+    policy = make_policy(op_timeout=math.inf, env={WAIT_MODE_ENV: "block_briefly"})
     assert policy.wait_mode == "block_briefly"
     with pytest.raises(ValueError, match="`wait_mode` must be one of 'park', 'block_briefly'"):
-        make_policy(op_timeout=None, wait_mode="spin")
+        make_policy(op_timeout=math.inf, wait_mode="spin")
     with pytest.raises(ValueError, match=f"`{WAIT_MODE_ENV}` must be one of"):
-        make_policy(op_timeout=None, env={WAIT_MODE_ENV: "fast"})
+        make_policy(op_timeout=math.inf, env={WAIT_MODE_ENV: "fast"})
 
 
 # Through gangs: the same results, errors, deadlines and cancellation as parking.
