@@ -172,9 +172,17 @@ def run(servers: int, sizes: list[int], quick: bool) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0] if __doc__ else None)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0] if __doc__ else None,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     parser.add_argument("--quick", action="store_true", help="3 sizes, 1 and 2 servers")
-    parser.add_argument("--servers", type=int, nargs="+", help="server counts (default 1 2 3 4)")
+    parser.add_argument(
+        "--servers",
+        type=int,
+        nargs="+",
+        help="server counts (default: %(default)s, meaning 1 2 3 4, or 1 2 with --quick)",
+    )
     parser.add_argument(
         "--serve", nargs=3, metavar=("STORE", "SERVERS", "RANK"), help=argparse.SUPPRESS
     )
