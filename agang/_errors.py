@@ -23,6 +23,7 @@ class OpContext:
     timeout: float | None
 
     def describe(self) -> str:
+        """The op, its number, its gang and rank, and its timeout, in one phrase for messages."""
         timeout = "none" if self.timeout is None else f"{self.timeout:g} s"
         return (
             f"`{self.op}` (seq {self.seq}) on gang '{self.gang}' "

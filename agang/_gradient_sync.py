@@ -120,16 +120,19 @@ class StepTimes:
 
     @property
     def exposed(self) -> float:
+        """Seconds the step waited for communication after backward (not hidden by it)."""
         return self.wait_finished - self.wait_started
 
     @property
     def communication(self) -> float:
+        """Seconds from the first bucket's issue to the last bucket's end."""
         if not self.buckets:
             return 0.0
         return max(b.finished_at for b in self.buckets) - min(b.issued_at for b in self.buckets)
 
     @property
     def hidden_share(self) -> float:
+        """The share of the communication that backward hid, from 0 to 1."""
         if self.communication <= 0:
             return 1.0
         return max(0.0, min(1.0, 1.0 - self.exposed / self.communication))
@@ -343,6 +346,7 @@ class GradientSync:
 
     @property
     def num_buckets(self) -> int:
+        """How many buckets the gradients are all-reduced in."""
         return len(self._buckets)
 
     def last_step(self) -> StepTimes | None:

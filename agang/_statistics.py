@@ -22,6 +22,7 @@ class Quantiles:
 
     @staticmethod
     def of(samples: Iterable[float]) -> Quantiles | None:
+        """The quantiles of ``samples``, or None when there are none."""
         ordered = sorted(samples)
         if not ordered:
             return None

@@ -75,6 +75,8 @@ class FakeGang(CollectiveGang):
         timeout: float | None = None,
         serializer: Serializer = "safe",
     ) -> Handle[list[Any]]:
+        """:meth:`agang.Gang.broadcast_objects`: every rank of a fake gang is a copy of
+        the source, so each gets its own ``objects`` back (round-tripped)."""
         # The source is a copy of this rank, so this rank's objects are the source's; as
         # a receiver it would get no bytes (broadcast is a no-op here) and fail to unpickle.
         check_rank(source_rank, self.size, name="source_rank")
@@ -84,12 +86,14 @@ class FakeGang(CollectiveGang):
     def send(
         self, tensor: torch.Tensor, destination_rank: int, *, timeout: float | None = None
     ) -> Handle[None]:
+        """Refused: a fake gang has no peer to send to (``RuntimeError``)."""
         raise no_peers()
 
     @override
     def recv(
         self, tensor: torch.Tensor, source_rank: int, *, timeout: float | None = None
     ) -> Handle[torch.Tensor]:
+        """Refused: a fake gang has no peer to receive from (``RuntimeError``)."""
         raise no_peers()
 
     @override
@@ -100,4 +104,5 @@ class FakeGang(CollectiveGang):
         *,
         timeout: float | None = None,
     ) -> Handle[list[torch.Tensor]]:
+        """Refused: a fake gang has no peer to exchange with (``RuntimeError``)."""
         raise no_peers()

@@ -70,6 +70,7 @@ class WorldInfo:
 
     @property
     def store_address(self) -> str:
+        """The store's ``HOST:PORT`` (``MASTER_ADDR`` and ``MASTER_PORT``)."""
         return f"{self.master_addr}:{self.master_port}"
 
 

@@ -106,6 +106,7 @@ class FakeWorld:
 
     @property
     def size(self) -> int:
+        """The number of ranks (in-process gangs) in the world."""
         return len(self.gangs)
 
     def __getitem__(self, rank: int) -> FakeWorldGang:
