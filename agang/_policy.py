@@ -32,7 +32,7 @@ DEFAULT_OP_TIMEOUT = 300.0
 #: ``call_site``).
 CHECK_ORDER_ENV = "AGANG_CHECK_ORDER"
 #: Environment variable that sets every gang's ``wait_mode`` (``park`` or
-#: ``block_briefly``); README's "Performance" says when the latter pays.
+#: ``block_briefly``); docs/performance.md ("block_briefly") says when the latter pays.
 WAIT_MODE_ENV = "AGANG_WAIT_MODE"
 
 
