@@ -24,7 +24,10 @@ Then, unless ``--no-parts``, agang's own Python on the NCCL path, by part, on an
 has already ended, so nothing but agang's code is timed: the whole ``await
 gang.all_reduce(t)``; the issue alone; the poll that learns of the end (reporting it
 and finishing the handle); the ``await`` of a handle already finished; and one pass of
-the loop (``asyncio.sleep(0)``), which every ``await`` of agang's takes.
+the loop (``asyncio.sleep(0)``), for scale. Last, the raw pair of calls and two
+instant-device awaits, each alone and then in one loop without touching each other: on
+the 2-core machine the two together cost far more than apart, a cost of running two code
+paths in turn that agang's ratio on the simulation includes.
 """
 
 from __future__ import annotations
@@ -164,6 +167,43 @@ async def parts(ops: int, rounds: int) -> None:
         print(f"{part:<28} {1e6 * statistics.median(values[1:]):>10.2f}")
 
 
+async def side_by_side(ops: int, rounds: int) -> None:
+    """The raw pair of calls alone, two instant-device awaits alone, and both in one loop
+    without touching each other: what interleaving two code paths costs this machine."""
+    ended = _Ended()
+    with SimulatedNccl(2) as sim:
+        instant = sim.gangs("instant")
+        for gang in instant:
+            group: Any = gang.process_group
+            group.allreduce = lambda tensors, options=None: ended
+            group.get_error = lambda: "SUCCESS"
+        raw_groups = [gang.process_group for gang in sim.gangs("raw")]
+        tensors = [torch.zeros(4) for _ in range(2)]
+        clock = time.perf_counter
+        timed: dict[str, list[float]] = {"raw": [], "instant": [], "interleaved": []}
+        for _ in range(rounds + 1):  # the first round warms up
+            timed["raw"].append(_raw(sim, raw_groups, tensors, ops))
+            started = clock()
+            for _ in range(ops):
+                for gang, tensor in zip(instant, tensors, strict=True):
+                    await gang.all_reduce(tensor)
+            timed["instant"].append((clock() - started) / ops)
+            started = clock()
+            for _ in range(ops):
+                _raw(sim, raw_groups, tensors, 1)
+                for gang, tensor in zip(instant, tensors, strict=True):
+                    await gang.all_reduce(tensor)
+            timed["interleaved"].append((clock() - started) / ops)
+        for gang in instant:
+            await gang.close()
+    raw, alone, both = (1e6 * statistics.median(timed[k][1:]) for k in timed)
+    print(
+        f"\nInterleaving, us per op (both ranks, medians over {rounds} rounds): raw {raw:.1f}"
+        f" + two instant-device awaits {alone:.1f} = {raw + alone:.1f} apart; {both:.1f}"
+        f" in one loop ({both / (raw + alone):.2f}x), though neither touches the other"
+    )
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0],
@@ -176,3 +216,4 @@ if __name__ == "__main__":
     asyncio.run(main(args.ops, args.rounds))
     if not args.no_parts:
         asyncio.run(parts(20 * args.ops, args.rounds))
+        asyncio.run(side_by_side(5 * args.ops, args.rounds))

@@ -191,5 +191,6 @@ def test_bench_nccl_sim_prints_every_mode_and_agangs_own_parts() -> None:
     result = _run([str(BENCH / "bench_nccl_sim.py"), "--ops", "5", "--rounds", "1"], env, 120)
     assert result.returncode == 0, result.stdout + result.stderr
     for row in ("raw ", "agang ", "agang stream-ordered", "instant device", "issue ",
-                "poll that learns the end", "await of a finished handle", "loop pass"):  # fmt: skip
+                "poll that learns the end", "await of a finished handle", "loop pass",
+                "Interleaving", "in one loop"):  # fmt: skip
         assert row in result.stdout, result.stdout
