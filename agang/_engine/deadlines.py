@@ -56,7 +56,7 @@ from agang._handle import Handle
 from agang._policy import GangPolicy
 from agang._runtime import fork, loops, threads
 
-log = logging.getLogger("agang")
+log = logging.getLogger("agang.engine")
 
 
 _running_loop = asyncio._get_running_loop

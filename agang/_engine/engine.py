@@ -98,7 +98,7 @@ from agang._runtime import fork
 from agang._statistics import Counters, GangStatistics
 from agang._validate import check_timeout
 
-log = logging.getLogger("agang")
+log = logging.getLogger("agang.engine")
 
 
 def _started() -> None:

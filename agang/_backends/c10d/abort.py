@@ -35,7 +35,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-log = logging.getLogger("agang")
+log = logging.getLogger("agang.c10d")
 
 # Tags agang never sends on: point-to-point ops use tag 0. Gloo picks a context by
 # ``tag % number of contexts``, so consecutive tags from here reach every context.

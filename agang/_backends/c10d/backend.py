@@ -54,7 +54,7 @@ from agang._backends.cuda.runtime import DeviceRuntime, StreamOrder, torch_runti
 from agang._reduce_op import ReduceOp
 from agang._runtime import loops, threads
 
-log = logging.getLogger("agang")
+log = logging.getLogger("agang.c10d")
 
 # How long a release waits, after ending the work still running, for its ops' ends to
 # be reported (so their memory is free once close returns); within close's own bound.

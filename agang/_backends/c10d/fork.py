@@ -19,7 +19,7 @@ import logging
 
 import torch.distributed as dist
 
-log = logging.getLogger("agang")
+log = logging.getLogger("agang.c10d")
 
 
 def disown_groups(*, forget_world: bool) -> None:

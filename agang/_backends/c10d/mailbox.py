@@ -77,7 +77,7 @@ from agang._backends.contract import BLAME_BOUND, Blamed, Progress, ProgressOf
 from agang._runtime import fork
 from agang._runtime.threads import start_thread
 
-log = logging.getLogger("agang")
+log = logging.getLogger("agang.c10d")
 
 ASK_SECONDS = 0.3
 #: How long a failing op waits, off the loop, for a peer's ``gave_up`` letter (rule 8).

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -34,8 +33,6 @@ import torch.distributed as dist
 from agang._backends import fingerprint as flows
 from agang._backends.contract import Checked
 from agang._runtime.threads import start_thread
-
-log = logging.getLogger("agang")
 
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
