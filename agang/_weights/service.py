@@ -9,10 +9,15 @@ Rules:
    the other buckets straight into the staging buffers (or, in place, into the user's
    tensors), confirms the version to the publisher, and says a version is ready.
    ``receive`` copies the staging buffers into the user's tensors under the same lock,
-   so it never reads half a version, and a round waits for that copy at most.
+   so it never reads half a version, and a round waits for that copy at most. A round
+   that would overwrite a version the application has not taken yet first looks at
+   the store: one whose epoch the publisher left already (it came to a server stopped
+   across the push) is not taken, so the version held stays whole.
 3. *Membership.* The service registers, waits for an epoch that lists it, checks in,
    and makes the group once the publisher says go. ``REFORM`` moves it to the epoch
-   named. Its group failing, it looks at the store for what happened: a newer epoch
+   named. A failed epoch's group is closed on a thread of its own once the next one is
+   made: its close can take seconds, and the next epoch's first round must not wait.
+   Its group failing, it looks at the store for what happened: a newer epoch
    that lists it (it goes on there), a drop (it registers again, to be admitted at a
    later push; a drop because another subscriber of its name replaced it ends it), or
    the publisher gone (no beat for ``PUBLISHER_GONE`` s) or closed, or the store gone:
@@ -56,13 +61,14 @@ class Service:
         self.staging = threading.Lock()  # rule 2
         self._state = threading.Lock()
         self.ready: int | None = None  # the newest whole version in staging (or in place)
+        self.taken: int | None = None  # the newest version ``receive`` took (under staging)
         self.error: GangError | None = None
         self.status = "registered, waiting to be admitted at the next push"
         self._news: Future[None] = Future("weights news")
         self._stopping = threading.Event()
         self._epoch = -1
         self._bucket0 = torch.zeros_like(buckets.wire[0])
-        self._header = self._bucket0[: buckets.header.numel() * 8].view(torch.int64)
+        self._header = self._header_of(self._bucket0)
         self._gang: ProcessGroupGang | None = None
         self._closing: ProcessGroupGang | None = None  # a failed epoch's, to close
         self._drop_seen: str | None = None
@@ -173,7 +179,7 @@ class Service:
             return await self._after_failure(
                 epoch, f"its group could not be made: {one_line(error)}"
             )
-        await self._close_old()  # its ops end, and free the buffers for this epoch's
+        self._close_old()  # on a thread of its own: this epoch's rounds do not wait for it
         try:
             return await self._rounds(epoch)
         finally:
@@ -201,6 +207,10 @@ class Service:
                 raise self._lost(f"the publisher ({self.channel.publisher()}) closed the channel")
             if what != DATA:
                 raise self._lost(f"a round of epoch {epoch} had an unknown header {what}")
+            if self._stale(epoch):
+                return await self._after_failure(
+                    epoch, f"the publisher moved on from epoch {epoch} before its round came"
+                )
             self._say(f"receiving version {version} in epoch {epoch}")
             with self.staging:
                 self.ready = None  # rule 2: staging is being written
@@ -228,10 +238,31 @@ class Service:
             self._tell()
         return None
 
-    async def _close_old(self) -> None:
+    def _stale(self, epoch: int) -> bool:
+        """Whether a round that came would overwrite a version the application has not
+        taken yet, for nothing: the publisher left ``epoch`` already (rule 2). A server
+        stopped across a push reads that push's bytes from its socket when it wakes,
+        long after the publisher gave up on it; taking them lost the version it held,
+        which was delivered. One look at the store, only while a version waits."""
+        if self.ready is None or self.ready == self.taken:
+            return False
+        return self.channel.epoch() > epoch
+
+    def _header_of(self, bucket0: torch.Tensor) -> torch.Tensor:
+        return bucket0[: self.buckets.header.numel() * 8].view(torch.int64)
+
+    def _close_old(self) -> None:
+        """Closes the failed epoch's gang on a thread of its own (rule 3). Its close can
+        take seconds (Gloo's destructor waits for an aborted op that no closed pair
+        ended), while the publisher gives this epoch's first round only what is left of
+        its recovery bound: a survivor that waited for it here was dropped. Its idle
+        wait may still hold bucket 0's buffer, so this epoch takes a new one."""
         closing, self._closing = self._closing, None
-        if closing is not None:
-            await closing.close()
+        if closing is None:
+            return
+        self._bucket0 = torch.zeros_like(self._bucket0)
+        self._header = self._header_of(self._bucket0)
+        start_daemon(closing.close_sync, name=f"agang: weights: close gang '{closing.name}'")
 
     async def _wait_for_round(self, gang: ProcessGroupGang, epoch: int) -> str | None:
         """Waits for the next round's bucket 0; looks at the store every ``_IDLE_LOOK``

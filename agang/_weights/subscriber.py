@@ -216,6 +216,7 @@ class WeightSubscriber:
             if not self._buckets.in_place:
                 self._buckets.unpack()
             self._version = ready
+            self._service.taken = ready
             return ready
 
     def _timed_out(self, seconds: float | None) -> str:
