@@ -16,6 +16,7 @@ from typing import Any
 import anyio
 import pytest
 import torch
+from loop_passes import counting
 
 import agang
 from agang import ProcessGroupGang
@@ -574,25 +575,12 @@ async def test_an_awaited_op_found_ended_at_a_later_poll_takes_one_loop_pass(
 
     group.allreduce = lambda tensors, options=None: EndsAtThirdLook()
     group.get_error = lambda: "SUCCESS"
-    passes = 0
-    stop = anyio.Event()
-
-    async def count_passes() -> None:
-        nonlocal passes
-        while not stop.is_set():
-            passes += 1
-            await anyio.lowlevel.checkpoint()
-
     num_ops = 40
     with anyio.fail_after(BOUND):
-        async with anyio.create_task_group() as tasks:
-            tasks.start_soon(count_passes)
-            await anyio.lowlevel.checkpoint()
-            passes = 0
+        async with counting() as passes:
             for _ in range(num_ops):
                 await gang.all_reduce(torch.ones(1))
-            seen = passes
-            stop.set()
+            seen = passes.count
     assert looks == [3] * num_ops
     # One pass per op (trio orders a pass's tasks at random: the counter may run 0 to 2
     # times in one). Before: two passes per op, the poll's and then the await's own.

@@ -16,6 +16,7 @@ from typing import Any
 import anyio
 import pytest
 import torch
+from loop_passes import counting
 
 import agang
 from agang.testing import FakeWorld
@@ -374,24 +375,11 @@ async def test_awaits_of_finished_ops_let_other_tasks_run_once_per_streak() -> N
 
     gang = agang.FakeGang()  # every op ends inside its call: finished when awaited
     tensor = torch.ones(1)
-    passes = 0
-    stop = anyio.Event()
-
-    async def count_passes() -> None:
-        nonlocal passes
-        while not stop.is_set():
-            passes += 1
-            await anyio.lowlevel.checkpoint()
-
     num_awaits = 10 * (READY_STREAK + 1)
-    async with anyio.create_task_group() as group:
-        group.start_soon(count_passes)
-        await anyio.lowlevel.checkpoint()  # the counter is running
-        passes = 0
+    async with counting() as passes:
         for _ in range(num_awaits):
             await gang.all_reduce(tensor)
-        seen = passes
-        stop.set()
+        seen = passes.count
     # One pass per streak, not one per await (before: 160 for 160 awaits).
     assert seen == pytest.approx(num_awaits / (READY_STREAK + 1), abs=1)
     await gang.close()
