@@ -162,6 +162,7 @@ class WeightPublisher:
 
     @property
     def plan(self) -> Plan:
+        """The fingerprinted plan (names, order, shapes, dtypes) every subscriber agreed to."""
         return self._plan
 
     async def push(self, version: int, timeout: float | None = None) -> PushReport:  # noqa: ASYNC109

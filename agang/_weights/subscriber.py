@@ -162,6 +162,7 @@ class WeightSubscriber:
 
     @property
     def name(self) -> str:
+        """This subscriber's name on the channel: the one given to ``open``, else ``HOST:PID``."""
         return self._me.name
 
     @property

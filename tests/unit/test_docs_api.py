@@ -84,3 +84,35 @@ def test_the_checks_see_a_missing_docstring_and_a_missing_entry(tmp_path: Path) 
     assert own_docstring(Inherits) is None  # inspect.getdoc would find the parent's
     (tmp_path / "page.md").write_text("# Page\n\n::: agang.init\n\n`::: agang.Gang` in text\n")
     assert documented_paths(tmp_path) == {"agang.init"}
+
+
+def public_members(obj: object) -> list[str]:
+    """A public class's own public methods and properties (what its API entry lists)."""
+    if not inspect.isclass(obj):
+        return []
+    members = []
+    for name, value in vars(obj).items():
+        if name.startswith("_"):
+            continue
+        if isinstance(value, staticmethod | classmethod):
+            value = value.__func__
+        if isinstance(value, property) or inspect.isfunction(value):
+            members.append(name)
+    return members
+
+
+@pytest.mark.parametrize("item", PUBLIC, ids=_id)
+def test_a_public_classs_methods_and_properties_have_docstrings(
+    item: tuple[ModuleType, str],
+) -> None:
+    module, name = item
+    cls = getattr(module, name)
+    bare = []
+    for member in public_members(cls):
+        value = vars(cls)[member]
+        if isinstance(value, staticmethod | classmethod):
+            value = value.__func__
+        doc = value.fget.__doc__ if isinstance(value, property) else value.__doc__
+        if not (isinstance(doc, str) and doc.strip()):
+            bare.append(member)
+    assert not bare, f"{module.__name__}.{name}: no docstring on {', '.join(bare)}"
