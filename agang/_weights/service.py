@@ -7,7 +7,11 @@ Rules:
 2. *A round.* Bucket 0 arrives in a buffer of its own (its header says what follows);
    for ``DATA`` the service then holds the staging lock, copies bucket 0 in and takes
    the other buckets straight into the staging buffers (or, in place, into the user's
-   tensors), confirms the version to the publisher, and says a version is ready.
+   tensors), says a version is ready and confirms it to the publisher. The version is
+   ready once its last bucket came, whatever becomes of its confirmation: a server
+   stopped as it confirmed (the publisher took the confirmation, the send's end was
+   not reported yet) wakes to find the publisher gone from the epoch, with its bytes
+   whole, and the publisher counted it delivered.
    ``receive`` copies the staging buffers into the user's tensors under the same lock,
    so it never reads half a version, and a round waits for that copy at most. A round
    that would overwrite a version the application has not taken yet first looks at
@@ -226,17 +230,23 @@ class Service:
                     return await self._after_failure(epoch, moved)
                 if buckets.in_place:
                     buckets.unpack(packed_only=True)
-                try:
-                    ack = torch.tensor([version, epoch], dtype=torch.int64)
-                    moved = await self._watch([gang.send(ack, 0, timeout=self.timeout)], epoch)
-                except GangError as error:
-                    return await self._after_failure(epoch, one_line(error))
-                if moved is not None:
-                    return await self._after_failure(epoch, moved)
+                # Whole now, whatever becomes of the confirmation (rule 2).
                 self.ready = int(version)
+                unconfirmed = await self._confirm(gang, int(version), epoch)
             self._say(f"holds version {version} in epoch {epoch}")
             self._tell()
+            if unconfirmed is not None:
+                return await self._after_failure(epoch, unconfirmed)
         return None
+
+    async def _confirm(self, gang: ProcessGroupGang, version: int, epoch: int) -> str | None:
+        """Sends the publisher ``version``'s confirmation; why it was not seen through,
+        or None."""
+        try:
+            ack = torch.tensor([version, epoch], dtype=torch.int64)
+            return await self._watch([gang.send(ack, 0, timeout=self.timeout)], epoch)
+        except GangError as error:
+            return one_line(error)
 
     def _stale(self, epoch: int) -> bool:
         """Whether a round that came would overwrite a version the application has not

@@ -179,13 +179,6 @@ async def test_a_server_killed_mid_push_is_dropped_and_a_reopened_one_admitted_a
         await publisher.close()
 
 
-# Known defect, not fixed yet: after SIGCONT the woken server sometimes never takes
-# version 1 again within 30 s (2 of 5 runs of this test once; the drop itself passed in
-# every run). It still runs and reports: XPASS when it works, XFAIL when it does not.
-@pytest.mark.xfail(
-    strict=False,
-    reason="re-admission after SIGCONT sometimes loses the untaken version (issue 24)",
-)
 async def test_a_server_stopped_mid_push_is_dropped_in_time_and_admitted_when_it_wakes(
     started: list[subprocess.Popen[str]], store: str
 ) -> None:
