@@ -45,7 +45,7 @@ from agang._collective.process_group_gang import ProcessGroupGang
 from agang._errors import GangError
 from agang._runtime.future import Future
 from agang._runtime.threads import start_daemon
-from agang._weights.buckets import Buckets
+from agang._weights.buckets import Buckets, copy_bytes
 from agang._weights.channel import Channel
 from agang._weights.epoch import CLOSE, DATA, REFORM, Member, make_gang
 
@@ -218,7 +218,7 @@ class Service:
             self._say(f"receiving version {version} in epoch {epoch}")
             with self.staging:
                 self.ready = None  # rule 2: staging is being written
-                buckets.wire[0].copy_(self._bucket0)
+                copy_bytes(buckets.wire[0], self._bucket0)  # on this thread alone
                 handles = [
                     gang.broadcast(wire, 0, timeout=self.timeout) for wire in buckets.wire[1:]
                 ]

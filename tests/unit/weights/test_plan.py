@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from agang._weights import checks
-from agang._weights.buckets import Buckets
+from agang._weights.buckets import GRAIN, Buckets, copy_bytes
 from agang._weights.plan import HEADER_BYTES, Plan
 
 
@@ -97,6 +97,22 @@ def test_buckets_move_every_byte_of_every_dtype(in_place: bool) -> None:
     assert receiver.staging_bytes == (0 if in_place else big_bytes) + sum(
         size for direct, size, _ in plan.buckets() if not direct
     )
+
+
+@pytest.mark.parametrize(
+    ("nbytes", "source_at", "target_at"),
+    [(8 * GRAIN * 3 + 8, 0, 64), (4 * GRAIN + 4, 4, 12), (2 * GRAIN + 2, 2, 6), (GRAIN + 1, 3, 0)],
+)
+def test_copy_bytes_moves_every_byte_at_any_alignment_in_pieces(
+    nbytes: int, source_at: int, target_at: int
+) -> None:
+    """Each width (8, 4, 2, 1 bytes), several pieces of ``GRAIN`` words (rule 4)."""
+    source = torch.randint(0, 256, (source_at + nbytes,), dtype=torch.uint8)[source_at:]
+    target = torch.zeros(target_at + nbytes + 5, dtype=torch.uint8)
+    copy_bytes(target[target_at : target_at + nbytes], source)
+    assert torch.equal(target[target_at : target_at + nbytes], source)
+    assert not target[:target_at].any()
+    assert not target[target_at + nbytes :].any()
 
 
 @pytest.mark.parametrize(
