@@ -47,7 +47,8 @@ class HandleOwner(Protocol):
         """Asks the backend once, on this thread, whether ``handle``'s op ended."""
 
     async def settle(self, handle: Handle[Any]) -> None:
-        """Learns of ``handle``'s end on the awaiting task's loop, within a budget."""
+        """Learns of ``handle``'s end on the awaiting task's loop, within a budget, once
+        :meth:`learn` found the op running."""
 
     def park_for(self, handle: Handle[Any]) -> None:
         """A plain thread is about to block on ``handle``: have its end reported."""

@@ -63,13 +63,11 @@ class Polling:
             self._recent.append(time.monotonic() - handle.issued_at)
 
     async def settle(self, handle: Handle[Any]) -> None:
-        """Polls until ``handle`` finished or its budget passed, then parks (1-3)."""
+        """Polls, one loop pass between polls, until ``handle`` finished or its budget
+        passed, then parks (1-3). The awaiting task has just polled (:meth:`learn`) and
+        found it running, so the first poll here follows a pass."""
         backend = self._backend
         recent = self._recent
-        backend.poll()
-        if handle.done():
-            recent.append(time.monotonic() - handle.issued_at)
-            return
         give_up = handle.issued_at + self._budget()
         checkpoint = loops.checkpoint
         while (now := time.monotonic()) < give_up:
