@@ -18,6 +18,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import pytest
+from doctor_hosts import CPU_HOST
 from netutil import free_port
 
 from agang.__main__ import main
@@ -29,17 +30,6 @@ from agang._cli.doctor.network import SocketProbe
 from agang._setup.env import world_from_env
 from agang._setup.interface import Choice
 
-CPU_HOST = HostFacts(
-    torch_version="2.13.0+cpu",
-    distributed_available=True,
-    gloo_available=True,
-    nccl_available=False,
-    cuda_available=False,
-    cuda_device_count=0,
-    cuda_version=None,
-    nccl_version=None,
-    num_cpus=8,
-)
 GPU_HOST = HostFacts(
     torch_version="2.11.0+cu128",
     distributed_available=True,

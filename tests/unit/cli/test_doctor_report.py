@@ -15,24 +15,12 @@ import sys
 from collections.abc import Mapping, Sequence
 
 import pytest
+from doctor_hosts import CPU_HOST
 from netutil import free_port
 
 from agang._cli.doctor.command import run_doctor
-from agang._cli.doctor.host import HostFacts
 from agang._cli.doctor.links import LinkState
 from agang._setup.interface import Choice
-
-HOST = HostFacts(
-    torch_version="2.13.0+cpu",
-    distributed_available=True,
-    gloo_available=True,
-    nccl_available=False,
-    cuda_available=False,
-    cuda_device_count=0,
-    cuda_version=None,
-    nccl_version=None,
-    num_cpus=8,
-)
 
 
 class ReachableNetwork:
@@ -78,7 +66,7 @@ def doctor(env: Mapping[str, str], *, as_json: bool = False) -> tuple[int, str]:
         as_json=as_json,
         out=out,
         env=env,
-        facts=HOST,
+        facts=CPU_HOST,
         network=ReachableNetwork(),
         host="gpu-a",
     )
