@@ -14,7 +14,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -22,7 +21,7 @@ from typing import Any
 import anyio
 import pytest
 import torch
-from storeutil import SUPPORT, Lines, Store, clean_env, wait_until_stopped
+from storeutil import SUPPORT, Spawned, Store, wait_until_stopped
 from weightserver import model
 
 from agang._errors import GangError
@@ -42,21 +41,11 @@ START_SECONDS = 60.0
 ADMISSION = 0.5  # a process's start (torch's import) on a loaded 2-core machine
 
 
-class Server:
+class Server(Spawned):
     """One weightserver process, its stdout as JSON events."""
 
     def __init__(self, started: list[subprocess.Popen[str]], *arguments: str) -> None:
-        self.process = subprocess.Popen(
-            [sys.executable, str(SUPPORT / "weightserver.py"), *arguments],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=clean_env(),
-        )
-        started.append(self.process)
-        self.out = Lines(self.process.stdout)
-        self.err = Lines(self.process.stderr)
+        super().__init__(started, [str(SUPPORT / "weightserver.py"), *arguments], stdin=True)
 
     def event(self, *kinds: str, timeout: float = 30.0) -> dict[str, Any]:
         deadline = time.monotonic() + timeout

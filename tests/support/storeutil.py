@@ -72,12 +72,16 @@ class Lines:
         return self.seen
 
 
-class Store:
-    """An ``agang store`` process, its stdout and stderr read on threads."""
+class Spawned:
+    """A Python process of a test, listed in ``started`` (which the test ends), its
+    stdout and stderr read on threads; ``stdin`` gives it a pipe to write to."""
 
-    def __init__(self, started: list[subprocess.Popen[str]], *arguments: str) -> None:
+    def __init__(
+        self, started: list[subprocess.Popen[str]], argv: list[str], *, stdin: bool = False
+    ) -> None:
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "agang", "store", *arguments],
+            [sys.executable, *argv],
+            stdin=subprocess.PIPE if stdin else None,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -86,6 +90,13 @@ class Store:
         started.append(self.process)
         self.out = Lines(self.process.stdout)
         self.err = Lines(self.process.stderr)
+
+
+class Store(Spawned):
+    """An ``agang store`` process, its stdout and stderr read on threads."""
+
+    def __init__(self, started: list[subprocess.Popen[str]], *arguments: str) -> None:
+        super().__init__(started, ["-m", "agang", "store", *arguments])
 
     def signal(self, signum: int) -> None:
         self.signalled_at = time.monotonic()
