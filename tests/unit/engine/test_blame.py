@@ -87,6 +87,14 @@ def test_a_peer_that_issued_another_op_at_the_number_is_out_of_step_not_waiting(
     assert absent(peers) == []
 
 
+# A rank that has timed out stays this long before its process ends, so a peer whose
+# own deadline (and question) comes later on a loaded machine still gets its answer:
+# once its process is gone, the answer is "no answer", which is right but not what
+# these tests look at. (In CI, a rank left at once and its peer, asked 1.5 s in, got
+# "no answer".)
+LINGER = 5.0
+
+
 async def _out_of_step(gang: agang.Gang) -> dict[str, Any]:
     """Rank 0 issues a broadcast where ranks 1 and 2 issue an all-reduce (order
     checking off): nothing pairs up, and every deadline's blame says what each issued."""
@@ -97,6 +105,7 @@ async def _out_of_step(gang: agang.Gang) -> dict[str, Any]:
         else:
             await gang.all_reduce(torch.ones(2), timeout=1.5)
     except agang.GangTimeoutError as error:
+        await anyio.sleep(LINGER)
         return {"message": str(error), "absent": error.absent_ranks}
     return {"message": "no timeout"}
 
@@ -117,9 +126,12 @@ def test_blame_names_both_ops_when_the_ranks_issued_different_ones_at_one_number
     assert all(report["absent"] == () for report in reports)
 
 
-async def _one_rank_stays_behind(gang: agang.Gang, stays: float = 2.5) -> dict[str, Any]:
+async def _one_rank_stays_behind(
+    gang: agang.Gang, stays: float = 2.5, linger: float = 0.0
+) -> dict[str, Any]:
     """Every rank does op #0; ranks 0 and 1 then issue #1 with a 1 s deadline, which
-    rank 2 never issues (it waits ``stays`` seconds, then leaves)."""
+    rank 2 never issues (it waits ``stays`` seconds, then leaves). Ranks 0 and 1 stay
+    ``linger`` seconds after their timeout, to answer the other's question."""
     await gang.all_reduce(torch.ones(2))
     if gang.rank == 2:
         await anyio.sleep(stays)
@@ -127,6 +139,7 @@ async def _one_rank_stays_behind(gang: agang.Gang, stays: float = 2.5) -> dict[s
     try:
         await gang.all_reduce(torch.ones(2), timeout=1.0)
     except agang.GangTimeoutError as error:
+        await anyio.sleep(linger)
         return {"peers": dict(error.peers), "absent": error.absent_ranks, "message": str(error)}
     return {"error": "no timeout"}
 
@@ -151,7 +164,7 @@ async def _blamed_on_gloo(gang: agang.Gang) -> dict[str, Any]:
     keys_after = store.num_keys()
     # Rank 2 stays 6 s: asked 1.5 s in at most, it must still be there to answer when
     # a loaded machine delays the others (at 2.5 s it had left once, under load).
-    report = await _one_rank_stays_behind(gang, stays=6.0)
+    report = await _one_rank_stays_behind(gang, stays=6.0, linger=LINGER)
     return {**report, "keys": (keys_before, keys_after), "pid": os.getpid()}
 
 
