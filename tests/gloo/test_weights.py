@@ -9,100 +9,34 @@ and prints whether it matched exactly; the tests read those lines.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import socket
 import subprocess
 import time
-from collections.abc import Iterator
-from typing import Any
 
 import anyio
 import pytest
 import torch
-from storeutil import SUPPORT, Spawned, Store, wait_until_stopped
+from storeutil import wait_until_stopped
+from weightfleet import (
+    ADMISSION,
+    HOST,
+    PUSH_TIMEOUT,
+    RECOVERY,
+    SLACK,
+    START_SECONDS,
+    Server,
+    open_publisher,
+    push,
+    push_until_delivered,
+    serve,
+)
 from weightserver import model
 
 from agang._errors import GangError
-from agang._weights.publisher import WeightPublisher
-from agang._weights.report import PushReport
 from agang._weights.subscriber import WeightSubscriber
 
 pytestmark = [pytest.mark.gloo, pytest.mark.anyio, pytest.mark.timeout(120)]
-
-HOST = socket.gethostname()
-PUSH_TIMEOUT = 2.0
-#: The recovery the publisher promises after a deadline, and this machine's slack.
-RECOVERY = 4.0
-SLACK = 1.5
-START_SECONDS = 60.0
-#: A push admits the subscribers registered a publisher's beat (0.2 s) before it.
-ADMISSION = 0.5  # a process's start (torch's import) on a loaded 2-core machine
-
-
-class Server(Spawned):
-    """One weightserver process, its stdout as JSON events."""
-
-    def __init__(self, started: list[subprocess.Popen[str]], *arguments: str) -> None:
-        super().__init__(started, [str(SUPPORT / "weightserver.py"), *arguments], stdin=True)
-
-    def event(self, *kinds: str, timeout: float = 30.0) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        while (left := deadline - time.monotonic()) > 0:
-            try:
-                line = self.out.next(left)
-            except AssertionError:
-                break
-            if line.startswith("{"):
-                event: dict[str, Any] = json.loads(line)
-                if event["event"] in kinds:
-                    return event
-        raise AssertionError(
-            f"no {kinds} event within {timeout} s; stdout: {self.out.seen[-10:]}; "
-            f"stderr: {self.err.rest(1)[-20:]}"
-        )
-
-    def opened(self) -> int:
-        event = self.event("opened", "refused", timeout=START_SECONDS)
-        assert event["event"] == "opened", event
-        return int(event["pid"])
-
-    def received(self, version: int) -> None:
-        event = self.event("received", "failed")
-        assert event == {"event": "received", "version": version, "exact": True}, event
-
-
-@pytest.fixture
-def started() -> Iterator[list[subprocess.Popen[str]]]:
-    """The processes a test starts; each is ended by its pid at the end."""
-    processes: list[subprocess.Popen[str]] = []
-    yield processes
-    for process in processes:
-        if process.poll() is None:
-            os.kill(process.pid, signal.SIGCONT)
-            os.kill(process.pid, signal.SIGKILL)
-        process.wait(timeout=30)
-
-
-@pytest.fixture
-def store(started: list[subprocess.Popen[str]]) -> str:
-    server = Store(started, "--port", "0", "--quiet")
-    return server.out.next(START_SECONDS).split()[-1]
-
-
-def serve(started: list[subprocess.Popen[str]], store: str, name: str, *extra: str) -> Server:
-    return Server(started, "serve", store, "w", name, *extra)
-
-
-async def push(publisher: WeightPublisher, version: int, **kwargs: Any) -> PushReport:
-    for name, value in model(version).items():
-        publisher._buckets._tensors[list(model(0)).index(name)].copy_(value)
-    return await publisher.push(version, **kwargs)
-
-
-async def open_publisher(store: str) -> WeightPublisher:
-    return await WeightPublisher.open(model(0), store=store, channel="w", timeout=20.0)
 
 
 async def test_every_push_is_exact_and_a_joiner_gets_the_next_push_in_full(
@@ -191,23 +125,11 @@ async def test_a_server_stopped_mid_push_is_dropped_in_time_and_admitted_when_it
         servers[1].received(2)
         os.kill(pids[0], signal.SIGCONT)  # it finds itself dropped, and registers again
         servers[0].received(1)
-        report = await _push_until_delivered(publisher, 3, "s0")
+        report = await push_until_delivered(publisher, 3, "s0")
         assert set(report.delivered) == {"s0", "s1"}, report
         os.kill(pids[0], signal.SIGKILL)
     finally:
         await publisher.close()
-
-
-async def _push_until_delivered(publisher: WeightPublisher, first: int, name: str) -> PushReport:
-    """Pushes ``first``, ``first + 1``, ... until ``name`` gets one (its re-registration
-    may land after a push began), at most 10 times in 20 s."""
-    give_up_at = time.monotonic() + 20.0
-    for version in range(first, first + 10):
-        report = await push(publisher, version)
-        if name in report.delivered or time.monotonic() > give_up_at:
-            return report
-        await anyio.sleep(0.3)
-    return report
 
 
 async def test_a_mismatched_plan_is_refused_at_open_and_the_others_go_on(

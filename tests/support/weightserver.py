@@ -1,11 +1,15 @@
 """A weights subscriber (or publisher) process for ``tests/gloo/test_weights.py``.
 
-``python weightserver.py serve STORE CHANNEL NAME [--shape-of-b N] [--in-place]``
+``python weightserver.py serve STORE CHANNEL NAME [--b-rows N] [--big N] [--in-place]``
 opens a ``WeightSubscriber`` and prints one JSON line per event: ``opened`` (with its
 pid), then ``received`` per version (``exact``: the tensors equal ``model(version)``),
-then ``failed`` (the error's type and message) when receive raises.
-``python weightserver.py publish STORE CHANNEL`` opens a ``WeightPublisher``, prints
-``opened``, and pushes the versions read from stdin, one a line, printing ``pushed``.
+then ``failed`` (the error's type and message) when receive raises. With
+``--on-stdin`` it first prints ``ready`` and opens only once a line comes on stdin, and
+after a failure it opens again (same name) at the next line, until stdin ends: a
+process started ahead of its time, or a server that reopens.
+``python weightserver.py publish STORE CHANNEL [--big N]`` opens a ``WeightPublisher``,
+prints ``opened``, and pushes the versions read from stdin (``VERSION [TIMEOUT]``, one
+a line), printing ``pushed`` with the report's delivered, dropped and seconds.
 """
 
 from __future__ import annotations
@@ -42,7 +46,22 @@ def say(**event: object) -> None:
 
 
 async def serve(args: argparse.Namespace) -> None:
-    tensors = {k: torch.zeros_like(v) for k, v in model(0, b_rows=args.b_rows).items()}
+    if not args.on_stdin:
+        await serve_once(args)
+        return
+    say(event="ready", pid=os.getpid())
+    while await read_line():
+        await serve_once(args)
+
+
+async def read_line() -> str:
+    """The next line of stdin ("" at its end), read off the loop."""
+    return await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+
+
+async def serve_once(args: argparse.Namespace) -> None:
+    shapes = model(0, b_rows=args.b_rows, big=args.big)
+    tensors = {k: torch.zeros_like(v) for k, v in shapes.items()}
     try:
         subscriber = await WeightSubscriber.open(
             tensors,
@@ -62,28 +81,33 @@ async def serve(args: argparse.Namespace) -> None:
         except (agang.GangError, TimeoutError) as error:
             say(event="failed", error=type(error).__name__, message=str(error))
             break
-        expected = model(version, b_rows=args.b_rows)
+        expected = model(version, b_rows=args.b_rows, big=args.big)
         exact = all(torch.equal(tensors[k], expected[k]) for k in tensors)
         say(event="received", version=version, exact=exact)
     await subscriber.close()
 
 
 async def publish(args: argparse.Namespace) -> None:
-    tensors = model(0)
+    tensors = model(0, big=args.big)
     publisher = await WeightPublisher.open(
         tensors, store=args.store, channel=args.channel, timeout=args.timeout
     )
     say(event="opened", pid=os.getpid())
-    loop = asyncio.get_running_loop()
     for _ in range(10_000):
-        line = await loop.run_in_executor(None, sys.stdin.readline)
+        line = await read_line()
         if not line:
             break
-        version = int(line)
-        for name, value in model(version).items():
+        version, *timeout = line.split()
+        for name, value in model(int(version), big=args.big).items():
             tensors[name].copy_(value)
-        report = await publisher.push(version)
-        say(event="pushed", version=version, delivered=list(report.delivered))
+        report = await publisher.push(int(version), *map(float, timeout))
+        say(
+            event="pushed",
+            version=report.version,
+            delivered=list(report.delivered),
+            dropped=report.dropped,
+            seconds=report.seconds,
+        )
     await publisher.close()
 
 
@@ -94,7 +118,9 @@ def main() -> None:
     parser.add_argument("channel")
     parser.add_argument("name", nargs="?")
     parser.add_argument("--b-rows", type=int, default=4)
+    parser.add_argument("--big", type=int, default=64 * 1024, help="elements of 'big'")
     parser.add_argument("--in-place", action="store_true")
+    parser.add_argument("--on-stdin", action="store_true", help="open at each stdin line")
     parser.add_argument("--timeout", type=float, default=20.0)
     args = parser.parse_args()
     asyncio.run(serve(args) if args.role == "serve" else publish(args))

@@ -1,0 +1,95 @@
+"""The weights tests' fleet (``tests/gloo/test_weights*.py``): weight servers as processes
+of ``tests/support/weightserver.py`` whose stdout is read as JSON events, and the test's
+own publisher pushing ``weightserver.model(version)``.
+
+The fixtures that start the processes (``started``, ``store``) are in
+``tests/gloo/conftest.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import time
+from typing import Any
+
+import anyio
+from storeutil import SUPPORT, Spawned
+from weightserver import model
+
+from agang._weights.publisher import WeightPublisher
+from agang._weights.report import PushReport
+
+HOST = socket.gethostname()
+PUSH_TIMEOUT = 2.0
+#: The recovery the publisher promises after a deadline, and this machine's slack.
+RECOVERY = 4.0
+SLACK = 1.5
+START_SECONDS = 60.0
+#: A push admits the subscribers registered a publisher's beat (0.2 s) before it.
+ADMISSION = 0.5  # a process's start (torch's import) on a loaded 2-core machine
+
+
+class Server(Spawned):
+    """One weightserver process, its stdout as JSON events."""
+
+    def __init__(self, started: list[subprocess.Popen[str]], *arguments: str) -> None:
+        super().__init__(started, [str(SUPPORT / "weightserver.py"), *arguments], stdin=True)
+
+    def event(self, *kinds: str, timeout: float = 30.0) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                line = self.out.next(left)
+            except AssertionError:
+                break
+            if line.startswith("{"):
+                event: dict[str, Any] = json.loads(line)
+                if event["event"] in kinds:
+                    return event
+        raise AssertionError(
+            f"no {kinds} event within {timeout} s; stdout: {self.out.seen[-10:]}; "
+            f"stderr: {self.err.rest(1)[-20:]}"
+        )
+
+    def opened(self) -> int:
+        event = self.event("opened", "refused", timeout=START_SECONDS)
+        assert event["event"] == "opened", event
+        return int(event["pid"])
+
+    def received(self, version: int) -> None:
+        event = self.event("received", "failed")
+        assert event == {"event": "received", "version": version, "exact": True}, event
+
+    def send(self, line: str) -> None:
+        """One line to its stdin (``--on-stdin``: open now)."""
+        assert self.process.stdin is not None
+        self.process.stdin.write(line + "\n")
+        self.process.stdin.flush()
+
+
+def serve(started: list[subprocess.Popen[str]], store: str, name: str, *extra: str) -> Server:
+    return Server(started, "serve", store, "w", name, *extra)
+
+
+async def push(publisher: WeightPublisher, version: int, **kwargs: Any) -> PushReport:
+    for name, value in model(version).items():
+        publisher._buckets._tensors[list(model(0)).index(name)].copy_(value)
+    return await publisher.push(version, **kwargs)
+
+
+async def open_publisher(store: str) -> WeightPublisher:
+    return await WeightPublisher.open(model(0), store=store, channel="w", timeout=20.0)
+
+
+async def push_until_delivered(publisher: WeightPublisher, first: int, name: str) -> PushReport:
+    """Pushes ``first``, ``first + 1``, ... until ``name`` gets one (its re-registration
+    may land after a push began), at most 10 times in 20 s."""
+    give_up_at = time.monotonic() + 20.0
+    for version in range(first, first + 10):
+        report = await push(publisher, version)
+        if name in report.delivered or time.monotonic() > give_up_at:
+            return report
+        await anyio.sleep(0.3)
+    return report
