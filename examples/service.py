@@ -1,7 +1,8 @@
 """A small asyncio service on a gang: health from the first second, sums on demand.
 
 Every rank serves ``GET /health`` on 127.0.0.1 before it waits for its peers, so a
-load balancer or an orchestrator sees the process at once::
+load balancer or an orchestrator sees the process at once (a starlette app served by
+uvicorn on the rank's own event loop: ``pip install -e '.[web]'``)::
 
     {"status": "starting" | "ready" | "failed", "rank": 0, "world_size": 2, "error": null}
 
@@ -21,7 +22,9 @@ Run on two local ranks (ports 8000 + LOCAL_RANK, or AGANG_SERVICE_PORT + LOCAL_R
 How it works: each rank runs a command loop that awaits
 ``gang.broadcast_objects([cmd], source_rank=0, timeout=math.inf)``; rank 0's HTTP handlers
 put commands on an asyncio.Queue that rank 0's loop broadcasts, so every rank runs the
-same collectives in the same order.
+same collectives in the same order. uvicorn serves the app as a task of the same loop
+(``uvicorn.Server.serve``, its own signal handlers left out: SIGTERM and SIGINT are the
+service's), on a socket the service binds first, so a taken port fails at once.
 """
 
 from __future__ import annotations
@@ -30,21 +33,27 @@ import argparse
 import asyncio
 import contextlib
 import importlib
-import json
 import logging
 import math
 import os
 import signal
+import socket
 import sys
+from collections.abc import AsyncIterator, Iterator
 from typing import TYPE_CHECKING, Any
-from urllib.parse import parse_qs, urlsplit
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
 
 if TYPE_CHECKING:
     import agang
 
 log = logging.getLogger("agang.service")
-
-REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 503: "Service Unavailable"}
+HOST = "127.0.0.1"
 
 
 class Service:
@@ -78,58 +87,46 @@ class Service:
             self.stopping = True
             self.commands.put_nowait(({"op": "stop"}, None))
 
-    async def route(self, method: str, target: str) -> tuple[int, dict[str, Any]]:
-        url = urlsplit(target)
-        if method != "GET":
-            return 404, {"error": f"no route for {method} {url.path}"}
-        if url.path == "/health":
-            return self.health()
-        if url.path in ("/sum", "/stop") and self.rank != 0:
-            return 404, {"error": f"{url.path} is served by rank 0 only"}
-        if url.path == "/sum":
-            try:
-                value = float(parse_qs(url.query)["value"][0])
-            except (KeyError, ValueError):
-                return 400, {"error": "usage: /sum?value=<float>"}
-            if self.status != "ready" or self.stopping:
-                return 503, {"error": f"the gang is {self.status}"}
-            reply: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-            self.commands.put_nowait(({"op": "sum", "value": value}, reply))
-            try:
-                total = await reply
-            except Exception as error:  # reported to the client
-                return 503, {"error": str(error)}
-            return 200, {"value": value, "sum": total, "world_size": self.world_size}
-        if url.path == "/stop":
-            self.request_stop()
-            return 200, {"status": "stopping"}
-        return 404, {"error": f"no route for {url.path}"}
+    # The HTTP routes: each answers JSON.
 
-    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """A minimal HTTP/1.1 handler: one request per connection, JSON replies."""
+    async def get_health(self, request: Request) -> JSONResponse:
+        status, body = self.health()
+        return JSONResponse(body, status_code=status)
+
+    async def get_sum(self, request: Request) -> JSONResponse:
+        if self.rank != 0:
+            return JSONResponse({"error": "/sum is served by rank 0 only"}, status_code=404)
         try:
-            request_line = await asyncio.wait_for(reader.readline(), 10)
-            while (await asyncio.wait_for(reader.readline(), 10)) not in (b"\r\n", b"\n", b""):
-                pass
-            parts = request_line.decode("latin-1").split()
-            if len(parts) < 2:
-                status, body = 400, {"error": "bad request line"}
-            else:
-                status, body = await self.route(parts[0], parts[1])
-            payload = (json.dumps(body) + "\n").encode()
-            writer.write(
-                f"HTTP/1.1 {status} {REASONS.get(status, 'Error')}\r\n"
-                f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n"
-                f"Connection: close\r\n\r\n".encode()
-                + payload
-            )
-            await writer.drain()
-        except (TimeoutError, ConnectionError):
-            pass
-        finally:
-            writer.close()
-            with contextlib.suppress(ConnectionError):
-                await writer.wait_closed()
+            value = float(request.query_params["value"])
+        except (KeyError, ValueError):
+            return JSONResponse({"error": "usage: /sum?value=<float>"}, status_code=400)
+        if self.status != "ready" or self.stopping:
+            return JSONResponse({"error": f"the gang is {self.status}"}, status_code=503)
+        reply: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self.commands.put_nowait(({"op": "sum", "value": value}, reply))
+        try:
+            total = await reply
+        except Exception as error:  # reported to the client
+            return JSONResponse({"error": str(error)}, status_code=503)
+        return JSONResponse({"value": value, "sum": total, "world_size": self.world_size})
+
+    async def get_stop(self, request: Request) -> JSONResponse:
+        if self.rank != 0:
+            return JSONResponse({"error": "/stop is served by rank 0 only"}, status_code=404)
+        self.request_stop()
+        return JSONResponse({"status": "stopping"})
+
+    def app(self) -> Starlette:
+        async def error(request: Request, exc: Exception) -> JSONResponse:
+            assert isinstance(exc, HTTPException)
+            return JSONResponse({"error": exc.detail}, status_code=exc.status_code)
+
+        routes = [
+            Route("/health", self.get_health),
+            Route("/sum", self.get_sum),
+            Route("/stop", self.get_stop),
+        ]
+        return Starlette(routes=routes, exception_handlers={HTTPException: error})
 
     async def command_loop(self, gang: agang.Gang) -> None:
         """Runs on every rank: receive rank 0's next command, then run its collectives."""
@@ -159,6 +156,47 @@ class Service:
                 raise
 
 
+class _Server(uvicorn.Server):
+    """uvicorn's server without its signal handlers: SIGTERM and SIGINT are the service's."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+@contextlib.asynccontextmanager
+async def serve_http(app: Starlette, port: int) -> AsyncIterator[int]:
+    """Serves ``app`` on HOST:``port`` (0: a free port) on this event loop, within the
+    block; yields the port."""
+    sock = socket.create_server((HOST, port))  # a taken port raises here, at once
+    config = uvicorn.Config(
+        app,
+        log_config=None,  # the service's logging, not uvicorn's
+        log_level="warning",
+        access_log=False,
+        lifespan="off",
+        timeout_graceful_shutdown=2,
+    )
+    server = _Server(config)
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        for _ in range(500):  # up to 5 s for the app to be served
+            if server.started or task.done():
+                break
+            await asyncio.sleep(0.01)
+        if task.done():
+            task.result()  # its error, if it failed to start
+        yield sock.getsockname()[1]
+    finally:
+        server.should_exit = True  # uvicorn looks every 0.1 s, then closes its connections
+        await asyncio.wait({task}, timeout=5.0)
+        if not task.done():
+            task.cancel()
+        elif not task.cancelled() and task.exception() is not None:
+            log.warning("the HTTP server failed: %r", task.exception())
+        sock.close()
+
+
 async def main(argv: list[str] | None = None) -> int:
     env = os.environ
     local_rank = int(env.get("LOCAL_RANK", "0"))
@@ -178,8 +216,6 @@ async def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     service = Service(int(env.get("RANK", "0")), int(env.get("WORLD_SIZE", "1")))
-    server = await asyncio.start_server(service.handle, "127.0.0.1", args.port)
-    log.info("health on http://127.0.0.1:%d/health", args.port)
     loop = asyncio.get_running_loop()
     main_task = asyncio.current_task()
     assert main_task is not None
@@ -197,7 +233,8 @@ async def main(argv: list[str] | None = None) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, on_signal, signum)
 
-    async with server:
+    async with serve_http(service.app(), args.port) as port:
+        log.info("health on http://%s:%d/health", HOST, port)
         # torch takes seconds to import: do it off the loop, so /health answers meanwhile.
         try:
             agang = await asyncio.to_thread(importlib.import_module, "agang")
