@@ -284,6 +284,12 @@ class Cluster:
     def _argv(self, index: int, argv: Sequence[str]) -> list[str]:
         return ["ip", "netns", "exec", self.nodes[index].namespace, *argv]
 
+    def via(self, index: int) -> list[str]:
+        """The command that runs what follows it on node ``index`` (it execs it: the
+        same pid), for a process this cluster does not start (ended by its starter; the
+        teardown ends whatever is left in the namespace)."""
+        return self._argv(index, [])
+
     @staticmethod
     def _env(env: Mapping[str, str | None] | None) -> dict[str, str]:
         merged = dict(os.environ)
@@ -355,6 +361,20 @@ class Cluster:
     def link_up(self, index: int, network: str = "data") -> None:
         node = self.nodes[index]
         _ip("-n", node.namespace, "link", "set", node.ifname(network), "up")
+
+    def limit_rate(self, index: int, rate: str, network: str = "data") -> str:
+        """Limits what node ``index`` receives on ``network`` to ``rate`` (tc's units:
+        "40mbit"), with a token bucket on the switch's port; "" when done, else why not
+        (tc missing, or the kernel lacks sch_tbf)."""
+        if shutil.which("tc") is None:
+            return "iproute2's `tc` is not installed"
+        port = f"{network}-n{index}"
+        done = subprocess.run(
+            ["tc", "-n", self.switch, "qdisc", "add", "dev", port, "root", "tbf",
+             "rate", rate, "burst", "32kbit", "latency", "500ms"],
+            capture_output=True, text=True, check=False, timeout=30,
+        )  # fmt: skip
+        return "" if done.returncode == 0 else f"tc's tbf failed: {done.stderr.strip()}"
 
     def counters(self, index: int, network: str = "data") -> dict[str, int]:
         """Bytes and packets node ``index`` sent and received on ``network`` so far."""

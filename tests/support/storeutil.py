@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -74,29 +75,52 @@ class Lines:
 
 class Spawned:
     """A Python process of a test, listed in ``started`` (which the test ends), its
-    stdout and stderr read on threads; ``stdin`` gives it a pipe to write to."""
+    stdout and stderr read on threads; ``stdin`` gives it a pipe to write to; ``via``
+    runs it through a command that then execs it under the same pid (``ip netns exec
+    NAMESPACE``: on a node of ``tests/support/netns.py``); ``env`` adds to
+    :func:`clean_env`."""
 
     def __init__(
-        self, started: list[subprocess.Popen[str]], argv: list[str], *, stdin: bool = False
+        self,
+        started: list[subprocess.Popen[str]],
+        argv: list[str],
+        *,
+        stdin: bool = False,
+        via: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
     ) -> None:
         self.process = subprocess.Popen(
-            [sys.executable, *argv],
+            [*via, sys.executable, *argv],
             stdin=subprocess.PIPE if stdin else None,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            env=clean_env(),
+            env=clean_env(**(env or {})),
         )
         started.append(self.process)
         self.out = Lines(self.process.stdout)
         self.err = Lines(self.process.stderr)
 
+    def kill(self) -> None:
+        """SIGKILL by its pid; returns once it is gone and its pipes are closed (their
+        readers saw the end), so that nothing of it stays in the test's process."""
+        self.process.kill()
+        self.process.wait(timeout=30)
+        self.out.rest(10)
+        self.err.rest(10)
+        for stream in (self.process.stdin, self.process.stdout, self.process.stderr):
+            if stream is not None:
+                with contextlib.suppress(OSError):
+                    stream.close()
+
 
 class Store(Spawned):
     """An ``agang store`` process, its stdout and stderr read on threads."""
 
-    def __init__(self, started: list[subprocess.Popen[str]], *arguments: str) -> None:
-        super().__init__(started, ["-m", "agang", "store", *arguments])
+    def __init__(
+        self, started: list[subprocess.Popen[str]], *arguments: str, via: Sequence[str] = ()
+    ) -> None:
+        super().__init__(started, ["-m", "agang", "store", *arguments], via=via)
 
     def signal(self, signum: int) -> None:
         self.signalled_at = time.monotonic()

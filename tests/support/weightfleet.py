@@ -12,6 +12,7 @@ import json
 import socket
 import subprocess
 import time
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import anyio
@@ -34,8 +35,15 @@ ADMISSION = 0.5  # a process's start (torch's import) on a loaded 2-core machine
 class Server(Spawned):
     """One weightserver process, its stdout as JSON events."""
 
-    def __init__(self, started: list[subprocess.Popen[str]], *arguments: str) -> None:
-        super().__init__(started, [str(SUPPORT / "weightserver.py"), *arguments], stdin=True)
+    def __init__(
+        self,
+        started: list[subprocess.Popen[str]],
+        *arguments: str,
+        via: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        argv = [str(SUPPORT / "weightserver.py"), *arguments]
+        super().__init__(started, argv, stdin=True, via=via, env=env)
 
     def event(self, *kinds: str, timeout: float = 30.0) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
@@ -69,8 +77,15 @@ class Server(Spawned):
         self.process.stdin.flush()
 
 
-def serve(started: list[subprocess.Popen[str]], store: str, name: str, *extra: str) -> Server:
-    return Server(started, "serve", store, "w", name, *extra)
+def serve(
+    started: list[subprocess.Popen[str]],
+    store: str,
+    name: str,
+    *extra: str,
+    via: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+) -> Server:
+    return Server(started, "serve", store, "w", name, *extra, via=via, env=env)
 
 
 async def push(publisher: WeightPublisher, version: int, **kwargs: Any) -> PushReport:
