@@ -9,7 +9,11 @@ Rules:
    (its own key: a count and the wall-clock time) every ``BEAT`` seconds while it is
    open; the publisher admits, at a push, the registered subscribers whose beat is under
    ``STALE`` seconds old. It beats too, so a subscriber tells a publisher that went
-   away from one that is only quiet.
+   away from one that is only quiet. A registration also counts itself under
+   ``joined``; the publisher's beat reads that count and says under ``seen`` how many it
+   saw, and a subscriber's ``open`` returns once its own was seen: so a push reads the
+   registrations (on a thread, off its loop) only when there are new ones, and a
+   subscriber that opened before a push began is still admitted at that push.
 3. *Epochs.* Each membership has an epoch: its members (publisher first) under
    ``e/<n>/members``; each member checks in under ``e/<n>/in`` once it read them, and
    makes the epoch's group only once the publisher says ``go`` (every member checked
@@ -119,11 +123,25 @@ class Channel:
 
     # Rule 2: registration and beats.
 
-    def register(self, uid: str, name: str, where: str) -> None:
+    def register(self, uid: str, name: str, where: str) -> int:
+        """Registers ``uid``; returns the registrations' count, this one's included."""
         self.store.append(self._key("joiners"), f"{uid} {name} {where}\n")
+        return int(self.store.add(self._key("joined"), 1))
 
     def registrations(self) -> list[str]:
         return (self._get("joiners") or "").splitlines()
+
+    def registered(self) -> int:
+        """How many registrations there were (at least as many lines as ``registrations``)."""
+        return int(self.store.add(self._key("joined"), 0))
+
+    def say_seen(self, count: int) -> None:
+        """The publisher saw the first ``count`` registrations (rule 2)."""
+        self.store.set(self._key("seen"), str(count))
+
+    def seen(self) -> int:
+        text = self._get("seen")
+        return 0 if text is None else int(text)
 
     def beat(self, uid: str, count: int) -> None:
         self.store.set(self._key(f"beat/{uid}"), f"{count} {time.time():.3f}")

@@ -31,8 +31,10 @@ HEADER_WORDS = 4
 HEADER_BYTES = 64
 ALIGN = 64
 DEFAULT_BUCKET_BYTES = 4 * 1024 * 1024
-#: The most bytes of bucket 0, which a subscriber receives apart and then copies.
-FIRST_BUCKET_BYTES = 4 * 1024 * 1024
+#: The most bytes of bucket 0, which a subscriber receives apart and then copies: small,
+#: so that its header comes at once and the subscriber posts the other buckets'
+#: receives before their bytes come (a 4 MiB one left a 16 MiB push waiting on it).
+FIRST_BUCKET_BYTES = 64 * 1024
 
 
 def _aligned(offset: int) -> int:

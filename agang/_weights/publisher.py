@@ -1,8 +1,9 @@
 """The trainer's side: ``WeightPublisher``.
 
 Rules:
-1. *Membership at round boundaries.* A push first reads the registrations: every
-   registered subscriber whose beat is fresh is admitted, and the members then move to
+1. *Membership at round boundaries.* A push first reads the registrations, where its
+   beat saw new ones (``agang._weights.channel`` rule 2): every registered subscriber
+   whose beat is fresh is admitted, and the members then move to
    a new epoch (the old gang is told ``REFORM`` in bucket 0's header, the new members
    are written, every one checks in, then all make the new group). A joiner with the
    name of a member replaces it (a restarted server).
@@ -77,6 +78,7 @@ class WeightPublisher:
         self._members: list[Member] = []  # the subscribers of the current epoch, by rank - 1
         self._pending: dict[str, Member] = {}  # registered, not admitted yet
         self._read = 0  # registrations read
+        self._registered = 0  # registrations the beat saw (channel rule 2)
         self._gang: ProcessGroupGang | None = None
         self._epoch = -1
         self._last: int | None = None
@@ -152,8 +154,13 @@ class WeightPublisher:
         )
 
     def _beat(self, count: int) -> None:
-        """The publisher's beat (``agang._weights.channel`` rule 2)."""
+        """The publisher's beat; it also says how many registrations it saw
+        (``agang._weights.channel`` rule 2)."""
         self._channel.beat("publisher", count)
+        registered = self._channel.registered()
+        if registered != self._registered:
+            self._registered = registered
+            self._channel.say_seen(registered)
 
     @property
     def subscribers(self) -> tuple[str, ...]:
@@ -209,6 +216,8 @@ class WeightPublisher:
     # Rule 1: admission.
 
     async def _admit(self, version: int, deadline: float, dropped: dict[str, str]) -> None:
+        if self._registered <= self._read and not self._pending:
+            return  # no registration since the last look: no store read, no thread
         joiners = await blocking(self._joiners, bound(deadline), what="reading the joiners")
         if not joiners:
             return

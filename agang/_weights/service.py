@@ -195,10 +195,19 @@ class Service:
         gang = self._gang
         assert gang is not None
         buckets = self.buckets
+        confirming: Any = None  # the last version's confirmation, sent, maybe not done
         while not self._stopping.is_set():
             self._say(f"waiting for a round of epoch {epoch} (holds version {self.ready})")
+            # The next round's bucket 0 is posted before the last confirmation is seen
+            # through: a publisher that took it starts the next push at once, and the
+            # round must not wait for this side's loop to learn that a send ended.
+            coming = gang.broadcast(self._bucket0, 0, timeout=None)
+            if confirming is not None:
+                unconfirmed, confirming = await self._confirmed(confirming, epoch), None
+                if unconfirmed is not None:
+                    return await self._after_failure(epoch, unconfirmed)
             try:
-                moved = await self._wait_for_round(gang, epoch)
+                moved = await self._watch([coming], epoch)
             except GangError as error:
                 return await self._after_failure(epoch, one_line(error))
             if moved is not None:  # the publisher left this epoch without telling it
@@ -218,10 +227,10 @@ class Service:
             self._say(f"receiving version {version} in epoch {epoch}")
             with self.staging:
                 self.ready = None  # rule 2: staging is being written
-                copy_bytes(buckets.wire[0], self._bucket0)  # on this thread alone
                 handles = [
                     gang.broadcast(wire, 0, timeout=self.timeout) for wire in buckets.wire[1:]
-                ]
+                ]  # posted first: the publisher sends them as soon as they are
+                copy_bytes(buckets.wire[0], self._bucket0)  # on this thread alone
                 try:
                     moved = await self._watch(handles, epoch)
                 except GangError as error:
@@ -232,19 +241,19 @@ class Service:
                     buckets.unpack(packed_only=True)
                 # Whole now, whatever becomes of the confirmation (rule 2).
                 self.ready = int(version)
-                unconfirmed = await self._confirm(gang, int(version), epoch)
+                try:
+                    ack = torch.tensor([version, epoch], dtype=torch.int64)
+                    confirming = gang.send(ack, 0, timeout=self.timeout)
+                except GangError as error:
+                    return await self._after_failure(epoch, one_line(error))
             self._say(f"holds version {version} in epoch {epoch}")
             self._tell()
-            if unconfirmed is not None:
-                return await self._after_failure(epoch, unconfirmed)
         return None
 
-    async def _confirm(self, gang: ProcessGroupGang, version: int, epoch: int) -> str | None:
-        """Sends the publisher ``version``'s confirmation; why it was not seen through,
-        or None."""
+    async def _confirmed(self, sent: Any, epoch: int) -> str | None:
+        """Sees a confirmation's send through; why it was not, or None."""
         try:
-            ack = torch.tensor([version, epoch], dtype=torch.int64)
-            return await self._watch([gang.send(ack, 0, timeout=self.timeout)], epoch)
+            return await self._watch([sent], epoch)
         except GangError as error:
             return one_line(error)
 
@@ -273,12 +282,6 @@ class Service:
         self._bucket0 = torch.zeros_like(self._bucket0)
         self._header = self._header_of(self._bucket0)
         start_daemon(closing.close_sync, name=f"agang: weights: close gang '{closing.name}'")
-
-    async def _wait_for_round(self, gang: ProcessGroupGang, epoch: int) -> str | None:
-        """Waits for the next round's bucket 0; looks at the store every ``_IDLE_LOOK``
-        seconds meanwhile, and returns why it stopped waiting where the publisher moved
-        to a later epoch (its abort may not reach an idle member: rule 3)."""
-        return await self._watch([gang.broadcast(self._bucket0, 0, timeout=None)], epoch)
 
     async def _watch(self, handles: list[Any], epoch: int) -> str | None:
         """Awaits ``handles``, looking at the store every ``_IDLE_LOOK`` seconds; returns

@@ -42,6 +42,9 @@ from agang._weights.plan import Plan
 from agang._weights.service import Service
 
 _PLAN_POLL = 0.05
+_SEEN_POLL = 0.01
+#: The most staging bytes ``receive`` copies on the caller's loop (about 0.1 ms here).
+INLINE_TAKE_BYTES = 1 << 20
 
 
 class WeightSubscriber:
@@ -71,7 +74,7 @@ class WeightSubscriber:
         self._version: int | None = None
         self._closed = False
         self._stop_beat = _beat_for(channel, self._me.uid)
-        channel.register(self._me.uid, name, where)  # before open returns
+        self._registration = channel.register(self._me.uid, name, where)  # before open returns
         self._service = Service(channel, self._buckets, self._me, timeout)
         self._responder = channel.serve_status(self._me.uid, lambda: self._service.status)
 
@@ -134,7 +137,22 @@ class WeightSubscriber:
                 f"`tensors` do not match the plan of channel '{channel_name}' (published by "
                 f"{found.publisher()}): {difference}. Subscriber '{named}' was refused."
             )
-        return cls(found, checked, theirs, named, seconds, in_place)
+        subscriber = cls(found, checked, theirs, named, seconds, in_place)
+        await blocking(
+            functools.partial(subscriber._wait_until_seen, deadline),
+            seconds + 2.0,
+            what=f"the store at {store}",
+        )
+        return subscriber
+
+    def _wait_until_seen(self, deadline: float) -> None:
+        """Waits until the publisher saw this registration (its beat says so within
+        ``BEAT`` s), so that a push that begins after ``open`` returns admits it
+        (``agang._weights.channel`` rule 2). A publisher that does not beat (stopped,
+        gone) is not waited for past ``2 * STALE`` s: the service finds out what it is."""
+        give_up_at = min(deadline, time.monotonic() + 2 * channel_keys.STALE)
+        while self._channel.seen() < self._registration and time.monotonic() < give_up_at:
+            time.sleep(_SEEN_POLL)
 
     @classmethod
     def open_sync(
@@ -193,8 +211,8 @@ class WeightSubscriber:
             if self._closed:
                 raise GangError(f"Subscriber '{self.name}' is closed.")
             news = self._service.news()
-            taken = await run_blocking(self._take, name="weights: receive", seconds=None)
-            if taken is not None and taken >= 0:
+            taken = await self._take_if_new()
+            if taken >= 0:
                 return taken
             if self._service.error is not None:
                 raise GangError(str(self._service.error)) from self._service.error
@@ -208,17 +226,38 @@ class WeightSubscriber:
         """:meth:`receive` for programs without an event loop."""
         return run_sync(functools.partial(self.receive, timeout))  # type: ignore[no-any-return]
 
+    async def _take_if_new(self) -> int:
+        """``_take``, where a version newer than the last taken is ready (rule 2): on
+        this loop's thread for a small model whose staging lock is free (a copy of at
+        most ``INLINE_TAKE_BYTES``), else on a thread of its own (the lock waits for a
+        round, a big copy takes long); -1, with no thread, where none is."""
+        ready = self._service.ready  # read without the lock: _take looks again under it
+        if ready is None or (self._version is not None and ready <= self._version):
+            return -1
+        small = self._buckets.in_place or self._buckets.staging_bytes <= INLINE_TAKE_BYTES
+        if small and self._service.staging.acquire(blocking=False):
+            try:
+                return self._take_holding()
+            finally:
+                self._service.staging.release()
+        taken = await run_blocking(self._take, name="weights: receive", seconds=None)
+        return -1 if taken is None else taken
+
     def _take(self) -> int:
         """The version now in the user's tensors if newer than the last taken, else -1."""
         with self._service.staging:
-            ready = self._service.ready
-            if ready is None or (self._version is not None and ready <= self._version):
-                return -1
-            if not self._buckets.in_place:
-                self._buckets.unpack()
-            self._version = ready
-            self._service.taken = ready
-            return ready
+            return self._take_holding()
+
+    def _take_holding(self) -> int:
+        """``_take``, the staging lock held."""
+        ready = self._service.ready
+        if ready is None or (self._version is not None and ready <= self._version):
+            return -1
+        if not self._buckets.in_place:
+            self._buckets.unpack()
+        self._version = ready
+        self._service.taken = ready
+        return ready
 
     def _timed_out(self, seconds: float | None) -> str:
         try:
