@@ -7,6 +7,10 @@ a ``ProcessGroupGloo`` broadcast of one flat tensor of the model's bytes followe
 barrier (so the publisher knows that every server holds it), then open a channel and
 time ``push`` (buckets, pipelined broadcasts, each server's confirmation). The model is
 16 float32 tensors of equal size. The ratio is push / raw (target: at most 1.2x).
+Raw rounds and pushes take turns, so both meet the same load; each server's application
+takes each version (``receive``) before the next turn, as it would between a trainer's
+pushes. Both subscriber modes are timed: ``in place`` (rounds write the server's
+tensors) and ``staging`` (the default: rounds write a copy that ``receive`` copies in).
 
     python bench/bench_weights.py --quick     # 1 KiB, 1 MiB, 16 MiB; 1 and 2 servers
     python bench/bench_weights.py             # 1 KiB .. 256 MiB; 1 to 4 servers
@@ -35,7 +39,6 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _common import add_out_argument, format_bytes, format_seconds, write_plots
 
-import agang
 from agang._weights import channel as channel_keys
 from agang._weights.publisher import WeightPublisher
 from agang._weights.subscriber import WeightSubscriber
@@ -43,11 +46,31 @@ from agang._weights.subscriber import WeightSubscriber
 TENSORS = 16
 FULL_SIZES = [2**10, 2**16, 2**20, 2**24, 2**28]
 QUICK_SIZES = [2**10, 2**20, 2**24]
+#: The subscriber's modes: rounds write the server's tensors, or a staging copy that
+#: ``receive`` copies in (the default).
+MODES = ("in place", "staging")
 
 
 def model(num_bytes: int) -> dict[str, torch.Tensor]:
     each = max(1, num_bytes // TENSORS // 4)
     return {f"layer{i}": torch.full((each,), float(i)) for i in range(TENSORS)}
+
+
+def key(servers: int, size: int, mode: str, what: str) -> str:
+    return f"bench/{servers}/{size}/{mode.replace(' ', '-')}/{what}"
+
+
+def wait_taken(store: Any, servers: int, size: int, mode: str, version: int) -> None:
+    """Waits (untimed) until every server's application took ``version``: pushes come
+    at a trainer's pace, not back to back, so a server's copy out of its staging
+    buffers happens between pushes (bounded: 30 s)."""
+    give_up_at = time.monotonic() + 30.0
+    for rank in range(1, servers + 1):
+        taken = key(servers, size, mode, f"taken/{rank}")
+        while time.monotonic() < give_up_at:
+            if store.check([taken]) and int(store.get(taken).decode()) >= version:
+                break
+            time.sleep(0.0005)
 
 
 def rounds_for(num_bytes: int, quick: bool) -> int:
@@ -74,22 +97,36 @@ async def serve(address: str, servers: int, rank: int, sizes: list[int], quick: 
     for size in sizes:
         tensors = {k: torch.zeros_like(v) for k, v in model(size).items()}
         flat = torch.zeros(sum(t.numel() for t in tensors.values()))
-        for _ in range(rounds_for(size, quick) + 1):
-            raw_round(group, flat)
-        subscriber = await WeightSubscriber.open(
-            tensors, store=address, channel=f"bench{servers}-{size}", name=f"server{rank}"
-        )
-        for _ in range(10_000):  # until the publisher closes the channel
-            try:
-                await subscriber.receive(timeout=120)
-            except agang.GangError:
-                break
-        await subscriber.close()
+        for mode in MODES:
+            subscriber = await WeightSubscriber.open(
+                tensors,
+                store=address,
+                channel=channel_of(servers, size, mode),
+                name=f"server{rank}",
+                in_place=mode == "in place",
+            )
+            admitted = int(store.get(key(servers, size, mode, "admitted")).decode())
+            version = 0
+            while version < admitted:
+                version = await subscriber.receive(timeout=120)
+            store.set(key(servers, size, mode, f"taken/{rank}"), str(version))
+            for _ in range(rounds_for(size, quick) + 1):  # a raw round, then a push
+                raw_round(group, flat)
+                version = await subscriber.receive(timeout=120)
+                store.set(key(servers, size, mode, f"taken/{rank}"), str(version))
+            await subscriber.close()
+
+
+def channel_of(servers: int, size: int, mode: str) -> str:
+    return f"bench{servers}-{size}-{mode.replace(' ', '-')}"
 
 
 async def publish(
     address: str, servers: int, sizes: list[int], quick: bool
 ) -> list[dict[str, Any]]:
+    """For each size and mode: admits the servers, then times, turn by turn (so both
+    see the same load), a raw round and a push; each server takes each version before
+    the next raw round."""
     host, port = address.rsplit(":", 1)
     store = channel_keys.connect(host, int(port), time.monotonic() + 60)
     group = raw_group(store, servers, 0)
@@ -99,45 +136,50 @@ async def publish(
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         flat = torch.cat([t for t in tensors.values()])
         count = rounds_for(size, quick)
-        raw_round(group, flat)  # warm-up
-        raw = []
-        for _ in range(count):
-            started = time.perf_counter()
-            raw_round(group, flat)
-            raw.append(time.perf_counter() - started)
-        publisher = await WeightPublisher.open(
-            tensors, store=address, channel=f"bench{servers}-{size}", timeout=120
-        )
-        version = 0
-        for _ in range(200):  # the first push that reaches every server admits them
-            version += 1
-            if len((await publisher.push(version)).delivered) == servers:
-                break
-            await asyncio.sleep(0.05)
-        pushes = []
-        for _ in range(count):
-            version += 1
-            started = time.perf_counter()
-            report = await publisher.push(version)
-            pushes.append(time.perf_counter() - started)
-            assert len(report.delivered) == servers, report
-        await publisher.close()
-        raw_s, push_s = statistics.median(raw), statistics.median(pushes)
-        rows.append(
-            {
-                "servers": servers,
-                "bytes": nbytes,
-                "rounds": count,
-                "raw": raw_s,
-                "push": push_s,
-                "ratio": push_s / raw_s,
-            }
-        )
-        print(
-            f"{servers:>7}  {format_bytes(nbytes):>9}  {format_seconds(raw_s):>10}  "
-            f"{format_seconds(push_s):>10}  {push_s / raw_s:>6.2f}x",
-            flush=True,
-        )
+        for mode in MODES:
+            publisher = await WeightPublisher.open(
+                tensors, store=address, channel=channel_of(servers, size, mode), timeout=120
+            )
+            version = 0
+            for _ in range(200):  # the first push that reaches every server admits them
+                version += 1
+                if len((await publisher.push(version)).delivered) == servers:
+                    break
+                await asyncio.sleep(0.05)
+            store.set(key(servers, size, mode, "admitted"), str(version))
+            raw, pushes = [], []
+            for turn in range(count + 1):  # turn 0 warms up
+                wait_taken(store, servers, size, mode, version)
+                started = time.perf_counter()
+                raw_round(group, flat)
+                raw_s = time.perf_counter() - started
+                version += 1
+                started = time.perf_counter()
+                report = await publisher.push(version)
+                push_s = time.perf_counter() - started
+                assert len(report.delivered) == servers, report
+                if turn:
+                    raw.append(raw_s)
+                    pushes.append(push_s)
+            wait_taken(store, servers, size, mode, version)
+            await publisher.close()
+            raw_s, push_s = statistics.median(raw), statistics.median(pushes)
+            rows.append(
+                {
+                    "servers": servers,
+                    "bytes": nbytes,
+                    "mode": mode,
+                    "rounds": count,
+                    "raw": raw_s,
+                    "push": push_s,
+                    "ratio": push_s / raw_s,
+                }
+            )
+            print(
+                f"{servers:>7}  {format_bytes(nbytes):>9}  {mode:>8}  {format_seconds(raw_s):>10}  "
+                f"{format_seconds(push_s):>10}  {push_s / raw_s:>6.2f}x",
+                flush=True,
+            )
     return rows
 
 
@@ -195,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     sizes = args.sizes or (QUICK_SIZES if args.quick else FULL_SIZES)
     counts = args.servers or ([1, 2] if args.quick else [1, 2, 3, 4])
-    print("servers      model  raw bcast+barrier       push   ratio")
+    print("servers      model      mode  raw bcast+barrier       push   ratio")
     rows = [row for servers in counts for row in run(servers, sizes, args.quick)]
     worst = max(row["ratio"] for row in rows)
     print(f"worst ratio {worst:.2f}x (target <= 1.2x)")
