@@ -45,7 +45,6 @@ import math
 import os
 import signal
 import statistics
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -54,6 +53,7 @@ import anyio
 import anyio.lowlevel
 import pytest
 import torch
+from census import census
 
 import agang
 from agang._backends.contract import BLAME_BOUND
@@ -596,25 +596,6 @@ LAG_PEER_DELAY = 0.5
 NUM_BIG = 3
 
 
-def _rss_kib() -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    raise RuntimeError("no VmRSS in /proc/self/status")
-
-
-def _census() -> dict[str, int]:
-    """This process's memory, Python threads, native threads and open fds."""
-    gc.collect()
-    return {
-        "rss_kib": _rss_kib(),
-        "threads": threading.active_count(),
-        "native_threads": len(os.listdir("/proc/self/task")),
-        "fds": len(os.listdir("/proc/self/fd")),
-    }
-
-
 async def _many_small_ops(gang: agang.Gang) -> dict[str, Any]:
     """10k small all_reduces, 100 in flight at a time, after a 2k warm-up."""
     tensors = [torch.ones(SMALL_NUMEL) for _ in range(LEAK_BATCH)]
@@ -626,11 +607,11 @@ async def _many_small_ops(gang: agang.Gang) -> dict[str, Any]:
                 await handle
 
     await run(LEAK_WARM_UP)
-    before = _census()
+    before = census()
     started = time.monotonic()
     await run(LEAK_OPS)
     seconds = time.monotonic() - started
-    after = _census()
+    after = census()
     return {"before": before, "after": after, "seconds": seconds}
 
 
