@@ -1,7 +1,9 @@
 """Aborting a Gloo group ends its running work (``agang._backends.c10d.abort``), on real Gloo ranks.
 
 One world of two ranks, each part on a lane of its own so that an abort breaks only
-that lane. Bounds keep a 10x margin: an abort ends work in milliseconds, while work
+that lane; then worlds of three and four ranks (``tests/support/gloo_abort_rank.py``)
+in which rank 0 aborts after rank 1, the next rank after it, aborted, was killed, or
+stays away. Bounds keep a 10x margin: an abort ends work in milliseconds, while work
 that is not aborted runs until the peer's connections close (here: never, within the
 test) or c10d's own timeout (60 s or more).
 """
@@ -9,13 +11,20 @@ test) or c10d's own timeout (60 s or more).
 from __future__ import annotations
 
 import contextlib
+import json
+import subprocess
 import time
+from collections.abc import Iterator
+from datetime import timedelta
 from typing import Any
 
 import anyio
 import anyio.to_thread
 import pytest
 import torch
+import torch.distributed as dist
+from gloo_abort_rank import OBSERVE
+from storeutil import SUPPORT, Spawned
 
 import agang
 from agang._backends.c10d.abort import abort_group
@@ -140,3 +149,121 @@ def test_a_timed_out_op_is_ended_and_its_tensor_freed(reports: list[dict[str, An
     assert timeout["freed_after"] < PROMPT
     assert peer["peer_error"] == "CollectiveError"
     assert peer["peer_waited"] < TIMEOUT + PROMPT
+
+
+# Worlds of three and four ranks: rank 0 aborts while its ops wait on live peers only.
+
+
+def _world(scenario: str, size: int) -> Iterator[list[dict[str, Any] | None]]:
+    """Runs ``gloo_abort_rank.py`` on ``size`` ranks; each rank's report (None for the
+    killed rank). Every rank is ended by its pid at the end."""
+    store = dist.TCPStore(  # type: ignore[attr-defined]
+        "127.0.0.1", 0, size, is_master=True, timeout=timedelta(seconds=60),
+        wait_for_workers=False,
+    )  # fmt: skip
+    started: list[subprocess.Popen[str]] = []
+    argv = [str(SUPPORT / "gloo_abort_rank.py"), scenario, str(size)]
+    try:
+        ranks = [
+            Spawned(started, [*argv, str(rank), "127.0.0.1", str(store.port)])
+            for rank in range(size)
+        ]
+        if scenario == "killed":
+            ranks[1].out.wait_for("victim ready", 60)
+            ranks[1].kill()
+            store.set("victim", str(time.time()))
+        reports: list[dict[str, Any] | None] = []
+        for rank, spawned in enumerate(ranks):
+            if scenario == "killed" and rank == 1:
+                reports.append(None)
+                continue
+            line = spawned.out.wait_for('{"rank"', 60)
+            reports.append(json.loads(line))
+        yield reports
+    finally:
+        for process in started:
+            if process.poll() is None:
+                process.kill()
+            process.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def after_abort() -> Iterator[list[dict[str, Any] | None]]:
+    """Three ranks; rank 1 aborted first."""
+    yield from _world("aborted", 3)
+
+
+@pytest.fixture(scope="module")
+def after_kill() -> Iterator[list[dict[str, Any] | None]]:
+    """Four ranks; rank 1 was SIGKILLed."""
+    yield from _world("killed", 4)
+
+
+@pytest.fixture(scope="module")
+def beside_absent() -> Iterator[list[dict[str, Any] | None]]:
+    """Four ranks; rank 1 is alive and joins nothing."""
+    yield from _world("absent", 4)
+
+
+def _ended(report: dict[str, Any] | None, name: str) -> dict[str, Any]:
+    assert report is not None
+    end: dict[str, Any] | None = report["ends"].get(name)
+    assert end is not None, f"{name} did not end within {OBSERVE} s of the abort: {report}"
+    return end
+
+
+@pytest.mark.parametrize("world", ["after_abort", "after_kill"])
+def test_an_abort_ends_work_on_live_pairs_when_the_next_rank_is_gone(
+    world: str, request: pytest.FixtureRequest
+) -> None:
+    """Rank 0's pair to rank 1 (the next rank) is closed already, so a receive from rank 1
+    alone closes nothing: the abort must time a receive out on a live pair. Without
+    that, rank 0's recv from and send to live peers never ended (Gloo's timeout: 120 s)."""
+    reports = request.getfixturevalue(world)
+    aborter = reports[0]
+
+    assert "closed" in aborter["pair_to_victim"] or "reset" in aborter["pair_to_victim"]
+    assert aborter["ended_before_abort"] == []  # they were pending
+    assert aborter["abort_took"] < PROMPT
+    for name in ("recv", "send"):
+        end = _ended(aborter, name)
+        assert end["after"] < OBSERVE
+        assert end["error"] is not None
+
+
+@pytest.mark.parametrize("world", ["after_abort", "after_kill"])
+def test_the_live_peers_of_an_aborting_rank_see_their_pairs_with_it_close(
+    world: str, request: pytest.FixtureRequest
+) -> None:
+    reports = request.getfixturevalue(world)
+
+    for report in reports[2:]:
+        end = _ended(report, "recv_from_aborter")
+        assert end["after"] < OBSERVE
+        assert end["error"] is not None
+
+
+def test_an_abort_ends_a_collective_that_a_live_rank_never_joins(
+    beside_absent: list[dict[str, Any] | None],
+) -> None:
+    aborter = beside_absent[0]
+
+    assert aborter is not None
+    assert aborter["ended_before_abort"] == []
+    for name in ("all_reduce", "recv", "send"):
+        end = _ended(aborter, name)
+        assert end["after"] < OBSERVE
+        assert end["error"] is not None
+
+
+@pytest.mark.parametrize("world", ["after_abort", "beside_absent"])
+def test_gloo_keeps_a_recv_from_any_source_through_an_abort(
+    world: str, request: pytest.FixtureRequest
+) -> None:
+    """The c10d fact behind the abort module's rule 2 exception (torch 2.13): a
+    ``recv_anysource`` waits in its context's own list, which closing the pairs does not
+    touch, so it ends only at its own timeout. agang never posts one. If a newer torch
+    ends it, this test fails and the rule can say so."""
+    aborter = request.getfixturevalue(world)[0]
+
+    assert "recv_anysource" not in aborter["ends"]
