@@ -106,10 +106,13 @@ class Buckets:
         for to, came in self._pieces[index]:
             to.copy_(came)
 
-    def unpack(self, *, packed_only: bool = False) -> None:
-        """Copies every bucket (or only the packed ones) into the user's tensors (rule 2)."""
-        for (direct, _, _), pairs in zip(self.layout, self._pieces, strict=True):
-            if direct and packed_only:
-                continue
-            for came, to in pairs:
-                to.copy_(came)
+    def unpack_bucket(self, index: int) -> None:
+        """Copies bucket ``index`` into the user's tensors, where it is a buffer of its
+        own (rule 2)."""
+        for came, to in self._pieces[index]:
+            to.copy_(came)
+
+    def unpack(self) -> None:
+        """Copies every bucket that is a buffer of its own into the user's tensors (rule 2)."""
+        for index in range(len(self.wire)):
+            self.unpack_bucket(index)

@@ -9,7 +9,8 @@ Rules:
    closes its connections, so the peers' ops fail at once instead of hanging).
 2. Blame at the channel's level: the group answers no mailbox (its ranks are not the
    process's world ranks); the publisher asks the subscribers itself
-   (:mod:`agang._weights.channel`, rule 5).
+   (:mod:`agang._weights.channel`, rule 5). The gang's errors name a rank by its
+   member's name and where it runs, never by the process's world roster.
 3. The round's header is bucket 0's first ``HEADER_WORDS`` int64 words: what the round
    is (``DATA``, ``REFORM``: go to the epoch named, ``CLOSE``: the publisher closes),
    the version, the epoch.
@@ -51,11 +52,13 @@ class Member:
 
 
 def make_gang(
-    channel: Channel, epoch: int, rank: int, size: int, seconds: float
+    channel: Channel, epoch: int, rank: int, members: list[Member], seconds: float
 ) -> ProcessGroupGang:
-    """Epoch ``epoch``'s gang (rule 1); blocks until every member connected, or raises
-    once ``seconds`` passed. Call it off the caller's loop."""
+    """Epoch ``epoch``'s gang of ``members`` (publisher first; rule 1); blocks until
+    every member connected, or raises once ``seconds`` passed. Call it off the caller's
+    loop. Its errors name a rank by its member's name and where it runs (rule 2)."""
     store = channel.group_store(epoch)
+    size = len(members)
     timeout = timedelta(seconds=max(1.0, seconds))
     gloo = dist.ProcessGroupGloo(store, rank, size, timeout)
     group = dist.ProcessGroup(store, rank, size)
@@ -64,6 +67,12 @@ def make_gang(
     name = f"weights:{channel.name}:{channel.session}:{epoch}"
     group._set_group_name(name)  # type: ignore[arg-type]  # a GroupName is a str
     backend = C10dBackend(
-        group, device=torch.device("cpu"), kind="gloo", name=name, is_world=False, registered=False
+        group,
+        device=torch.device("cpu"),
+        kind="gloo",
+        name=name,
+        is_world=False,
+        registered=False,
+        roster=[f"'{m.name}', {m.where}" for m in members],
     )
     return ProcessGroupGang._from_backend(backend, _POLICY)

@@ -278,7 +278,12 @@ class WeightPublisher:
                 try:
                     self._gang = await blocking(
                         functools.partial(
-                            make_gang, self._channel, epoch, 0, len(members) + 1, bound(deadline)
+                            make_gang,
+                            self._channel,
+                            epoch,
+                            0,
+                            [self._me, *members],
+                            bound(deadline),
                         ),
                         bound(deadline) + 2.0,
                         what=f"making epoch {epoch}'s group",

@@ -5,9 +5,10 @@ Rules:
    round whatever the application's own loop or threads are doing; the application
    takes the newest version when it chooses (``WeightSubscriber.receive``).
 2. *A round.* Bucket 0 arrives in a buffer of its own (its header says what follows);
-   for ``DATA`` the service then holds the staging lock, copies bucket 0 in and takes
-   the other buckets straight into the staging buffers (or, in place, into the user's
-   tensors), says a version is ready and confirms it to the publisher. The version is
+   for ``DATA`` the service then holds the staging lock, posts the other buckets'
+   receives, straight into the staging buffers (or, in place, into the user's tensors;
+   there a packed bucket is copied out as soon as it came), copies bucket 0 in, says a
+   version is ready and confirms it to the publisher. The version is
    ready once its last bucket came, whatever becomes of its confirmation: a server
    stopped as it confirmed (the publisher took the confirmation, the send's end was
    not reported yet) wakes to find the publisher gone from the epoch, with its bytes
@@ -35,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -178,7 +180,7 @@ class Service:
         if go != "go":
             return epoch + 1
         try:
-            self._gang = make_gang(self.channel, epoch, rank, len(members), self.timeout)
+            self._gang = make_gang(self.channel, epoch, rank, members, self.timeout)
         except Exception as error:
             return await self._after_failure(
                 epoch, f"its group could not be made: {one_line(error)}"
@@ -231,14 +233,17 @@ class Service:
                     gang.broadcast(wire, 0, timeout=self.timeout) for wire in buckets.wire[1:]
                 ]  # posted first: the publisher sends them as soon as they are
                 copy_bytes(buckets.wire[0], self._bucket0)  # on this thread alone
+                # In place, each packed bucket is copied out as soon as it came, while
+                # the next ones move (its tensors are the server's, written anyway).
+                landed = buckets.unpack_bucket if buckets.in_place else None
+                if landed is not None:
+                    landed(0)
                 try:
-                    moved = await self._watch(handles, epoch)
+                    moved = await self._watch(handles, epoch, landed, first=1)
                 except GangError as error:
                     return await self._after_failure(epoch, one_line(error))
                 if moved is not None:
                     return await self._after_failure(epoch, moved)
-                if buckets.in_place:
-                    buckets.unpack(packed_only=True)
                 # Whole now, whatever becomes of the confirmation (rule 2).
                 self.ready = int(version)
                 try:
@@ -283,10 +288,17 @@ class Service:
         self._header = self._header_of(self._bucket0)
         start_daemon(closing.close_sync, name=f"agang: weights: close gang '{closing.name}'")
 
-    async def _watch(self, handles: list[Any], epoch: int) -> str | None:
+    async def _watch(
+        self,
+        handles: list[Any],
+        epoch: int,
+        landed: Callable[[int], None] | None = None,
+        first: int = 0,
+    ) -> str | None:
         """Awaits ``handles``, looking at the store every ``_IDLE_LOOK`` seconds; returns
-        why it stopped waiting where the publisher moved to a later epoch (rule 3)."""
-        for handle in handles:
+        why it stopped waiting where the publisher moved to a later epoch (rule 3).
+        ``landed(first + i)`` runs as soon as ``handles[i]`` ended well."""
+        for index, handle in enumerate(handles, first):
             while not handle.done():
                 with anyio.move_on_after(_IDLE_LOOK):
                     await handle
@@ -297,6 +309,8 @@ class Service:
                 if self._stopping.is_set():
                     return "closing"
             await handle
+            if landed is not None:
+                landed(index)
         return None
 
     async def _after_failure(self, epoch: int, error: str) -> int | None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import final
 
@@ -99,6 +99,9 @@ class C10dBackend:
             it at release); False for a group double.
         owned: Whether the gang owns the group and destroys it at release; False for a
             group borrowed from its owner (a ``DeviceMesh``'s), which destroys it itself.
+        roster: Where each of the group's ranks runs, for a group outside the process's
+            world (its ranks are not world ranks, so the world's roster would name other
+            processes); None: the world's roster names them.
     """
 
     def __init__(
@@ -114,6 +117,7 @@ class C10dBackend:
         runtime: DeviceRuntime | None = None,
         registered: bool = True,
         owned: bool = True,
+        roster: Sequence[str] | None = None,
     ) -> None:
         self._pg: dist.ProcessGroup | None = process_group
         self._rank = process_group.rank()
@@ -132,7 +136,12 @@ class C10dBackend:
         self._registered = registered
         self._progress: ProgressOf | None = None  # what this gang answers blames with
         self._owned = owned
-        self._world_ranks = c10d_world.world_ranks(process_group, registered and not is_world)
+        self._roster = None if roster is None else list(roster)
+        self._world_ranks = (
+            c10d_world.world_ranks(process_group, registered and not is_world)
+            if roster is None
+            else []  # not world ranks: no world address or roster entry is theirs
+        )
         self._completion = Completion(
             process_group,
             device=device,
@@ -371,6 +380,9 @@ class C10dBackend:
         mailbox.start_blame(self._group_name, number, peers, report, collective=collective)
 
     def where(self, rank: int) -> str:
+        if self._roster is not None:
+            known = 0 <= rank < len(self._roster) and self._roster[rank]
+            return f"rank {rank} ({self._roster[rank]})" if known else f"rank {rank}"
         return c10d_world.where(self._world_ranks, rank)
 
     def explain(self, error: BaseException) -> str:
