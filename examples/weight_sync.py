@@ -51,7 +51,6 @@ import signal
 import socket
 import sys
 import time
-import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -393,7 +392,7 @@ def child_env() -> dict[str, str]:
 
 
 def get_json(port: int, path: str) -> dict[str, Any]:
-    with urllib.request.urlopen(f"http://{HOST}:{port}{path}", timeout=2.0) as reply:
+    with urllib.request.urlopen(f"http://{HOST}:{port}{path}", timeout=5.0) as reply:
         body: dict[str, Any] = json.loads(reply.read())
         return body
 
@@ -422,7 +421,7 @@ class Demo:
     rows: list[tuple[float, str]] = field(default_factory=list)  # the timeline
     pushes: list[dict[str, Any]] = field(default_factory=list)
     seen: dict[str, list[tuple[float, int, float]]] = field(default_factory=dict)  # t, v, y
-    errors: dict[str, int] = field(default_factory=dict)
+    errors: dict[str, list[str]] = field(default_factory=dict)  # once serving
     store: str = ""
     final: int | None = None  # the trainer's last version, once it is done
     finishing: bool = False  # the trainer was told to finish
@@ -570,16 +569,15 @@ class Demo:
                 await asyncio.wait(loops.values(), timeout=5.0)
 
     async def ask(self, child: Child) -> None:
+        """One request. A server counts as serving from its first answer with a version:
+        before, it is starting (importing torch, subscribing), and a request that fails
+        or is late is no error, as a load balancer would not route to it yet."""
         assert child.port is not None
         try:
             body = await asyncio.to_thread(get_json, child.port, f"/predict?x={PROBE}")
-        except urllib.error.HTTPError as error:
-            if error.code != 503:  # 503: no version yet
-                self.errors[child.label] = self.errors.get(child.label, 0) + 1
-            return
-        except OSError:
-            if child.killed_at is None:  # a request the kill cut is no error
-                self.errors[child.label] = self.errors.get(child.label, 0) + 1
+        except OSError as error:  # HTTPError (503: no version yet) too, and timeouts
+            if child.killed_at is None and child.label in self.seen:  # the kill's are none
+                self.errors.setdefault(child.label, []).append(f"{self.now():.2f} s: {error}")
             return
         self.seen.setdefault(child.label, []).append(
             (self.now(), int(body["version"]), float(body["y"]))
@@ -733,8 +731,8 @@ class Demo:
             versions = [v for _, v, _ in seen]
             if versions != sorted(versions):
                 found.append(f"{shown(label)} served versions out of order: {versions}")
-        for label, count in self.errors.items():
-            found.append(f"{shown(label)}: {count} request(s) failed")
+        for label, errors in self.errors.items():
+            found.append(f"{shown(label)}: {len(errors)} request(s) failed: {errors[:3]}")
         if not any(len({v for _, v, _ in seen}) > 1 for seen in self.seen.values()):
             found.append("no server was seen changing version while it served")
         live = self.servers(live=True)
