@@ -94,8 +94,9 @@ async def push(publisher: WeightPublisher, version: int, **kwargs: Any) -> PushR
     return await publisher.push(version, **kwargs)
 
 
-async def open_publisher(store: str) -> WeightPublisher:
-    return await WeightPublisher.open(model(0), store=store, channel="w", timeout=20.0)
+async def open_publisher(store: str, deadline: float = 20.0) -> WeightPublisher:
+    """The test's publisher on channel "w"; ``deadline``: each push's, in seconds."""
+    return await WeightPublisher.open(model(0), store=store, channel="w", timeout=deadline)
 
 
 async def push_until_delivered(publisher: WeightPublisher, first: int, name: str) -> PushReport:

@@ -7,6 +7,10 @@ then ``failed`` (the error's type and message) when receive raises. With
 ``--on-stdin`` it first prints ``ready`` and opens only once a line comes on stdin, and
 after a failure it opens again (same name) at the next line, until stdin ends: a
 process started ahead of its time, or a server that reopens.
+``python weightserver.py fork STORE CHANNEL`` imports what a server needs, prints
+``ready``, and for each NAME read from stdin forks a server of that name (printing
+``forked`` with its pid), whose events follow on the same stdout; it reaps the ones
+that end (printing ``reaped``): servers by the dozen without a torch import each.
 ``python weightserver.py publish STORE CHANNEL [--big N]`` opens a ``WeightPublisher``,
 prints ``opened``, and pushes the versions read from stdin (``VERSION [TIMEOUT]``, one
 a line), printing ``pushed`` with the report's delivered, dropped and seconds.
@@ -16,8 +20,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
+import select
 import sys
 
 import torch
@@ -52,6 +58,39 @@ async def serve(args: argparse.Namespace) -> None:
     say(event="ready", pid=os.getpid())
     while await read_line():
         await serve_once(args)
+
+
+def fork(args: argparse.Namespace) -> None:
+    """Forks a server per name read from stdin (no thread runs here: fork is safe)."""
+    say(event="ready", pid=os.getpid())
+    pending = b""
+    while True:
+        readable, _, _ = select.select([0], [], [], 0.05)
+        with contextlib.suppress(ChildProcessError):
+            while (ended := os.waitpid(-1, os.WNOHANG))[0]:
+                say(event="reaped", pid=ended[0], status=ended[1])
+        if not readable:
+            continue
+        read = os.read(0, 4096)
+        if not read:
+            return
+        *names, pending = (pending + read).split(b"\n")
+        for name in names:
+            fork_one(args, name.decode().strip())
+
+
+def fork_one(args: argparse.Namespace, name: str) -> None:
+    pid = os.fork()
+    if pid == 0:
+        args.name = name
+        code = 1
+        try:
+            asyncio.run(serve_once(args))
+            code = 0
+        finally:
+            sys.stdout.flush()
+            os._exit(code)
+    say(event="forked", pid=pid, name=name)
 
 
 async def read_line() -> str:
@@ -113,7 +152,7 @@ async def publish(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("role", choices=["serve", "publish"])
+    parser.add_argument("role", choices=["serve", "publish", "fork"])
     parser.add_argument("store")
     parser.add_argument("channel")
     parser.add_argument("name", nargs="?")
@@ -123,7 +162,10 @@ def main() -> None:
     parser.add_argument("--on-stdin", action="store_true", help="open at each stdin line")
     parser.add_argument("--timeout", type=float, default=20.0)
     args = parser.parse_args()
-    asyncio.run(serve(args) if args.role == "serve" else publish(args))
+    if args.role == "fork":
+        fork(args)
+    else:
+        asyncio.run(serve(args) if args.role == "serve" else publish(args))
 
 
 if __name__ == "__main__":
