@@ -14,13 +14,21 @@ Rules:
 3. The round's header is bucket 0's first ``HEADER_WORDS`` int64 words: what the round
    is (``DATA``, ``REFORM``: go to the epoch named, ``CLOSE``: the publisher closes),
    the version, the epoch.
+4. The group binds to the interface that reaches the store (as ``init`` chooses it for
+   a gang: ``agang._setup.interface``), or the one ``GLOO_SOCKET_IFNAME`` or
+   ``AGANG_SOCKET_IFNAME`` names: Gloo's own default, the address this host's name
+   resolves to, is loopback on many machines, and a subscriber on another machine was
+   then never admitted.
 """
 
 from __future__ import annotations
 
+import logging
 import math
+import os
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,7 +36,10 @@ import torch.distributed as dist
 from agang._backends.c10d.backend import C10dBackend
 from agang._collective.process_group_gang import ProcessGroupGang
 from agang._policy import make_policy
+from agang._setup import interface
 from agang._weights.channel import Channel
+
+log = logging.getLogger("agang.setup")
 
 DATA, REFORM, CLOSE = 1, 2, 3
 _POLICY = make_policy(op_timeout=math.inf, on_timeout="abort", check_order=False)
@@ -60,7 +71,7 @@ def make_gang(
     store = channel.group_store(epoch)
     size = len(members)
     timeout = timedelta(seconds=max(1.0, seconds))
-    gloo = dist.ProcessGroupGloo(store, rank, size, timeout)
+    gloo = _gloo_group(store, rank, size, timeout, channel.address.rsplit(":", 1)[0])
     group = dist.ProcessGroup(store, rank, size)
     group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)
     group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
@@ -76,3 +87,24 @@ def make_gang(
         roster=[f"'{m.name}', {m.where}" for m in members],
     )
     return ProcessGroupGang._from_backend(backend, _POLICY)
+
+
+def _gloo_group(
+    store: Any, rank: int, size: int, timeout: timedelta, store_host: str
+) -> dist.ProcessGroupGloo:
+    """The epoch's Gloo group on the interface that reaches the store (rule 4)."""
+    if os.environ.get("GLOO_SOCKET_IFNAME"):  # the user's choice: Gloo reads it itself
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
+    choice = interface.choose_interface(store_host, os.environ)
+    if choice.ifname is None:
+        log.warning(
+            "agang: a weights epoch's group binds where this host's name resolves: %s. "
+            "Set %s if subscribers on other hosts cannot connect.",
+            choice.why,
+            interface.IFNAME_ENV,
+        )
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+    options._devices = [dist.ProcessGroupGloo.create_device(interface=choice.ifname)]
+    options._timeout = timeout
+    return dist.ProcessGroupGloo(store, rank, size, options)
