@@ -19,10 +19,12 @@ from typing import Any
 
 import anyio
 import pytest
+import torch
 from census import census, native_threads_named
 from netns import Cluster
 from storeutil import Store
 from weightfleet import (
+    HOST,
     PUSH_TIMEOUT,
     START_SECONDS,
     Server,
@@ -31,13 +33,16 @@ from weightfleet import (
     push_until_delivered,
     serve,
 )
+from weightserver import model
 
+from agang._errors import GangError
 from agang._weights.publisher import (
     RECOVERY_BYTES_PER_SECOND,
     RECOVERY_SECONDS,
     WeightPublisher,
 )
 from agang._weights.report import PushReport
+from agang._weights.subscriber import WeightSubscriber
 
 pytestmark = [pytest.mark.gloo, pytest.mark.timeout(120)]
 
@@ -326,3 +331,74 @@ async def test_a_failed_epochs_gang_is_freed_when_the_push_returns(
         assert engine() is None, "epoch 0's engine outlived its gang's close"
     finally:
         await publisher.close()
+
+
+# -- the publisher's death, then a new publisher -------------------------------------
+
+
+@pytest.mark.anyio
+async def test_the_publishers_death_fails_the_servers_naming_it_and_they_reopen_to_the_next(
+    started: list[subprocess.Popen[str]], store: str
+) -> None:
+    """The trainer (a process) is SIGKILLed: a subscriber in this process (on each loop)
+    and a server process fail, naming it, within 10 s. Then the trainer starts again
+    (a new publisher on the same channel) and each reopens under its name and receives
+    its pushes, exact."""
+    trainer = Server(started, "publish", store, "w")
+    server = serve(started, store, "s1", "--on-stdin")  # it reopens at each line
+    restarted = Server(started, "publish", store, "w", "--on-stdin")  # imports meanwhile
+    pid = trainer.opened()
+    server.event("ready", timeout=START_SECONDS)
+    server.send("open")
+    tensors = {k: v.clone().zero_() for k, v in model(0).items()}
+    subscriber = await WeightSubscriber.open(
+        tensors, store=store, channel="w", name="s0", timeout=20.0
+    )
+    try:
+        server.opened()
+        trainer.send("1")
+        assert await subscriber.receive(timeout=30.0) == 1
+        assert all(torch.equal(tensors[k], v) for k, v in model(1).items())
+        server.received(1)
+        os.kill(pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        with pytest.raises(GangError) as failure:
+            await subscriber.receive(timeout=30.0)
+        took = time.monotonic() - killed_at
+        failed = server.event("failed")
+    finally:
+        await subscriber.close()
+    message = str(failure.value)
+    print(f"{took:.2f} s after the publisher's SIGKILL: {message}")
+    named = f"the publisher ({HOST}, pid {pid}) went away"
+    assert named in message, message
+    assert took < 10.0, took
+    assert failed["error"] == "GangError", failed
+    assert named in failed["message"], failed
+
+    restarted.event("ready", timeout=START_SECONDS)
+    restarted.send("open")
+    restarted.opened()
+    tensors = {k: v.clone().zero_() for k, v in model(0).items()}
+    subscriber = await WeightSubscriber.open(
+        tensors, store=store, channel="w", name="s0", timeout=20.0
+    )
+    try:
+        server.send("open")
+        server.opened()
+        for version in range(1, 11):  # until both are admitted (they registered as it ran)
+            restarted.send(str(version))
+            pushed = restarted.event("pushed")
+            if pushed["delivered"] == ["s0", "s1"]:
+                break
+        assert pushed["delivered"] == ["s0", "s1"], pushed
+        first = pushed["version"]
+        for version in (first, first + 1):
+            if version > first:
+                restarted.send(str(version))
+                assert restarted.event("pushed")["delivered"] == ["s0", "s1"]
+            assert await subscriber.receive(timeout=30.0) == version
+            assert all(torch.equal(tensors[k], v) for k, v in model(version).items())
+            server.received(version)
+    finally:
+        await subscriber.close()

@@ -1,4 +1,4 @@
-"""A weights subscriber (or publisher) process for ``tests/gloo/test_weights.py``.
+"""A weights subscriber (or publisher) process for ``tests/gloo/test_weights*.py``.
 
 ``python weightserver.py serve STORE CHANNEL NAME [--b-rows N] [--big N] [--in-place]``
 opens a ``WeightSubscriber`` and prints one JSON line per event: ``opened`` (with its
@@ -11,9 +11,10 @@ process started ahead of its time, or a server that reopens.
 ``ready``, and for each NAME read from stdin forks a server of that name (printing
 ``forked`` with its pid), whose events follow on the same stdout; it reaps the ones
 that end (printing ``reaped``): servers by the dozen without a torch import each.
-``python weightserver.py publish STORE CHANNEL [--big N]`` opens a ``WeightPublisher``,
-prints ``opened``, and pushes the versions read from stdin (``VERSION [TIMEOUT]``, one
-a line), printing ``pushed`` with the report's delivered, dropped and seconds.
+``python weightserver.py publish STORE CHANNEL [--big N] [--on-stdin]`` opens a
+``WeightPublisher`` (with ``--on-stdin``, at the first line), prints ``opened``, and
+pushes the versions read from stdin (``VERSION [TIMEOUT]``, one a line), printing
+``pushed`` with the report's delivered, dropped and seconds.
 """
 
 from __future__ import annotations
@@ -127,6 +128,10 @@ async def serve_once(args: argparse.Namespace) -> None:
 
 
 async def publish(args: argparse.Namespace) -> None:
+    if args.on_stdin:  # started ahead: opens at the first line
+        say(event="ready", pid=os.getpid())
+        if not await read_line():
+            return
     tensors = model(0, big=args.big)
     publisher = await WeightPublisher.open(
         tensors, store=args.store, channel=args.channel, timeout=args.timeout
