@@ -18,11 +18,12 @@ from collections.abc import Iterator
 from typing import Any
 
 import anyio
+import anyio.to_thread
 import pytest
 import torch
 from census import census, native_threads_named
 from netns import Cluster
-from storeutil import Store
+from storeutil import Store, wait_until_stopped
 from weightfleet import (
     HOST,
     PUSH_TIMEOUT,
@@ -402,3 +403,61 @@ async def test_the_publishers_death_fails_the_servers_naming_it_and_they_reopen_
             server.received(version)
     finally:
         await subscriber.close()
+
+
+# -- a join during a push ----------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_a_server_that_opens_during_a_push_gets_the_next_push_in_full(
+    started: list[subprocess.Popen[str]], store: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Version 2's round is held open (its one server stopped, then continued: a slow
+    server, not a lost one, within the push's 30 s deadline); a server opens while it
+    runs. The push under way delivers to its server only, exact and with no drop; the
+    joiner is admitted at the next push and its first version is that one, whole."""
+    publisher = await open_publisher(store)
+    round_began = anyio.Event()
+    run_round = publisher._round
+
+    async def observed_round(version: int, deadline: float) -> tuple[set[str], Any]:
+        round_began.set()
+        return await run_round(version, deadline)
+
+    monkeypatch.setattr(publisher, "_round", observed_round)
+    try:
+        steady = serve(started, store, "steady")
+        joiner = serve(started, store, "joiner", "--on-stdin")
+        pid = steady.opened()
+        joiner.event("ready", timeout=START_SECONDS)
+        assert (await push(publisher, 1)).delivered == ("steady",)
+        steady.received(1)
+        os.kill(pid, signal.SIGSTOP)
+        wait_until_stopped(pid)
+        round_began = anyio.Event()
+        reports: list[PushReport] = []
+        async with anyio.create_task_group() as tasks:
+
+            async def push_2() -> None:
+                reports.append(await push(publisher, 2, timeout=30.0))
+
+            tasks.start_soon(push_2)
+            with anyio.fail_after(10):
+                await round_began.wait()
+            joiner.send("open")
+            await anyio.to_thread.run_sync(joiner.opened)  # the loop runs the push meanwhile
+            assert not reports, reports  # the push was still under way when it opened
+            os.kill(pid, signal.SIGCONT)
+        report = reports[0]
+        print(f"the push a server joined during: {report}")
+        assert report.delivered == ("steady",), report
+        assert report.dropped == {}, report
+        steady.received(2)
+        report = await push(publisher, 3)
+        assert report.delivered == ("joiner", "steady"), report
+        assert report.dropped == {}, report
+        joiner.received(3)  # its first version
+        steady.received(3)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        await publisher.close()
