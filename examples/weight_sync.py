@@ -50,6 +50,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import AsyncIterator, Iterator
@@ -169,8 +170,6 @@ def target(x: float) -> float:
 
 def read_commands(loop: asyncio.AbstractEventLoop) -> asyncio.Queue[str]:
     """The script's commands on stdin, one a line ("" at the end), read on a daemon thread."""
-    import threading
-
     commands: asyncio.Queue[str] = asyncio.Queue()
 
     def read() -> None:
@@ -302,8 +301,6 @@ async def run_server(args: argparse.Namespace) -> int:
         return JSONResponse(body)
 
     async def predict(request: Request) -> JSONResponse:
-        import torch
-
         try:
             x = float(request.query_params["x"])
         except (KeyError, ValueError):
@@ -311,6 +308,7 @@ async def run_server(args: argparse.Namespace) -> int:
         model, version = served.model, served.version  # one pair, whatever comes meanwhile
         if model is None:
             return JSONResponse({"error": "no version yet", "name": args.name}, status_code=503)
+        torch = sys.modules["torch"]  # imported by now (an import here would wait for it)
         with torch.inference_mode():
             y = float(model(torch.tensor([[x]])).item())
         return JSONResponse({"name": args.name, "version": version, "x": x, "y": y})
