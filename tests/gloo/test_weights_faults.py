@@ -78,7 +78,7 @@ class Nodes:
 
     def on(self, node: int) -> dict[str, Any]:
         """Where a process runs: node ``node``, naming its data interface to Gloo if
-        ``interfaces`` (see the xfail below for why it must)."""
+        ``interfaces``."""
         env = {"GLOO_SOCKET_IFNAME": f"data{node}"} if self.interfaces else {}
         return {"via": self.cluster.via(node), "env": env}
 
@@ -104,9 +104,9 @@ def nodes(netns: None, started: list[subprocess.Popen[str]]) -> Iterator[Nodes]:
 
 @pytest.mark.xfail(
     strict=False,
-    reason="agang bug: after a round's deadline, the recovery round reuses the bucket "
-    "buffers that the failed gang's broadcast to the cut peer still holds (that op never "
-    "ends while the link is down), so it fails at once and drops the live servers too",
+    reason="agang bug: a server cut off mid-push costs the live ones their place: the "
+    "recovery round reuses bucket buffers that the failed gang's broadcast to the cut peer "
+    "still holds; and once the link is back, the push that re-admits it can drop them too",
 )
 def test_a_server_cut_off_mid_push_is_dropped_in_time_and_admitted_again(nodes: Nodes) -> None:
     """Node 1's link goes down while version 2 is on its way there (its cable limited to
@@ -162,17 +162,12 @@ def test_a_server_cut_off_mid_push_is_dropped_in_time_and_admitted_again(nodes: 
     far.received(version)
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="agang bug: an epoch's Gloo group binds to the address the hostname resolves "
-    "to (loopback here, as on many machines): a server on another machine is never "
-    "admitted; init() chooses the interface that reaches the store, the weights do not",
-)
 def test_a_server_on_another_machine_is_admitted_without_an_interface_named(
     netns: None, started: list[subprocess.Popen[str]]
 ) -> None:
     """Nothing names Gloo's interface, as with ``agang.init`` across machines
-    (``tests/gloo/test_many_hosts.py``): the weights must find it too."""
+    (``tests/gloo/test_many_hosts.py``): the weights must find it too, though each
+    node's host name resolves to loopback there (an xfail until agang chose it)."""
     with Cluster(num_nodes=2) as cluster:
         nodes = Nodes(cluster, started, interfaces=False)
         far = nodes.serve(1, "far")
