@@ -142,6 +142,17 @@ def release(claim: Claim) -> None:
         _give()
 
 
+def is_busy(tensor: torch.Tensor) -> bool:
+    """Whether any of ``tensor``'s memory is held by an unfinished op (nothing is marked)."""
+    size = tensor.nbytes
+    if not size:
+        return False
+    start = tensor.data_ptr()
+    with _lock:
+        index = bisect.bisect_left(_starts, start + size) - 1
+        return index >= 0 and _ends[index] > start
+
+
 def num_busy() -> int:
     """The number of busy ranges in this process (for tests and statistics)."""
     with _lock:

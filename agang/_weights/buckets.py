@@ -16,6 +16,12 @@ Rules:
 5. The views each bucket's copies read and write are cut once, when the buckets are
    made (``pieces``), not at every round: cutting them cost more than copying a small
    model's bytes (a 1 KiB model of 16 tensors: about 300 us a round, most of a push).
+6. A bucket still held by an op of a failed round (c10d cannot cancel it;
+   a Gloo broadcast to a peer cut off by a dead link went on for seconds after its
+   group's abort) gets a new buffer (``renew``) for the rounds after: the old op only
+   reads (on the publisher) or writes (on a subscriber) the old memory, which nothing
+   reads again, and the recovery round does not wait for it. A packed bucket costs its
+   size again; a direct one, a copy per round.
 """
 
 from __future__ import annotations
@@ -99,10 +105,25 @@ class Buckets:
         """The bytes this side holds beyond the user's tensors."""
         return sum(w.numel() for w, owned in zip(self.wire, self._owned, strict=True) if owned)
 
+    def renew(self, index: int) -> None:
+        """Gives bucket ``index`` a new buffer of its own, filled like a packed one from
+        then on (rule 6). The old buffer (or tensor) is left to the op that holds it."""
+        _, nbytes, parts = self.layout[index]
+        wire = torch.zeros(nbytes, dtype=torch.uint8)
+        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for tensor_index, offset, size in parts:
+            tensor_bytes = self._bytes[tensor_index]
+            assert tensor_bytes is not None
+            pairs += pieces(wire[offset : offset + size], tensor_bytes)
+        self.wire[index] = wire
+        self._owned[index] = True
+        self._pieces[index] = pairs
+        if index == 0:
+            self.header = wire[:HEADER_BYTES].view(torch.int64)[:HEADER_WORDS]
+
     def fill(self, index: int) -> None:
-        """Copies the tensors of packed bucket ``index`` into its buffer (rule 1)."""
-        if self.layout[index][0]:
-            return
+        """Copies the tensors of bucket ``index`` into its buffer, where it has one of its
+        own (rule 1)."""
         for to, came in self._pieces[index]:
             to.copy_(came)
 

@@ -15,12 +15,15 @@ Rules:
    stand (blame, :mod:`agang._weights.channel` rule 5). Those that do not answer are
    dropped, with why; the rest move to a new epoch without them and the round runs
    again there, once, within ``RECOVERY_SECONDS`` (plus the time the bytes take at
-   ``RECOVERY_BYTES_PER_SECOND``) after the failure. A member that fails the second
-   round too is dropped. So a push returns within its deadline plus that bound, and
-   never raises for a lost server.
+   ``RECOVERY_BYTES_PER_SECOND``) after the failure; a bucket that an op of the failed
+   round still holds moves in a new buffer (``agang._weights.buckets`` rule 6). A
+   member that fails the second round too is dropped. So a push returns within its
+   deadline plus that bound, and never raises for a lost server.
 4. A member that does not come to make a new epoch's group within
    ``CHECK_IN_SECONDS`` is dropped, and the epoch after is made without it, within the
-   same bound; every step is bounded by the deadline.
+   recovery's bound from then; a joiner that did not come gives the round that follows
+   that bound too, so that the members are not dropped for the time it took. Every step
+   is bounded.
 """
 
 from __future__ import annotations
@@ -37,7 +40,9 @@ import torch
 
 from agang._backends.c10d.retry import one_line
 from agang._collective.process_group_gang import ProcessGroupGang
+from agang._engine import busy
 from agang._errors import GangError
+from agang._runtime.threads import start_daemon
 from agang._weights import channel as channel_keys
 from agang._weights import checks
 from agang._weights.blocking import beat, blocking, bound, run_sync
@@ -197,7 +202,9 @@ class WeightPublisher:
         dropped: dict[str, str] = {}
         self._busy = True
         try:
-            await self._admit(version, deadline, dropped)
+            # A joiner that did not come took the members' time: the round then gets
+            # the recovery's bound from then (rule 4), as after a failed round.
+            deadline = await self._admit(version, deadline, dropped)
             delivered = await self._round_with_recovery(version, deadline, dropped)
         finally:
             self._busy = False
@@ -217,12 +224,14 @@ class WeightPublisher:
 
     # Rule 1: admission.
 
-    async def _admit(self, version: int, deadline: float, dropped: dict[str, str]) -> None:
+    async def _admit(self, version: int, deadline: float, dropped: dict[str, str]) -> float:
+        """Admits the joiners (rule 1); the round's deadline, later where one did not
+        come (rule 4)."""
         if self._registered <= self._read and not self._pending:
-            return  # no registration since the last look: no store read, no thread
+            return deadline  # no registration since the last look: no store read, no thread
         joiners = await blocking(self._joiners, bound(deadline), what="reading the joiners")
         if not joiners:
-            return
+            return deadline
         members = list(self._members)
         for joiner in joiners:
             for old in [m for m in members if m.name == joiner.name]:
@@ -233,7 +242,12 @@ class WeightPublisher:
                     functools.partial(self._channel.drop, old.uid, why), 5.0, what="a drop"
                 )
             members.append(joiner)
-        await self._reform(members, version, deadline, dropped)
+        later = await self._reform(members, version, deadline, dropped)
+        return deadline if later is None else later
+
+    def _recovery_bound(self, failed_at: float) -> float:
+        """When a recovery that began at ``failed_at`` must end (rule 3)."""
+        return failed_at + RECOVERY_SECONDS + self._plan.nbytes / RECOVERY_BYTES_PER_SECOND
 
     def _joiners(self) -> list[Member]:
         """The registered subscribers, not members, whose beat is fresh (blocking)."""
@@ -255,9 +269,13 @@ class WeightPublisher:
 
     async def _reform(
         self, members: list[Member], version: int, deadline: float, dropped: dict[str, str]
-    ) -> None:
-        """Moves to a new epoch of ``members`` (rules 1, 4); drops those that do not come."""
+    ) -> float | None:
+        """Moves to a new epoch of ``members`` (rules 1, 4) and drops those that do not
+        come. A try that failed gives the next one, and the round after, the recovery's
+        bound from then, so the members that came are not dropped for the time it took:
+        returns that later deadline, or None where every member came."""
         await self._leave_epoch(REFORM, version)
+        lost: float | None = None
         for _ in range(len(members) + 1):  # each try drops one member at least, or ends
             self._epoch += 1
             epoch = self._epoch
@@ -268,7 +286,7 @@ class WeightPublisher:
                     bound(deadline),
                     what="writing the members",
                 )
-                return
+                return lost
             came = await blocking(
                 functools.partial(self._gather_check_ins, epoch, members, deadline),
                 bound(deadline) + CHECK_IN_SECONDS,
@@ -290,7 +308,7 @@ class WeightPublisher:
                         bound(deadline) + 2.0,
                         what=f"making epoch {epoch}'s group",
                     )
-                    return
+                    return lost
                 except (GangError, RuntimeError) as error:
                     why = f"epoch {epoch}'s group could not be made: {one_line(error)}"
                     missing = [m for m in members if not self._fresh(m)] or list(members)
@@ -304,7 +322,10 @@ class WeightPublisher:
                 dropped[member.name] = why
                 self._channel.drop(member.uid, why)
             members = [m for m in members if m not in missing]
+            deadline = max(deadline, self._recovery_bound(time.monotonic()))
+            lost = deadline
         self._members = []
+        return lost
 
     def _fresh(self, member: Member) -> bool:
         age = self._channel.beat_age(member.uid)
@@ -327,6 +348,7 @@ class WeightPublisher:
         if gang is None:
             return
         if not gang.closed:
+            self._renew_held()
             header = self._buckets.header
             header.copy_(torch.tensor([what, version, self._epoch + 1, 0]))
             with contextlib.suppress(GangError):  # a member gone: the abort told the others
@@ -366,15 +388,16 @@ class WeightPublisher:
                         functools.partial(self._channel.drop, member.uid, why), 5.0, what="a drop"
                     )
                     kept.remove(member)
-            bound = failed_at + RECOVERY_SECONDS + self._plan.nbytes / RECOVERY_BYTES_PER_SECOND
-            await self._reform(kept, version, bound, dropped)
-            deadline = bound
+            recovery = self._recovery_bound(failed_at)
+            later = await self._reform(kept, version, recovery, dropped)
+            deadline = recovery if later is None else later
         return delivered
 
     async def _round(self, version: int, deadline: float) -> tuple[set[str], BaseException | None]:
         """Rule 2: the subscribers (uids) that confirmed ``version``, and the first failure."""
         gang = self._gang
         assert gang is not None
+        self._renew_held()
         buckets = self._buckets
         header = torch.tensor([DATA, version, self._epoch, 0])
         handles = []
@@ -408,8 +431,18 @@ class WeightPublisher:
             ):
                 acked.add(member.uid)
         if failure is not None:
-            await gang.close()
+            # On a thread of its own: a close waits (up to 5 s) for ops that c10d has not
+            # ended, such as a broadcast to a peer behind a dead link, and the recovery
+            # must not (it took 5.3 s of a cut-off push's recovery).
+            start_daemon(gang.close_sync, name=f"agang: weights: close gang '{gang.name}'")
         return acked, failure
+
+    def _renew_held(self) -> None:
+        """A new buffer for each bucket an op of a failed round still holds (the
+        buckets' rule 6), so that this round neither waits for that op nor fails."""
+        for index, wire in enumerate(self._buckets.wire):
+            if busy.is_busy(wire):
+                self._buckets.renew(index)
 
     async def close(self) -> None:
         """Tells the subscribers that the channel closes (their ``receive`` then raises,

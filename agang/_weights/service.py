@@ -29,6 +29,12 @@ Rules:
    each ends the service with an error that says which, for ``receive`` to raise.
 4. Every wait is bounded: by the subscriber's timeout within a round, by
    ``PUBLISHER_GONE`` while the publisher does not beat, and by ``close``.
+5. A buffer that an op of a failed epoch still holds is replaced before the next
+   epoch's rounds (``agang._weights.buckets`` rule 6). A version held whole is never in
+   such a buffer: the round that failed had marked staging as being written. In place,
+   the op may be one that writes the server's own tensor; it was the failed round's,
+   whose bytes the server may already be reading anyway (in place is for servers that
+   pause serving during an update).
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ import torch
 
 from agang._backends.c10d.retry import one_line
 from agang._collective.process_group_gang import ProcessGroupGang
+from agang._engine import busy
 from agang._errors import GangError
 from agang._runtime.future import Future
 from agang._runtime.threads import start_daemon
@@ -186,6 +193,7 @@ class Service:
                 epoch, f"its group could not be made: {one_line(error)}"
             )
         self._close_old()  # on a thread of its own: this epoch's rounds do not wait for it
+        self._renew_held()
         try:
             return await self._rounds(epoch)
         finally:
@@ -271,6 +279,18 @@ class Service:
         if self.ready is None or self.ready == self.taken:
             return False
         return self.channel.epoch() > epoch
+
+    def _renew_held(self) -> None:
+        """New buffers for those an op of a failed epoch still holds (rule 5): c10d
+        cannot cancel an op, and one behind a dead link went on for seconds after its
+        group's abort; this epoch's rounds must neither wait for it nor fail on it."""
+        if busy.is_busy(self._bucket0):
+            self._bucket0 = torch.zeros_like(self._bucket0)
+            self._header = self._header_of(self._bucket0)
+        with self.staging:
+            for index, wire in enumerate(self.buckets.wire):
+                if busy.is_busy(wire):
+                    self.buckets.renew(index)
 
     def _header_of(self, bucket0: torch.Tensor) -> torch.Tensor:
         return bucket0[: self.buckets.header.numel() * 8].view(torch.int64)
