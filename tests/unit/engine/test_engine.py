@@ -67,6 +67,20 @@ async def test_its_tensor_is_busy_while_it_runs() -> None:
     await other.all_reduce(tensor)  # free again
 
 
+def test_is_busy_says_whether_any_of_a_tensors_memory_is_held() -> None:
+    flat = torch.zeros(8)
+    claim = busy.acquire_one("flat", flat[2:4], "an op")
+    try:
+        assert busy.is_busy(flat)  # overlaps the held slice
+        assert busy.is_busy(flat[3:6])
+        assert not busy.is_busy(flat[4:8])  # disjoint
+        assert not busy.is_busy(flat[:0])  # no bytes
+        assert busy.num_busy() == 1  # asking marks nothing
+    finally:
+        busy.release(claim)
+    assert not busy.is_busy(flat)
+
+
 async def test_an_op_that_keeps_running_enters_the_core() -> None:
     gang = agang.FakeGang(size=2, op_timeout=30.0)
     ends: list[Done] = []
