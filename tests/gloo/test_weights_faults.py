@@ -102,16 +102,11 @@ def nodes(netns: None, started: list[subprocess.Popen[str]]) -> Iterator[Nodes]:
         yield Nodes(cluster, started, interfaces=True)
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="agang bug: a server cut off mid-push costs the live ones their place: the "
-    "recovery round reuses bucket buffers that the failed gang's broadcast to the cut peer "
-    "still holds; and once the link is back, the push that re-admits it can drop them too",
-)
 def test_a_server_cut_off_mid_push_is_dropped_in_time_and_admitted_again(nodes: Nodes) -> None:
     """Node 1's link goes down while version 2 is on its way there (its cable limited to
     40 Mbit/s, so the push lasts), and comes back after two more pushes. One loop: the
-    publisher is a process of its own (asyncio)."""
+    publisher is a process of its own (asyncio). (An xfail until agang gave a failed
+    round's held buckets new buffers, and a joiner that does not come its own bound.)"""
     cluster = nodes.cluster
     near = nodes.serve(0, "near")
     far = nodes.serve(1, "far", "--on-stdin")  # it reopens at each line, once it failed
@@ -132,8 +127,10 @@ def test_a_server_cut_off_mid_push_is_dropped_in_time_and_admitted_again(nodes: 
             break
         time.sleep(0.005)
     cluster.link_down(1)
+    cut_at = time.monotonic()
     report = nodes.pushed(2)
     print(f"node 1 cut off mid-push ({shaped or 'at 40 Mbit/s'}): {report}")
+    print(f"the push returned {time.monotonic() - cut_at:.2f} s after the cut")
     bound = CUT_TIMEOUT + RECOVERY_SECONDS + 4 * CUT_BIG / RECOVERY_BYTES_PER_SECOND
     assert report["seconds"] < bound + MARGIN, report
     assert set(report["dropped"]) == {"far"}, report
@@ -147,6 +144,7 @@ def test_a_server_cut_off_mid_push_is_dropped_in_time_and_admitted_again(nodes: 
     assert report["dropped"] == {}, report
     near.received(3)
     cluster.link_up(1)
+    up_at = time.monotonic()
     # Back on the network, it finds itself dropped and registers again; or its
     # subscriber failed meanwhile (the store out of reach), and it reopens.
     far.send("open")
@@ -157,7 +155,8 @@ def test_a_server_cut_off_mid_push_is_dropped_in_time_and_admitted_again(nodes: 
         if "far" in report["delivered"]:
             break
         time.sleep(0.3)
-    print(f"after the link came back: {report}; far said {far.out.seen[-3:]}")
+    print(f"{time.monotonic() - up_at:.2f} s after the link came back: {report}")
+    print(f"far said {far.out.seen[-3:]}")
     assert report["delivered"] == ["far", "near"], report
     far.received(version)
 
