@@ -175,6 +175,9 @@ async def serve_http(app: Starlette, port: int) -> AsyncIterator[int]:
         log_level="warning",
         access_log=False,
         lifespan="off",
+        http="h11",  # named: no look for other HTTP or WebSocket stacks at start
+        ws="none",
+        proxy_headers=False,
         timeout_graceful_shutdown=2,
     )
     server = _Server(config)
@@ -195,6 +198,12 @@ async def serve_http(app: Starlette, port: int) -> AsyncIterator[int]:
         elif not task.cancelled() and task.exception() is not None:
             log.warning("the HTTP server failed: %r", task.exception())
         sock.close()
+
+
+def import_torch_and_agang() -> Any:
+    """Imports torch, then agang (on a thread: seconds of work); returns agang."""
+    importlib.import_module("torch")
+    return importlib.import_module("agang")
 
 
 async def main(argv: list[str] | None = None) -> int:
@@ -236,8 +245,9 @@ async def main(argv: list[str] | None = None) -> int:
     async with serve_http(service.app(), args.port) as port:
         log.info("health on http://%s:%d/health", HOST, port)
         # torch takes seconds to import: do it off the loop, so /health answers meanwhile.
+        # (agang imports torch lazily, in init, which would import it on the loop.)
         try:
-            agang = await asyncio.to_thread(importlib.import_module, "agang")
+            agang = await asyncio.to_thread(import_torch_and_agang)
         except asyncio.CancelledError:
             return 0
         try:

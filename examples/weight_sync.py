@@ -263,6 +263,9 @@ async def serve_http(app: Starlette, port: int) -> AsyncIterator[int]:
         log_level="warning",
         access_log=False,
         lifespan="off",
+        http="h11",  # named: no look for other HTTP or WebSocket stacks at start
+        ws="none",
+        proxy_headers=False,
         timeout_graceful_shutdown=2,
     )
     server = _Server(config)
