@@ -22,6 +22,8 @@ from types import ModuleType
 import pytest
 from storeutil import clean_env
 
+from agang._weights.publisher import RECOVERY_SECONDS
+
 pytestmark = pytest.mark.gloo
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -88,7 +90,7 @@ def test_a_killed_server_is_dropped_with_why_and_its_respawn_serves_the_last_ver
     at, (_, seconds, delivered) = pushes[3]
     assert delivered.split() == ["s0"], run.stdout
     assert lines[at + 1].strip().startswith(f"dropped s1: {NO_ANSWER}"), run.stdout
-    assert float(seconds) < 2.0 + 4.0 + 1.5, run.stdout  # deadline + recovery + slack
+    assert float(seconds) < 2.0 + RECOVERY_SECONDS + 1.5, run.stdout  # deadline, recovery, slack
 
     # The respawn: it opens under the same name, joins at a later push, and is served.
     assert "s1 respawned under its name" in run.stdout, run.stdout
