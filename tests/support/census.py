@@ -26,16 +26,3 @@ def census() -> dict[str, int]:
         "native_threads": len(os.listdir("/proc/self/task")),
         "fds": len(os.listdir("/proc/self/fd")),
     }
-
-
-def native_threads_named(name: str) -> int:
-    """How many of this process's threads the kernel knows by ``name`` (their comm:
-    "gloo_tcp_loop" for each Gloo device's event loop)."""
-    count = 0
-    for task in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{task}/comm") as comm:
-                count += comm.read().strip() == name
-        except OSError:
-            continue  # it ended meanwhile
-    return count
