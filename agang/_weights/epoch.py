@@ -39,7 +39,7 @@ from agang._policy import make_policy
 from agang._setup import interface
 from agang._weights.channel import Channel
 
-log = logging.getLogger("agang.setup")
+log = logging.getLogger("agang.weights")
 
 DATA, REFORM, CLOSE = 1, 2, 3
 _POLICY = make_policy(op_timeout=math.inf, on_timeout="abort", check_order=False)

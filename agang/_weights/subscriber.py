@@ -116,20 +116,26 @@ class WeightSubscriber:
         in_place = checks.check_bool(in_place, name="in_place")
         deadline = time.monotonic() + seconds
 
+        given_up = threading.Event()  # set when ``open`` is cancelled: its threads end
+
         def find() -> tuple[Channel, Plan]:
             client = channel_keys.connect(host, port, deadline)
             while True:
                 found = Channel.find(client, channel_name, store)
                 if found is not None:
                     return found, Plan.from_text(found.plan_text())
-                if time.monotonic() >= deadline:
+                if time.monotonic() >= deadline or given_up.is_set():
                     raise GangInitError(
                         f"No publisher opened the channel '{channel_name}' on the store at "
                         f"{store} within {seconds:g} s."
                     )
                 time.sleep(_PLAN_POLL)
 
-        found, theirs = await blocking(find, seconds + 2.0, what=f"the store at {store}")
+        try:
+            found, theirs = await blocking(find, seconds + 2.0, what=f"the store at {store}")
+        except BaseException:
+            given_up.set()
+            raise
         mine = Plan.of(checked, theirs.bucket_bytes)
         difference = mine.difference(theirs)
         if difference is not None:
@@ -138,21 +144,28 @@ class WeightSubscriber:
                 f"{found.publisher()}): {difference}. Subscriber '{named}' was refused."
             )
         subscriber = cls(found, checked, theirs, named, seconds, in_place)
-        await blocking(
-            functools.partial(subscriber._wait_until_seen, deadline),
-            seconds + 2.0,
-            what=f"the store at {store}",
-        )
+        try:
+            await blocking(
+                functools.partial(subscriber._wait_until_seen, deadline, given_up),
+                seconds + 2.0,
+                what=f"the store at {store}",
+            )
+        except BaseException:  # cancelled: nothing of it may stay behind
+            given_up.set()
+            with anyio.CancelScope(shield=True):
+                await subscriber.close()
+            raise
         return subscriber
 
-    def _wait_until_seen(self, deadline: float) -> None:
+    def _wait_until_seen(self, deadline: float, given_up: threading.Event) -> None:
         """Waits until the publisher saw this registration (its beat says so within
         ``BEAT`` s), so that a push that begins after ``open`` returns admits it
         (``agang._weights.channel`` rule 2). A publisher that does not beat (stopped,
         gone) is not waited for past ``2 * STALE`` s: the service finds out what it is."""
         give_up_at = min(deadline, time.monotonic() + 2 * channel_keys.STALE)
         while self._channel.seen() < self._registration and time.monotonic() < give_up_at:
-            time.sleep(_SEEN_POLL)
+            if given_up.wait(_SEEN_POLL):
+                return
 
     @classmethod
     def open_sync(
@@ -196,6 +209,12 @@ class WeightSubscriber:
     async def receive(self, timeout: float | None = None) -> int:  # noqa: ASYNC109
         """Waits for a version newer than :attr:`version`, puts it in the tensors (rule 2)
         and returns it.
+
+        The copy into the tensors happens during this call (for a model of more than
+        ``INLINE_TAKE_BYTES``, on a worker thread while the event loop runs on): code
+        that reads the same tensors while ``receive`` is pending may see parts of two
+        versions. Call it where nothing reads them (between requests), or serve from a
+        copy of your own that you swap in once it returns.
 
         Args:
             timeout: Seconds to wait; None: no bound.
