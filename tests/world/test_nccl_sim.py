@@ -508,9 +508,19 @@ async def test_an_op_that_outlasts_its_poll_budget_is_parked_and_still_ends(
     with anyio.fail_after(BOUND):
         sim.pause(1)  # rank 1's kernel cannot run: rank 0's op outlasts any budget
         handles = [g.all_reduce(torch.ones(2)) for g in gangs]
-        resume = threading.Timer(0.05, sim.resume, args=(1,))
-        resume.start()
         before = handoffs.num_handoffs()
+
+        def resume_once_parked() -> None:
+            # Rank 1 runs again only once rank 0's op was handed to the watcher: on a
+            # loaded machine a fixed 50 ms could pass before the await polled at all.
+            for _ in range(2000):  # 10 s
+                if handoffs.num_handoffs() > before:
+                    break
+                time.sleep(0.005)
+            sim.resume(1)
+
+        resume = threading.Thread(target=resume_once_parked)
+        resume.start()
         assert (await handles[0]).tolist() == [2.0, 2.0]
         resume.join()
         # Parked on the watcher, and the loop woken from there: two hand-offs at least.
