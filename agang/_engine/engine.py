@@ -584,6 +584,7 @@ class Engine:
                 return False
             self.closed = True
             pending, dropped = self._take_pending()
+        self._alarm.disarm()  # no deadline is left to check (rule 7)
         for future in pending:
             future._finish(
                 None, GangClosedError(f"{future} was pending when gang '{self.name}' was closed.")
