@@ -13,7 +13,9 @@ Rules:
    ``joined``; the publisher's beat reads that count and says under ``seen`` how many it
    saw, and a subscriber's ``open`` returns once its own was seen: so a push reads the
    registrations (on a thread, off its loop) only when there are new ones, and a
-   subscriber that opened before a push began is still admitted at that push.
+   subscriber that opened before a push began is still admitted at that push. A
+   subscriber that closes says so under ``leavers`` (and counts itself under ``joined``
+   too): the next push leaves it out at once, instead of waiting for it to come.
 3. *Epochs.* Each membership has an epoch: its members (publisher first) under
    ``e/<n>/members``; each member checks in under ``e/<n>/in`` once it read them, and
    makes the epoch's group only once the publisher says ``go`` (every member checked
@@ -130,6 +132,15 @@ class Channel:
 
     def registrations(self) -> list[str]:
         return (self._get("joiners") or "").splitlines()
+
+    def leave(self, uid: str) -> None:
+        """``uid`` closed: the publisher drops it at its next push, without waiting for
+        it; counted with the registrations, so that the publisher's beat sees it."""
+        self.store.append(self._key("leavers"), f"{uid}\n")
+        self.store.add(self._key("joined"), 1)
+
+    def leavers(self) -> set[str]:
+        return set((self._get("leavers") or "").split())
 
     def registered(self) -> int:
         """How many registrations there were (at least as many lines as ``registrations``)."""

@@ -85,6 +85,8 @@ class WeightPublisher:
         self._members: list[Member] = []  # the subscribers of the current epoch, by rank - 1
         self._pending: dict[str, Member] = {}  # registered, not admitted yet
         self._read = 0  # registrations read
+        self._handled = 0  # the count of registrations and leaves the last look read
+        self._left: set[str] = set()  # the subscribers that closed, by uid
         self._registered = 0  # registrations the beat saw (channel rule 2)
         self._gang: ProcessGroupGang | None = None
         self._epoch = -1
@@ -227,12 +229,14 @@ class WeightPublisher:
     async def _admit(self, version: int, deadline: float, dropped: dict[str, str]) -> float:
         """Admits the joiners (rule 1); the round's deadline, later where one did not
         come (rule 4)."""
-        if self._registered <= self._read and not self._pending:
-            return deadline  # no registration since the last look: no store read, no thread
+        if self._registered == self._handled and not self._pending:
+            return deadline  # nothing new since the last look: no store read, no thread
         joiners = await blocking(self._joiners, bound(deadline), what="reading the joiners")
-        if not joiners:
+        members = [m for m in self._members if m.uid not in self._left]
+        for gone in [m for m in self._members if m.uid in self._left]:
+            dropped[gone.name] = "it closed (left the channel)"
+        if not joiners and len(members) == len(self._members):
             return deadline
-        members = list(self._members)
         for joiner in joiners:
             for old in [m for m in members if m.name == joiner.name]:
                 members.remove(old)
@@ -250,7 +254,10 @@ class WeightPublisher:
         return failed_at + RECOVERY_SECONDS + self._plan.nbytes / RECOVERY_BYTES_PER_SECOND
 
     def _joiners(self) -> list[Member]:
-        """The registered subscribers, not members, whose beat is fresh (blocking)."""
+        """The registered subscribers, not members, whose beat is fresh; and the
+        subscribers that closed, into ``_left`` (blocking)."""
+        self._handled = self._channel.registered()  # first: what follows reads at least it
+        self._left |= self._channel.leavers()
         lines = self._channel.registrations()
         for line in lines[self._read :]:
             member = Member.from_text(line)
@@ -265,7 +272,7 @@ class WeightPublisher:
             elif age is None or age > 10 * channel_keys.STALE:
                 del self._pending[uid]  # gone before it was admitted
         current = {m.uid for m in self._members}
-        return [m for m in admitted if m.uid not in current]
+        return [m for m in admitted if m.uid not in current and m.uid not in self._left]
 
     async def _reform(
         self, members: list[Member], version: int, deadline: float, dropped: dict[str, str]

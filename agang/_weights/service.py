@@ -59,6 +59,7 @@ from agang._weights.channel import Channel
 from agang._weights.epoch import CLOSE, DATA, REFORM, Member, make_gang
 
 PUBLISHER_GONE = 3.0
+STOP_GRACE = 1.0
 _POLL = 0.02
 _IDLE_LOOK = 0.1
 
@@ -211,7 +212,10 @@ class Service:
             # The next round's bucket 0 is posted before the last confirmation is seen
             # through: a publisher that took it starts the next push at once, and the
             # round must not wait for this side's loop to learn that a send ended.
-            coming = gang.broadcast(self._bucket0, 0, timeout=None)
+            try:
+                coming = gang.broadcast(self._bucket0, 0, timeout=None)
+            except GangError as error:  # broken: the last confirmation's send failed
+                return await self._after_failure(epoch, one_line(error))
             if confirming is not None:
                 unconfirmed, confirming = await self._confirmed(confirming, epoch), None
                 if unconfirmed is not None:
@@ -375,8 +379,13 @@ class Service:
         return True
 
     def stop(self, seconds: float) -> None:
-        """Ends the service: its waits end within a poll, its group is closed."""
+        """Ends the service: its waits end within a poll (``_IDLE_LOOK``), after the last
+        version's confirmation is seen through, and it closes its group; one that has
+        not ended within ``STOP_GRACE`` s has its group closed under it. A close right
+        after ``receive`` returned used to close the group under the confirmation: the
+        publisher's round then failed, though the version had come whole."""
         self._stopping.set()
+        self._thread.join(min(seconds, STOP_GRACE))
         gang = self._gang
         if gang is not None:
             gang.close_sync()  # a wait on bucket 0 ends with the gang

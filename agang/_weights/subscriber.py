@@ -18,6 +18,7 @@ Rules:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
@@ -291,7 +292,8 @@ class WeightSubscriber:
         )
 
     async def close(self) -> None:
-        """Leaves the channel: the publisher drops it at its next push. Idempotent."""
+        """Leaves the channel: the publisher's next push leaves it out at once (its
+        report says so in ``dropped``: "it closed (left the channel)"). Idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -301,6 +303,8 @@ class WeightSubscriber:
     def _stop(self) -> None:
         self._service.stop(5.0)
         self._channel.stop_status(self._me.uid, self._responder)
+        with contextlib.suppress(Exception):  # a store gone: the push finds out anyway
+            self._channel.leave(self._me.uid)  # the next push leaves it out, not waiting
 
     def close_sync(self) -> None:
         """:meth:`close` for programs without an event loop."""
