@@ -8,61 +8,24 @@ script says it started is gone.
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
-import os
 import re
-import signal
-import subprocess
 import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
-from storeutil import clean_env
+from scriptrun import ROOT, alive, run_script
 
 pytestmark = pytest.mark.gloo
 
-ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "elastic_trainer.py"
 COMMAND = ["--workers", "4", "--kill", "2", "--at-step", "20", "--respawn"]  # the guide's
 ROW = re.compile(r"^\s*(\d+)\s+(\d+)\s+(\d+)\s+(.*)$")  # step, epoch, size, event
 
 
-def _run(arguments: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
-    """Runs the script; past ``timeout`` it is sent SIGTERM (it ends its processes), then
-    SIGKILL, by pid."""
-    process = subprocess.Popen(
-        [sys.executable, str(SCRIPT), *arguments],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=clean_env(),
-        cwd=ROOT,
-    )
-    try:
-        out, err = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        process.send_signal(signal.SIGTERM)
-        try:
-            out, err = process.communicate(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            out, err = process.communicate(timeout=10)
-        pytest.fail(f"the trainer ran past {timeout} s:\n{out}\n{err}")
-    return subprocess.CompletedProcess(process.args, process.returncode, out, err)
-
-
-def _alive(pid: int) -> bool:
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, 0)
-        return True
-    return False
-
-
 @pytest.mark.timeout(120)
 def test_the_readme_command_recovers_admits_a_replacement_and_learns() -> None:
-    run = _run(COMMAND, timeout=90)
+    run = run_script(SCRIPT, COMMAND, timeout=90, grace=15)
     print(run.stdout)
     assert run.returncode == 0, (run.stdout, run.stderr)
     rows = [m.groups() for line in run.stdout.splitlines() if (m := ROW.match(line))]
@@ -82,7 +45,7 @@ def test_the_readme_command_recovers_admits_a_replacement_and_learns() -> None:
     assert ended is not None, run.stdout
     pids = [int(pid) for pid in ended.group(1).split()]
     assert len(pids) == 6  # the store, 4 workers, the replacement
-    assert [pid for pid in pids if _alive(pid)] == []
+    assert [pid for pid in pids if alive(pid)] == []
 
 
 def _example() -> ModuleType:

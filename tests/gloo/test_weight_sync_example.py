@@ -9,59 +9,22 @@ script says it started is gone.
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
-import os
 import re
-import signal
-import subprocess
 import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
-from storeutil import clean_env
+from scriptrun import ROOT, alive, run_script
 
 from agang._weights.publisher import RECOVERY_SECONDS
 
 pytestmark = pytest.mark.gloo
 
-ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "weight_sync.py"
 COMMAND = ["--kill", "--respawn"]  # the README's
 PUSH = re.compile(r"^\s*[\d.]+\s+push v(\d+)\s+([\d.]+) s\s+loss [\d.]+\s+delivered (.*)$")
 NO_ANSWER = "no answer (dead, stopped, or cut off from the store)"
-
-
-def _run(arguments: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
-    """Runs the script; past ``timeout`` it is sent SIGTERM (it ends its processes), then
-    SIGKILL, by pid."""
-    process = subprocess.Popen(
-        [sys.executable, str(SCRIPT), *arguments],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=clean_env(),
-        cwd=ROOT,
-    )
-    try:
-        out, err = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        process.send_signal(signal.SIGTERM)
-        try:
-            out, err = process.communicate(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            out, err = process.communicate(timeout=10)
-        pytest.fail(f"the demo ran past {timeout} s:\n{out}\n{err}")
-    return subprocess.CompletedProcess(process.args, process.returncode, out, err)
-
-
-def _alive(pid: int) -> bool:
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, 0)
-        return True
-    return False
 
 
 def _served(stdout: str, name: str) -> list[int]:
@@ -73,7 +36,7 @@ def _served(stdout: str, name: str) -> list[int]:
 
 @pytest.mark.timeout(120)
 def test_a_killed_server_is_dropped_with_why_and_its_respawn_serves_the_last_version() -> None:
-    run = _run(COMMAND, timeout=90)
+    run = run_script(SCRIPT, COMMAND, timeout=90)
     print(run.stdout)
     assert run.returncode == 0, (run.stdout, run.stderr)
     assert "weight sync ok: every check held" in run.stdout, run.stdout
@@ -117,7 +80,7 @@ def test_a_killed_server_is_dropped_with_why_and_its_respawn_serves_the_last_ver
     pids = [int(pid) for pid in ended.group(1).split()]
     assert len(pids) == 5  # the store, the trainer, s0, s1, the respawned s1
     assert int(killed.group(1)) in pids
-    assert [pid for pid in pids if _alive(pid)] == []
+    assert [pid for pid in pids if alive(pid)] == []
 
 
 def _example() -> ModuleType:
