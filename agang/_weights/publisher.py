@@ -87,6 +87,7 @@ class WeightPublisher:
         self._read = 0  # registrations read
         self._handled = 0  # the count of registrations and leaves the last look read
         self._left: set[str] = set()  # the subscribers that closed, by uid
+        self._may_be_held = False  # a failed round's ops may hold buckets (rule 3)
         self._registered = 0  # registrations the beat saw (channel rule 2)
         self._gang: ProcessGroupGang | None = None
         self._epoch = -1
@@ -442,11 +443,16 @@ class WeightPublisher:
             # ended, such as a broadcast to a peer behind a dead link, and the recovery
             # must not (it took 5.3 s of a cut-off push's recovery).
             start_daemon(gang.close_sync, name=f"agang: weights: close gang '{gang.name}'")
+            self._may_be_held = True  # its ops may go on holding the buckets
         return acked, failure
 
     def _renew_held(self) -> None:
         """A new buffer for each bucket an op of a failed round still holds (the
-        buckets' rule 6), so that this round neither waits for that op nor fails."""
+        buckets' rule 6), so that this round neither waits for that op nor fails. Only
+        a failed round leaves such ops: a push after good ones looks at nothing."""
+        if not self._may_be_held:
+            return
+        self._may_be_held = False
         for index, wire in enumerate(self._buckets.wire):
             if busy.is_busy(wire):
                 self._buckets.renew(index)
