@@ -8,13 +8,10 @@ script says it started is gone.
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
-from types import ModuleType
 
 import pytest
-from scriptrun import ROOT, alive, run_script
+from scriptrun import ROOT, alive, ended_pids, load_script, run_script
 
 pytestmark = pytest.mark.gloo
 
@@ -41,21 +38,9 @@ def test_the_readme_command_recovers_admits_a_replacement_and_learns() -> None:
     done = re.search(r"loss ([\d.]+) at step 0, ([\d.]+) at step 99", run.stdout)
     assert done is not None, run.stdout
     assert float(done.group(2)) < 0.5 * float(done.group(1)), run.stdout  # the loss fell
-    ended = re.search(r"processes started and ended: ([\d ]+)", run.stdout)
-    assert ended is not None, run.stdout
-    pids = [int(pid) for pid in ended.group(1).split()]
+    pids = ended_pids(run.stdout)
     assert len(pids) == 6  # the store, 4 workers, the replacement
     assert [pid for pid in pids if alive(pid)] == []
-
-
-def _example() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("elastic_trainer", SCRIPT)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault(spec.name, module)  # its dataclasses look their module up
-    spec.loader.exec_module(sys.modules[spec.name])
-    return sys.modules[spec.name]
 
 
 @pytest.mark.timeout(30)
@@ -75,6 +60,6 @@ def test_arguments_are_checked_and_the_error_names_the_parameter(
     arguments: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     with pytest.raises(SystemExit) as exited:
-        _example().parse(arguments)
+        load_script(SCRIPT).parse(arguments)
     assert exited.value.code == 2
     assert message in capsys.readouterr().err

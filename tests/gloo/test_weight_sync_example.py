@@ -9,13 +9,10 @@ script says it started is gone.
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
-from types import ModuleType
 
 import pytest
-from scriptrun import ROOT, alive, run_script
+from scriptrun import ROOT, alive, ended_pids, load_script, run_script
 
 from agang._weights.publisher import RECOVERY_SECONDS
 
@@ -75,22 +72,10 @@ def test_a_killed_server_is_dropped_with_why_and_its_respawn_serves_the_last_ver
     assert _served(run.stdout, "s1 (respawned)")[-1] == last, run.stdout
     assert _served(run.stdout, "s1")[-1] < versions[3], run.stdout  # killed before v80
 
-    ended = re.search(r"processes started and ended: ([\d ]+)", run.stdout)
-    assert ended is not None, run.stdout
-    pids = [int(pid) for pid in ended.group(1).split()]
+    pids = ended_pids(run.stdout)
     assert len(pids) == 5  # the store, the trainer, s0, s1, the respawned s1
     assert int(killed.group(1)) in pids
     assert [pid for pid in pids if alive(pid)] == []
-
-
-def _example() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("weight_sync", SCRIPT)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault(spec.name, module)  # its dataclasses look their module up
-    spec.loader.exec_module(sys.modules[spec.name])
-    return sys.modules[spec.name]
 
 
 @pytest.mark.timeout(30)
@@ -108,6 +93,6 @@ def test_arguments_are_checked_and_the_error_names_the_parameter(
     arguments: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     with pytest.raises(SystemExit) as exited:
-        _example().parse(arguments)
+        load_script(SCRIPT).parse(arguments)
     assert exited.value.code == 2
     assert message in capsys.readouterr().err

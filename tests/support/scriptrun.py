@@ -9,11 +9,14 @@ gone.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
+import re
 import signal
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 from storeutil import clean_env
@@ -53,3 +56,21 @@ def alive(pid: int) -> bool:
         os.kill(pid, 0)
         return True
     return False
+
+
+def load_script(script: Path) -> ModuleType:
+    """``script`` imported as a module of its own name, to call its parts."""
+    spec = importlib.util.spec_from_file_location(script.stem, script)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(spec.name, module)  # its dataclasses look their module up
+    spec.loader.exec_module(sys.modules[spec.name])
+    return sys.modules[spec.name]
+
+
+def ended_pids(stdout: str) -> list[int]:
+    """The pids a script says it started and ended ("processes started and ended: ...")."""
+    ended = re.search(r"processes started and ended: ([\d ]+)", stdout)
+    assert ended is not None, stdout
+    return [int(pid) for pid in ended.group(1).split()]
