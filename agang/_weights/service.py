@@ -265,6 +265,8 @@ class Service:
                     return await self._after_failure(epoch, one_line(error))
             self._say(f"holds version {version} in epoch {epoch}")
             self._tell()
+        if confirming is not None:  # stopping: the last confirmation goes out first
+            await self._confirmed(confirming, epoch)
         return None
 
     async def _confirmed(self, sent: Any, epoch: int) -> str | None:
