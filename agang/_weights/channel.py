@@ -5,17 +5,18 @@ Rules:
    token a publisher draws at ``open`` and writes under ``agang/weights/<channel>/
    session`` after its plan, so a subscriber that reads the session finds the plan, and
    a publisher started again on the channel never mixes with the last one's keys.
-2. A subscriber *registers* (one line under ``joiners``: id, name, where) and *beats*
-   (its own key: a count and the wall-clock time) every ``BEAT`` seconds while it is
-   open; the publisher admits, at a push, the registered subscribers whose beat is under
-   ``STALE`` seconds old. It beats too, so a subscriber tells a publisher that went
-   away from one that is only quiet. A registration also counts itself under
+2. A subscriber *registers* (a ``join`` line on the ``news`` queue: id, name, where)
+   and *beats* (its own key: a count and the wall-clock time) every ``BEAT`` seconds
+   while it is open; the publisher admits, at a push, the registered subscribers whose
+   beat is under ``STALE`` seconds old. It beats too, so a subscriber tells a publisher
+   that went away from one that is only quiet. A registration also counts itself under
    ``joined``; the publisher's beat reads that count and says under ``seen`` how many it
    saw, and a subscriber's ``open`` returns once its own was seen: so a push reads the
-   registrations (on a thread, off its loop) only when there are new ones, and a
-   subscriber that opened before a push began is still admitted at that push. A
-   subscriber that closes says so under ``leavers`` (and counts itself under ``joined``
-   too): the next push leaves it out at once, instead of waiting for it to come.
+   news (on a thread, off its loop) only when there is some, and a subscriber that
+   opened before a push began is still admitted at that push. A subscriber that closes
+   says so (a ``leave`` line on the same queue, counted under ``joined`` too): the next
+   push leaves it out at once, instead of waiting for it to come. The publisher pops
+   what it reads, so the queue holds only what it has not read yet.
 3. *Epochs.* Each membership has an epoch: its members (publisher first) under
    ``e/<n>/members``; each member checks in under ``e/<n>/in`` once it read them, and
    makes the epoch's group only once the publisher says ``go`` (every member checked
@@ -27,7 +28,15 @@ Rules:
    (``agang._backends.c10d.mailbox``) serves a queue under ``sub/<id>/``, with no
    traffic until asked: a ``weights_status`` letter asks where its side of the rounds
    stands, and is answered under the key it names. No answer within ``ASK_SECONDS``:
-   dead, stopped, or cut off from the store.
+   dead, stopped, or cut off from the store. The asker deletes the answers it read.
+6. *Nothing grows with the channel's age.* Keys that no one will read again are
+   deleted by the publisher: an epoch's keys (its group's rendezvous included) once a
+   later epoch's group is made, and every epoch's at close; a subscriber's beat, drop
+   and mailbox once it left, or once ``DROPS_KEPT`` later drops passed since it was
+   dropped (a subscriber that comes back after that many finds no drop to read; its
+   wait for a new epoch ends at its deadline, saying so). What stays is a session's
+   handful of fixed keys (plan, publisher, beat, counts, epoch, closed), which its
+   subscribers read to learn that the publisher closed or was replaced.
 """
 
 from __future__ import annotations
@@ -46,6 +55,9 @@ from agang._setup.env import WorldInfo
 
 BEAT = 0.2
 STALE = 1.5
+DROPS_KEPT = 64
+#: The most news one look pops: a bound on the loop, far above a fleet's churn per push.
+_NEWS_PER_LOOK = 100_000
 ASK_SECONDS = 0.3
 _ROOT = "agang/weights"
 _KIND = "weights_status"
@@ -127,20 +139,27 @@ class Channel:
 
     def register(self, uid: str, name: str, where: str) -> int:
         """Registers ``uid``; returns the registrations' count, this one's included."""
-        self.store.append(self._key("joiners"), f"{uid} {name} {where}\n")
+        self.store.queue_push(self._key("news"), f"join {uid} {name} {where}")
         return int(self.store.add(self._key("joined"), 1))
-
-    def registrations(self) -> list[str]:
-        return (self._get("joiners") or "").splitlines()
 
     def leave(self, uid: str) -> None:
         """``uid`` closed: the publisher drops it at its next push, without waiting for
         it; counted with the registrations, so that the publisher's beat sees it."""
-        self.store.append(self._key("leavers"), f"{uid}\n")
+        self.store.queue_push(self._key("news"), f"leave {uid}")
         self.store.add(self._key("joined"), 1)
 
-    def leavers(self) -> set[str]:
-        return set((self._get("leavers") or "").split())
+    def news(self) -> list[tuple[str, str]]:
+        """The registrations and leaves not read yet, in order, as (``"join"``, the
+        member's text) and (``"leave"``, its id); each is read once (rule 2)."""
+        found = []
+        for _ in range(_NEWS_PER_LOOK):
+            try:
+                text = self.store.queue_pop(self._key("news"), False).decode()
+            except dist.QueueEmptyError:
+                break
+            kind, _, rest = text.partition(" ")
+            found.append((kind, rest))
+        return found
 
     def registered(self) -> int:
         """How many registrations there were (at least as many lines as ``registrations``)."""
@@ -191,6 +210,13 @@ class Channel:
     def group_store(self, epoch: int) -> Any:
         return dist.PrefixStore(self._key(f"e/{epoch}/pg"), self.store)  # type: ignore[attr-defined]
 
+    def forget_epoch(self, epoch: int, size: int) -> None:
+        """Deletes ``epoch``'s keys (rule 6): its members, check-ins and go, and its
+        group's rendezvous (Gloo's context 0 writes one key per rank, named by it)."""
+        names = ["members", "in", "go", *(f"pg/0/{rank}" for rank in range(size))]
+        for name in names:
+            self.store.delete_key(self._key(f"e/{epoch}/{name}"))
+
     # Rule 4: drops; and the publisher's close.
 
     def drop(self, uid: str, why: str) -> None:
@@ -198,6 +224,17 @@ class Channel:
 
     def dropped(self, uid: str) -> str | None:
         return self._get(f"dropped/{uid}")
+
+    def forget_drop(self, uid: str) -> None:
+        """Deletes ``uid``'s drop: it registered again (rule 6)."""
+        self.store.delete_key(self._key(f"dropped/{uid}"))
+
+    def forget(self, uid: str) -> None:
+        """Deletes every key of ``uid``'s (rule 6): its beat, its drop, and its mailbox's
+        letters, which no one will read (a store cannot delete a queue: they are popped)."""
+        self.store.delete_key(self._key(f"beat/{uid}"))
+        self.forget_drop(uid)
+        mailbox.drain(self.mailbox_store(uid), 0, _NEWS_PER_LOOK)
 
     def say_closed(self) -> None:
         self.store.set(self._key("closed"), "1")
@@ -234,6 +271,8 @@ class Channel:
                 if answers[uid] is None:
                     answers[uid] = store_get(self.mailbox_store(uid), keys[uid])
             time.sleep(mailbox.POLL_SECONDS)
+        for uid in uids:  # rule 5: read, or too late to be (a late answer's key stays)
+            self.mailbox_store(uid).delete_key(keys[uid])
         return {uid: None if a is None else a.strip() for uid, a in answers.items()}
 
 

@@ -49,6 +49,7 @@ from agang._weights.blocking import beat, blocking, bound, run_sync
 from agang._weights.buckets import Buckets
 from agang._weights.channel import Channel
 from agang._weights.epoch import CLOSE, DATA, REFORM, Member, make_gang
+from agang._weights.housekeeping import Housekeeping
 from agang._weights.plan import DEFAULT_BUCKET_BYTES, Plan
 from agang._weights.report import PushReport
 
@@ -84,9 +85,9 @@ class WeightPublisher:
         self._me = Member("publisher", "publisher", f"{socket.gethostname()}, pid {os.getpid()}")
         self._members: list[Member] = []  # the subscribers of the current epoch, by rank - 1
         self._pending: dict[str, Member] = {}  # registered, not admitted yet
-        self._read = 0  # registrations read
         self._handled = 0  # the count of registrations and leaves the last look read
-        self._left: set[str] = set()  # the subscribers that closed, by uid
+        self._leaving: set[str] = set()  # members that closed, dropped at the next push
+        self._keeping = Housekeeping(channel)
         self._may_be_held = False  # a failed round's ops may hold buckets (rule 3)
         self._registered = 0  # registrations the beat saw (channel rule 2)
         self._gang: ProcessGroupGang | None = None
@@ -233,9 +234,10 @@ class WeightPublisher:
         if self._registered == self._handled and not self._pending:
             return deadline  # nothing new since the last look: no store read, no thread
         joiners = await blocking(self._joiners, bound(deadline), what="reading the joiners")
-        members = [m for m in self._members if m.uid not in self._left]
-        for gone in [m for m in self._members if m.uid in self._left]:
+        members = [m for m in self._members if m.uid not in self._leaving]
+        for gone in [m for m in self._members if m.uid in self._leaving]:
             dropped[gone.name] = "it closed (left the channel)"
+        self._leaving.clear()
         if not joiners and len(members) == len(self._members):
             return deadline
         for joiner in joiners:
@@ -243,9 +245,7 @@ class WeightPublisher:
                 members.remove(old)
                 why = f"replaced: a subscriber of the same name opened ({joiner.where})"
                 dropped[old.name] = why
-                await blocking(
-                    functools.partial(self._channel.drop, old.uid, why), 5.0, what="a drop"
-                )
+                await blocking(functools.partial(self._drop, old.uid, why), 5.0, what="a drop")
             members.append(joiner)
         later = await self._reform(members, version, deadline, dropped)
         return deadline if later is None else later
@@ -256,14 +256,17 @@ class WeightPublisher:
 
     def _joiners(self) -> list[Member]:
         """The registered subscribers, not members, whose beat is fresh; and the
-        subscribers that closed, into ``_left`` (blocking)."""
-        self._handled = self._channel.registered()  # first: what follows reads at least it
-        self._left |= self._channel.leavers()
-        lines = self._channel.registrations()
-        for line in lines[self._read :]:
-            member = Member.from_text(line)
-            self._pending[member.uid] = member
-        self._read = len(lines)
+        members that closed, into ``_leaving`` (blocking)."""
+        self._handled = self._channel.registered()  # first: the news holds at least it
+        for kind, text in self._channel.news():
+            if kind == "join":
+                member = Member.from_text(text)
+                self._pending[member.uid] = member
+                self._keeping.registered(member.uid)
+            else:  # "leave"
+                if self._pending.pop(text, None) is None:
+                    self._leaving.add(text)
+                self._keeping.left(text)
         admitted = []
         for uid, member in list(self._pending.items()):
             age = self._channel.beat_age(uid)
@@ -272,8 +275,14 @@ class WeightPublisher:
                 del self._pending[uid]
             elif age is None or age > 10 * channel_keys.STALE:
                 del self._pending[uid]  # gone before it was admitted
+                self._keeping.left(uid)
         current = {m.uid for m in self._members}
-        return [m for m in admitted if m.uid not in current and m.uid not in self._left]
+        return [m for m in admitted if m.uid not in current]
+
+    def _drop(self, uid: str, why: str) -> None:
+        """Drops ``uid``, telling it ``why`` (blocking)."""
+        alive = {*self._pending, *(m.uid for m in self._members)} - {uid}
+        self._keeping.dropped(uid, why, alive)
 
     async def _reform(
         self, members: list[Member], version: int, deadline: float, dropped: dict[str, str]
@@ -288,11 +297,10 @@ class WeightPublisher:
             self._epoch += 1
             epoch = self._epoch
             self._members = members
+            self._keeping.wrote_epoch(epoch, len(members) + 1)
             if not members:
                 await blocking(
-                    functools.partial(self._channel.set_members, epoch, [self._me.to_text()]),
-                    bound(deadline),
-                    what="writing the members",
+                    functools.partial(self._epoch_alone, epoch), bound(deadline), what="epoch"
                 )
                 return lost
             came = await blocking(
@@ -316,6 +324,9 @@ class WeightPublisher:
                         bound(deadline) + 2.0,
                         what=f"making epoch {epoch}'s group",
                     )
+                    await blocking(
+                        functools.partial(self._keeping.epoch_made, epoch), 5.0, what="tidying"
+                    )
                     return lost
                 except (GangError, RuntimeError) as error:
                     why = f"epoch {epoch}'s group could not be made: {one_line(error)}"
@@ -328,12 +339,17 @@ class WeightPublisher:
                 )
             for member in missing:
                 dropped[member.name] = why
-                self._channel.drop(member.uid, why)
+                await blocking(functools.partial(self._drop, member.uid, why), 5.0, what="a drop")
             members = [m for m in members if m not in missing]
             deadline = max(deadline, self._recovery_bound(time.monotonic()))
             lost = deadline
         self._members = []
         return lost
+
+    def _epoch_alone(self, epoch: int) -> None:
+        """``epoch`` has no subscriber: the publisher alone, and no group (blocking)."""
+        self._channel.set_members(epoch, [self._me.to_text()])
+        self._keeping.epoch_made(epoch)
 
     def _fresh(self, member: Member) -> bool:
         age = self._channel.beat_age(member.uid)
@@ -393,7 +409,7 @@ class WeightPublisher:
                     why = f"{said}; version {version}'s round failed: {error}"
                     dropped[member.name] = why
                     await blocking(
-                        functools.partial(self._channel.drop, member.uid, why), 5.0, what="a drop"
+                        functools.partial(self._drop, member.uid, why), 5.0, what="a drop"
                     )
                     kept.remove(member)
             recovery = self._recovery_bound(failed_at)
@@ -465,7 +481,11 @@ class WeightPublisher:
         self._closed = True
         await self._leave_epoch(CLOSE, self._last or 0)
         self._stop_beat.set()
-        await blocking(self._channel.say_closed, 5.0, what="closing the channel")
+        await blocking(self._say_closed, 5.0, what="closing the channel")
+
+    def _say_closed(self) -> None:
+        self._channel.say_closed()
+        self._keeping.closing()
 
     def close_sync(self) -> None:
         """:meth:`close` for programs without an event loop."""

@@ -27,6 +27,10 @@ Rules:
    later push; a drop because another subscriber of its name replaced it ends it), or
    the publisher gone (no beat for ``PUBLISHER_GONE`` s) or closed, or the store gone:
    each ends the service with an error that says which, for ``receive`` to raise.
+   The publisher deletes a dead epoch's keys (``agang._weights.channel`` rule 6): an
+   epoch whose members are gone, or whose go is gone while a later epoch exists, was
+   left behind (its go was said before the later epoch was written), and the service
+   looks for the next one.
 4. Every wait is bounded: by the subscriber's timeout within a round, by
    ``PUBLISHER_GONE`` while the publisher does not beat, and by ``close``.
 5. A buffer that an op of a failed epoch still holds is replaced before the next
@@ -175,13 +179,17 @@ class Service:
     async def _serve(self, epoch: int) -> int | None:
         """Serves ``epoch``'s rounds until it ends; the epoch to look for next (rule 3)."""
         members = [Member.from_text(line) for line in self.channel.members(epoch) or []]
-        rank = next(i for i, m in enumerate(members) if m.uid == self.me.uid)
+        rank = next((i for i, m in enumerate(members) if m.uid == self.me.uid), None)
+        if rank is None:  # the epoch is dead and its keys deleted already (rule 3)
+            return epoch + 1
         self.channel.check_in(epoch, self.me.uid)
         self._say(f"admitted to epoch {epoch} as rank {rank}; waiting for the go")
         give_up_at = time.monotonic() + self.timeout
         while (go := self.channel.go(epoch)) is None:
             if self._stopping.is_set():
                 return None
+            if self.channel.epoch() > epoch:  # its go was said, and deleted since (rule 3)
+                return epoch + 1
             if time.monotonic() > give_up_at:
                 return await self._after_failure(epoch, "no go to make its group")
             await asyncio.sleep(_POLL)

@@ -304,7 +304,10 @@ class WeightSubscriber:
         self._service.stop(5.0)
         self._channel.stop_status(self._me.uid, self._responder)
         with contextlib.suppress(Exception):  # a store gone: the push finds out anyway
-            self._channel.leave(self._me.uid)  # the next push leaves it out, not waiting
+            if self._channel.closed() or not self._channel.current():
+                self._channel.forget(self._me.uid)  # no publisher reads a leave any more
+            else:
+                self._channel.leave(self._me.uid)  # the next push leaves it out at once
 
     def close_sync(self) -> None:
         """:meth:`close` for programs without an event loop."""

@@ -15,12 +15,14 @@ import subprocess
 import time
 import weakref
 from collections.abc import Iterator
+from datetime import timedelta
 from typing import Any
 
 import anyio
 import anyio.to_thread
 import pytest
 import torch
+import torch.distributed as dist
 from census import census
 from netns import Cluster
 from storeutil import Store, wait_until_stopped
@@ -37,6 +39,7 @@ from weightfleet import (
 from weightserver import model
 
 from agang._errors import GangError
+from agang._weights import housekeeping
 from agang._weights.publisher import (
     RECOVERY_BYTES_PER_SECOND,
     RECOVERY_SECONDS,
@@ -267,18 +270,23 @@ class Cycles:
 
 @ON_ASYNCIO
 @pytest.mark.anyio
-async def test_join_kill_cycles_leave_no_threads_fds_or_memory_behind(
-    started: list[subprocess.Popen[str]], store: str
+async def test_join_kill_cycles_leave_no_threads_fds_memory_or_store_keys_behind(
+    started: list[subprocess.Popen[str]], store: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Each cycle: a server process opens and is pushed to until delivered, is
     SIGKILLed, and the next push drops it; a steady server gets every push. The
     publisher's process (this one) counts its threads, fds and RSS after cycle 3 and 30:
     the least seen over ``SETTLE`` (a failed epoch's gang closes as its push returns).
-    One loop (asyncio): the cost is the processes', and the publisher's loop part is
-    the other tests' on three loops."""
+    The store's keys and bytes are counted then too, with the publisher keeping the
+    last ``_DROPS_KEPT`` drops: they must not grow either (they grew by 14 keys a cycle
+    before the publisher deleted what no one reads again), and close leaves only the
+    session's fixed keys. One loop (asyncio): the cost is the processes', and the
+    publisher's loop part is the other tests' on three loops."""
+    monkeypatch.setattr(housekeeping, "DROPS_KEPT", _DROPS_KEPT)
     publisher = await open_publisher(store, CYCLE_DEADLINE)
     cycles = Cycles(started, store)
     at: dict[int, dict[str, int]] = {}
+    keys: dict[int, tuple[int, int]] = {}
     took: list[float] = []
     try:
         for cycle in range(1, CYCLES + 1):
@@ -287,15 +295,37 @@ async def test_join_kill_cycles_leave_no_threads_fds_or_memory_behind(
                 first = census()
                 limit = None if cycle == WARM else _margins(at[WARM])
                 at[cycle], watched = await _least(limit)
+                keys[cycle] = _store_keys(store)
                 print(f"cycle {cycle}: {first}; least over {watched:.1f} s: {at[cycle]}")
+                print(f"cycle {cycle}: the store holds {keys[cycle]} (keys, bytes)")
     finally:
         cycles.end()
         await publisher.close()
+    closed = _store_keys(store)
     before, after = at[WARM], at[CYCLES]
     print(f"pushes that dropped the killed server: {min(took):.2f}..{max(took):.2f} s")
     print(f"cycle {WARM} -> {CYCLES}: {before} -> {after}")
+    print(f"the store after close: {closed} (keys, bytes)")
     for name, most in _margins(before).items():
         assert after[name] <= most, (name, before, after)
+    # Same keys (names differ by a pid and a number), bytes within a few digits' worth.
+    assert keys[CYCLES][0] == keys[WARM][0], keys
+    assert keys[CYCLES][1] <= keys[WARM][1] + 64, keys
+    # What stays: the session's plan, publisher, beat, counts, epoch and closed, the
+    # channel's session, and the beat of the steady server (killed, never closed).
+    assert closed[0] <= 9, closed
+
+
+_DROPS_KEPT = 2
+
+
+def _store_keys(address: str) -> tuple[int, int]:
+    """The keys the store at ``address`` holds, and their bytes (queues are not keys:
+    the publisher pops its own, and drains a dropped server's mailbox)."""
+    host, port = address.rsplit(":", 1)
+    client = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=10))
+    names = client.list_keys()
+    return len(names), sum(len(client.get(name)) for name in names)
 
 
 @ON_ASYNCIO

@@ -107,6 +107,17 @@ def post(store: Any, world_ranks: list[int], kind: str, text: str) -> None:
         store.queue_push(_queue(world_rank), f"{kind} {text}")
 
 
+def drain(store: Any, world_rank: int, most: int) -> int:
+    """Pops the letters left in ``world_rank``'s mailbox on ``store`` (at most ``most``)
+    that nobody will read (its reader is gone for good); how many there were."""
+    for count in range(most):
+        try:
+            store.queue_pop(_queue(world_rank), False)
+        except dist.QueueEmptyError:
+            return count
+    return most
+
+
 @final
 class Responder:
     """The thread that empties this process's mailbox (rules 1 to 3)."""
