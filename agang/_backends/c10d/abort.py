@@ -26,9 +26,15 @@ Rules:
    pending all_reduce or broadcast that a rank never joins, recv from a live peer,
    and send to a live peer that never receives (4 B to 16 MB) all fail within 25 ms
    of the abort, also when the next rank was SIGKILLed or had aborted first.
-   One op no abort ends: a ``recv_anysource`` that no send matched waits in its
+   Two ops no abort ends. A ``recv_anysource`` that no send matched waits in its
    context's own list (``Context::recvFromAny``), which closing pairs does not touch;
-   it ends only at its own timeout (the group's). agang never posts one.
+   it ends only at its own timeout (the group's). agang never posts one. And a send
+   caught mid-write (part of its bytes in the socket, the rest queued on the pair: a
+   peer that stopped reading, or died, mid-transfer) is not failed when its pair
+   closes (``tests/gloo/test_abort_stuck_send.py``): it too ends at its timeout. Its
+   gang's release reports it failed and frees its memory
+   (``agang._backends.c10d.completion`` rule 4); the group's destructor, on the
+   closing thread, still waits for that timeout.
 3. The peers see their connections to this rank close: those of their ops with an op
    pending on a pair with this rank fail with a c10d error instead of hanging, which is
    what an abort is for. An op of theirs that waits only on a third rank (a collective

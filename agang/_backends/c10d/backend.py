@@ -451,7 +451,7 @@ class C10dBackend:
                 # (Gloo) wait for it, for ever if the peer is hung: end it first (or let
                 # the abort that a failure started end it).
                 self._aborter.abort(self._groups())
-                self._completion.join(_REPORT_SECONDS)  # the aborted ops' ends come now
+                self._completion.settle_after_abort(self._name, _REPORT_SECONDS)
             if self._order_group is not None:
                 dist.destroy_process_group(self._order_group)
             if not self._registered or not self._owned:

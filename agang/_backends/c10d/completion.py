@@ -55,6 +55,16 @@ of three roads:
    Every stream, event and device call goes through the backend's ``DeviceRuntime``
    (torch.cuda, or a simulation in tests).
 
+4. *Gloo ops an abort did not end.* A Gloo send caught mid-write (its bytes partly in
+   the socket, the rest queued on the pair) is not failed when its pair closes: Gloo
+   fails the pair's other pending ops, but not that one, so neither an abort nor the
+   peer's death ends it, only c10d's own timeout (``tests/gloo/test_abort.py``: a 64 MiB
+   broadcast to a stopped or killed peer was still running 5 s after the abort). Every
+   Gloo op is noted until it is reported; at release after an abort, what is still
+   noted once the others' ends came (``give_up``) is reported failed: its group's
+   connections are closed, so it moves no byte any more, and its memory is free.
+   Its real end, if c10d ever reports it, is ignored.
+
 The Gloo waiter and the NCCL watcher are one class, ``SerialWaiter``: a thread, started
 on first use, that takes a gang's ops in issue order, waits for each (``Work.wait()``
 on Gloo; the side stream's wait and an event, then ``check_work``, on NCCL) and calls
@@ -68,6 +78,8 @@ one of a gang never closed does not hold exit up); a forked child forgets the pa
 from __future__ import annotations
 
 import functools
+import itertools
+import logging
 import math
 import queue
 import threading
@@ -82,6 +94,8 @@ import torch
 from agang._backends.contract import Done, after_post, report_ordered
 from agang._backends.cuda.runtime import DeviceEvent, DeviceRuntime
 from agang._runtime import fork, handoffs, threads
+
+log = logging.getLogger("agang.c10d")
 
 T = TypeVar("T")
 
@@ -226,6 +240,9 @@ class Completion:
         self._collectives = SerialWaiter[Any](f"agang-wait {name} collectives", _wait_for_work)
         self._transfers = SerialWaiter[Any](f"agang-wait {name} send/recv", _wait_for_work)
         self._unreported: deque[_Unreported] = deque()  # rule 3a
+        self._open: dict[int, Done] = {}  # Gloo ops not reported yet (rule 4)
+        self._reported = threading.Condition(self._lock)
+        self._numbers = itertools.count()
         self._events = _EventPool(runtime)
         self._watcher = SerialWaiter[tuple[_Unreported, Completion]](
             f"agang-nccl-watch {name}",
@@ -246,7 +263,7 @@ class Completion:
         if self._nccl:
             self._watch_on_device(work, done, post, self._stream_ordered and not to_host)
             return
-        finish = after_post(post, done)
+        finish = after_post(post, self._noted(done))
 
         def on_future(future: Any) -> None:
             try:
@@ -269,7 +286,54 @@ class Completion:
         if self._nccl:
             self.watch(work, done)
             return
-        self._transfers.watch(work, done)
+        self._transfers.watch(work, self._noted(done))
+
+    def _noted(self, done: Done) -> Done:
+        """``done``, noted until it is called: once, by the op's end or ``give_up``."""
+        number = next(self._numbers)
+        with self._lock:
+            self._open[number] = done
+
+        def report(error: BaseException | None) -> None:
+            with self._lock:
+                taken = self._open.pop(number, None)
+                if not self._open:
+                    self._reported.notify_all()
+            if taken is not None:
+                taken(error)
+
+        return report
+
+    def settle_after_abort(self, name: str, seconds: float) -> None:
+        """After gang ``name``'s abort: waits ``seconds`` at most for the aborted ops'
+        ends (the waiters' and the futures'), then gives up on the rest (rule 4)."""
+        give_up_at = time.monotonic() + seconds
+        self.join(seconds)
+        stuck = self.give_up(
+            f"gang '{name}' was closed after an abort that did not end this op (a Gloo "
+            "send caught mid-write runs until c10d's own timeout); its connections are "
+            "closed, so it moves no more bytes",
+            max(0.0, give_up_at - time.monotonic()),
+        )
+        if stuck:
+            log.info(
+                "agang: %d op(s) of gang '%s' outlived its abort: reported failed, their "
+                "memory free again (Gloo ends them at its own timeout).",
+                stuck,
+                name,
+            )
+
+    def give_up(self, why: str, seconds: float) -> int:
+        """Rule 4, after an abort: waits ``seconds`` at most for the Gloo ops still noted
+        to be reported, then reports the rest failed with ``why``; how many they were."""
+        give_up_at = time.monotonic() + seconds
+        with self._lock:
+            while self._open and (left := give_up_at - time.monotonic()) > 0:
+                self._reported.wait(left)
+            stuck, self._open = list(self._open.values()), {}
+        for done in stuck:
+            done(RuntimeError(why))
+        return len(stuck)
 
     def _watch_on_device(
         self, work: Any, done: Done, post: Callable[[], None] | None, stream_ordered: bool
