@@ -19,6 +19,12 @@ Rules:
    ``AGANG_SOCKET_IFNAME`` names: Gloo's own default, the address this host's name
    resolves to, is loopback on many machines, and a subscriber on another machine was
    then never admitted.
+5. c10d's own timeout sits behind the longest deadline of the gang's ops (agang's
+   backstop): the publisher's are its pushes' (``op_timeout``), a subscriber's have
+   none (it waits for the next push as long as it comes). It matters after a failure:
+   a Gloo send caught mid-write outlives the abort until that timeout, and so does the
+   failed gang's closing thread (its memory is free at once:
+   ``agang._backends.c10d.completion`` rule 4).
 """
 
 from __future__ import annotations
@@ -42,7 +48,6 @@ from agang._weights.channel import Channel
 log = logging.getLogger("agang.weights")
 
 DATA, REFORM, CLOSE = 1, 2, 3
-_POLICY = make_policy(op_timeout=math.inf, on_timeout="abort", check_order=False)
 
 
 @dataclass
@@ -63,11 +68,17 @@ class Member:
 
 
 def make_gang(
-    channel: Channel, epoch: int, rank: int, members: list[Member], seconds: float
+    channel: Channel,
+    epoch: int,
+    rank: int,
+    members: list[Member],
+    seconds: float,
+    op_timeout: float = math.inf,
 ) -> ProcessGroupGang:
     """Epoch ``epoch``'s gang of ``members`` (publisher first; rule 1); blocks until
     every member connected, or raises once ``seconds`` passed. Call it off the caller's
-    loop. Its errors name a rank by its member's name and where it runs (rule 2)."""
+    loop. Its errors name a rank by its member's name and where it runs (rule 2).
+    ``op_timeout``: the longest deadline its ops will have (rule 5)."""
     store = channel.group_store(epoch)
     size = len(members)
     timeout = timedelta(seconds=max(1.0, seconds))
@@ -86,7 +97,8 @@ def make_gang(
         registered=False,
         roster=[f"'{m.name}', {m.where}" for m in members],
     )
-    return ProcessGroupGang._from_backend(backend, _POLICY)
+    policy = make_policy(op_timeout=op_timeout, on_timeout="abort", check_order=False)
+    return ProcessGroupGang._from_backend(backend, policy)
 
 
 def _gloo_group(

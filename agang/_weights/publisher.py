@@ -41,7 +41,7 @@ import torch
 from agang._backends.c10d.retry import one_line
 from agang._collective.process_group_gang import ProcessGroupGang
 from agang._engine import busy
-from agang._errors import GangError
+from agang._errors import GangBrokenError, GangError
 from agang._runtime.threads import start_daemon
 from agang._weights import channel as channel_keys
 from agang._weights import checks
@@ -320,6 +320,7 @@ class WeightPublisher:
                             0,
                             [self._me, *members],
                             bound(deadline),
+                            math.inf if self._timeout is None else self._timeout,
                         ),
                         bound(deadline) + 2.0,
                         what=f"making epoch {epoch}'s group",
@@ -440,11 +441,18 @@ class WeightPublisher:
         except GangError as error:
             failure = error
             acks = []
-        for handle in handles:
+        # The last issued first: the confirmations end last, and a handle that ended
+        # before it is awaited costs no wake-up of the loop (one a push, not one an op).
+        errors: dict[int, GangError] = {}
+        for index in reversed(range(len(handles))):
             try:
-                await handle
+                await handles[index]
             except GangError as error:
-                failure = failure or error
+                errors[index] = error
+        if failure is None and errors:
+            # The cause: the first in issue order that was not abandoned for another's.
+            causes = [e for _, e in sorted(errors.items()) if not isinstance(e, GangBrokenError)]
+            failure = causes[0] if causes else errors[min(errors)]
         acked = set()
         sent = len(handles) - len(acks)
         for member, ack, handle in zip(self._members, acks, handles[sent:], strict=False):
