@@ -331,8 +331,13 @@ class Service:
     ) -> str | None:
         """Awaits ``handles``, looking at the store every ``_IDLE_LOOK`` seconds; returns
         why it stopped waiting where the publisher moved to a later epoch (rule 3).
-        ``landed(first + i)`` runs as soon as ``handles[i]`` ended well."""
-        for index, handle in enumerate(handles, first):
+        ``landed(first + i)`` runs as soon as ``handles[i]`` ended well. Without it,
+        the last is awaited first: it ends last, and a handle that ended before it is
+        awaited costs no wake-up of the loop (one a round, not one a bucket)."""
+        order = list(enumerate(handles, first))
+        if landed is None:
+            order.reverse()
+        for index, handle in order:
             while not handle.done():
                 with anyio.move_on_after(_IDLE_LOOK):
                     await handle
