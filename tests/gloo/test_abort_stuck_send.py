@@ -33,9 +33,12 @@ from agang._policy import make_policy
 pytestmark = [pytest.mark.gloo, pytest.mark.timeout(120)]
 
 BYTES = 64 * 2**20  # far above the socket buffers of loopback
-SETTLE = 5.0  # 10x what an abort takes to end other work, and 2x release's wait
+SETTLE = 3.0  # far past what an abort takes to end other work (milliseconds)
+#: Close frees the send's tensor within this (release waits 2 s for the aborted ops'
+#: ends first): well before c10d's own timeout would end the send.
+FREED_WITHIN = 5.0
 #: c10d's own timeout for the send: what ends it at last (the group's destructor waits
-#: for it), past ``SETTLE`` and the deadline.
+#: for it), past ``SETTLE``, and past the deadline plus ``FREED_WITHIN``.
 C10D_TIMEOUT = 9.0
 
 
@@ -57,6 +60,7 @@ def test_gloo_keeps_a_send_caught_mid_write_through_an_abort(
     started: list[subprocess.Popen[str]], peer_fate: str
 ) -> None:
     group, peer = _pair(started, timeout=C10D_TIMEOUT)
+    group.set_timeout(timedelta(seconds=SETTLE + 2.0))  # what ends the send at last
     os.kill(peer.process.pid, signal.SIGSTOP)
     options = dist.BroadcastOptions()
     options.rootRank = 0
@@ -107,7 +111,7 @@ def test_a_gang_closed_after_the_abort_frees_the_memory_of_a_send_caught_mid_wri
     closing = threading.Thread(target=gang.close_sync, name="test: close 'stuck'", daemon=True)
     started_at = time.monotonic()
     closing.start()
-    while busy.num_busy() > before and time.monotonic() - started_at < SETTLE:
+    while busy.num_busy() > before and time.monotonic() - started_at < FREED_WITHIN:
         time.sleep(0.05)
     freed_after = time.monotonic() - started_at
     waiting = "still waits for c10d" if closing.is_alive() else "is done"
