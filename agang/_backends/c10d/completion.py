@@ -58,10 +58,10 @@ of three roads:
 4. *Gloo ops an abort did not end.* A Gloo send caught mid-write (its bytes partly in
    the socket, the rest queued on the pair) is not failed when its pair closes: Gloo
    fails the pair's other pending ops, but not that one, so neither an abort nor the
-   peer's death ends it, only c10d's own timeout (``tests/gloo/test_abort.py``: a 64 MiB
-   broadcast to a stopped or killed peer was still running 5 s after the abort). Every
-   Gloo op is noted until it is reported; at release after an abort, what is still
-   noted once the others' ends came (``give_up``) is reported failed: its group's
+   peer's death ends it, only c10d's own timeout (``tests/gloo/test_abort_stuck_send.py``:
+   a 64 MiB broadcast to a stopped or killed peer was still running 3 s after the
+   abort). Every Gloo op is noted until it is reported; at release after an abort, what
+   is still noted once the others' ends came is reported failed: its group's
    connections are closed, so it moves no byte any more, and its memory is free.
    Its real end, if c10d ever reports it, is ignored.
 
@@ -289,7 +289,7 @@ class Completion:
         self._transfers.watch(work, self._noted(done))
 
     def _noted(self, done: Done) -> Done:
-        """``done``, noted until it is called: once, by the op's end or ``give_up``."""
+        """``done``, noted until it is called: once, by the op's end or after an abort."""
         number = next(self._numbers)
         with self._lock:
             self._open[number] = done
@@ -306,34 +306,29 @@ class Completion:
 
     def settle_after_abort(self, name: str, seconds: float) -> None:
         """After gang ``name``'s abort: waits ``seconds`` at most for the aborted ops'
-        ends (the waiters' and the futures'), then gives up on the rest (rule 4)."""
+        ends (the waiters' and the futures'), then reports the Gloo ops still noted
+        failed (rule 4)."""
         give_up_at = time.monotonic() + seconds
         self.join(seconds)
-        stuck = self.give_up(
-            f"gang '{name}' was closed after an abort that did not end this op (a Gloo "
-            "send caught mid-write runs until c10d's own timeout); its connections are "
-            "closed, so it moves no more bytes",
-            max(0.0, give_up_at - time.monotonic()),
-        )
-        if stuck:
-            log.info(
-                "agang: %d op(s) of gang '%s' outlived its abort: reported failed, their "
-                "memory free again (Gloo ends them at its own timeout).",
-                stuck,
-                name,
-            )
-
-    def give_up(self, why: str, seconds: float) -> int:
-        """Rule 4, after an abort: waits ``seconds`` at most for the Gloo ops still noted
-        to be reported, then reports the rest failed with ``why``; how many they were."""
-        give_up_at = time.monotonic() + seconds
         with self._lock:
             while self._open and (left := give_up_at - time.monotonic()) > 0:
                 self._reported.wait(left)
             stuck, self._open = list(self._open.values()), {}
+        if not stuck:
+            return
+        why = (
+            f"gang '{name}' was closed after an abort that did not end this op (a Gloo send "
+            "caught mid-write runs until c10d's own timeout); its connections are closed, "
+            "so it moves no more bytes"
+        )
         for done in stuck:
             done(RuntimeError(why))
-        return len(stuck)
+        log.info(
+            "agang: %d op(s) of gang '%s' outlived its abort: reported failed, their memory "
+            "free again (Gloo ends them at its own timeout).",
+            len(stuck),
+            name,
+        )
 
     def _watch_on_device(
         self, work: Any, done: Done, post: Callable[[], None] | None, stream_ordered: bool
