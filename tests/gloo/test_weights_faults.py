@@ -328,8 +328,14 @@ def _store_keys(address: str) -> tuple[int, int]:
     the publisher pops its own, and drains a dropped server's mailbox)."""
     host, port = address.rsplit(":", 1)
     client = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=10))
-    names = client.list_keys()
-    return len(names), sum(len(client.get(name)) for name in names)
+    count = size = 0
+    for name in client.list_keys():
+        # A server deletes its own keys when it closes: one may go between list and read.
+        if client.check([name]):
+            with contextlib.suppress(dist.DistStoreError):
+                size += len(client.get(name))
+                count += 1
+    return count, size
 
 
 @ON_ASYNCIO
