@@ -46,6 +46,9 @@ Rules:
    backend's check when it is admitted (checks run in admission order, pipelined); the
    op becomes ready only once every rank's fingerprint agreed. A mismatch fails the op
    with ``CollectiveMismatchError`` on every rank and breaks the gang before it starts.
+   A check that fails (an error, not a mismatch) is applied behind the checks issued
+   before it, so a peer's mismatch, which fails the later checks as its gang aborts,
+   is every rank's first cause (``order_checks``).
 9. *Two phases.* An op whose second step depends on the first one's result (the object
    collectives: sizes, then bytes) holds the core's gate between its phases, so later
    ops start after its second phase on every rank.
@@ -81,6 +84,7 @@ from agang._backends.fingerprint import call_site
 from agang._engine import busy, reports
 from agang._engine.deadlines import Expiry
 from agang._engine.ops import POINT_TO_POINT, Fingerprint, OpEnd, SecondPhase, Start, start_guarded
+from agang._engine.order_checks import OrderChecks
 from agang._engine.polling import Polling
 from agang._engine.room import Room
 from agang._engine.scheduler import Entry, Scheduler
@@ -129,6 +133,7 @@ class Engine:
         self._next_seq = 0
         self._next_collective = 0  # rule 5: what blame asks a collective about
         self._next_check = 0
+        self._checks = OrderChecks(self.name)  # rule 8: failures behind earlier checks
         self._draining = False
         self._inline: OpEnd | None = None  # the op ``_start_now`` is starting, on
         self._inline_thread = 0  # this thread
@@ -395,16 +400,19 @@ class Engine:
         handle, abandon = entry.item
 
         def checked(fingerprints: dict[int, str] | None, error: BaseException | None) -> None:
-            if error is None and fingerprints is not None:
-                context = self.context(handle.op, handle.seq, handle.timeout)
-                error = reports.mismatch(context, index, fingerprints)
-            if error is not None:
-                abandon(error)  # never started: no backend call will report it
+            if error is not None:  # never started: no backend call will report it
+                self._checks.failed(index, functools.partial(abandon, error))
                 return
-            with self.lock:
-                self._scheduler.set_ready(handle.seq)
-                self._drain()
+            if fingerprints is not None:
+                context = self.context(handle.op, handle.seq, handle.timeout)
+                abandon(reports.mismatch(context, index, fingerprints))
+            else:
+                with self.lock:
+                    self._scheduler.set_ready(handle.seq)
+                    self._drain()
+            self._checks.resolved(index)
 
+        self._checks.opened(index)
         try:
             self.backend.start_order_check(index, fingerprint, checked)
         except Exception as exc:
@@ -561,6 +569,7 @@ class Engine:
                 return
             self.broken = cause
             pending, dropped = self._take_pending()
+        self._checks.drop()
         # The cause is raised to the op's waiter, and every later call raises it again: a
         # library logs no ERROR for what it raises (a handled deadline printed twice).
         log.info("Gang '%s' (rank %d) is broken: %s", self.name, self.rank, cause)
@@ -584,6 +593,7 @@ class Engine:
                 return False
             self.closed = True
             pending, dropped = self._take_pending()
+        self._checks.drop()
         self._alarm.disarm()  # no deadline is left to check (rule 7)
         for future in pending:
             future._finish(

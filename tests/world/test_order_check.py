@@ -173,6 +173,31 @@ async def _c2_skips_a_middle_op(gang: agang.Gang, deadline: float) -> Report:
     return {"handles": await settle(calls), "next_call": next_call(gang)}
 
 
+LATE_EXCHANGE = 0.5
+
+
+async def _c2_skips_a_middle_op_read_late(gang: agang.Gang, deadline: float) -> Report:
+    """C2 (checked, Gloo), with rank 0 reading its peer's fingerprint 0.5 s late (it
+    posts its own at once): rank 1 finds the mismatch first and aborts, which fails
+    rank 0's next check (the all_gather's) at once, long before rank 0 reads the
+    mismatch. Rank 0 must still report the mismatch as the first cause, as a quicker
+    machine would."""
+    from agang._backends.c10d import order
+
+    await_key = order._await_key
+
+    def late(*args: Any) -> bool:
+        time.sleep(LATE_EXCHANGE)
+        return await_key(*args)
+
+    if gang.rank == 0:
+        order._await_key = late
+    try:
+        return await _c2_skips_a_middle_op(gang, deadline)
+    finally:
+        order._await_key = await_key
+
+
 async def _c2_skips_the_last_op(gang: agang.Gang, deadline: float) -> Report:
     """C2: rank 1 skips the last of three all_reduces; nothing shows it but the other
     ranks' wait (checked: their timeout names rank 1, which never reached the check).
@@ -220,6 +245,7 @@ SCENARIOS: dict[str, Scenario] = {
     "c1": _c1_order_swapped,
     "c1-awaited": _c1_order_swapped_awaited,
     "c2-middle": _c2_skips_a_middle_op,
+    "c2-middle-late": _c2_skips_a_middle_op_read_late,
     "c2-last": _c2_skips_the_last_op,
     "c3": _c3_shapes_differ,
     "c5-op": _c5_reduce_op_differs,
@@ -572,7 +598,8 @@ def reports_of(world: World, name: str) -> list[Report]:
 
 @pytest.fixture(scope="module")
 def gloo_checked() -> World:
-    names = ["c1-awaited", "c2-middle", "c2-last", "c3", "c5-op", "c5-root", "c5-dtype"]
+    names = ["c1-awaited", "c2-middle", "c2-middle-late", "c2-last", "c3", "c5-op", "c5-root"]
+    names.append("c5-dtype")
     return run_scenarios(
         names,
         correct_first=True,
@@ -636,6 +663,12 @@ def test_c1_gloo_unchecked(gloo_unchecked: World) -> None:
 @pytest.mark.gloo
 def test_c2_gloo_names_the_rank(gloo_checked: World) -> None:
     check_c2_named(reports_of(gloo_checked, "c2-middle"), T_GLOO_CHECKED)
+
+
+@pytest.mark.gloo
+def test_c2_gloo_names_the_rank_when_a_rank_reads_the_mismatch_late(gloo_checked: World) -> None:
+    # A peer's abort fails the later check first; it is applied behind the mismatch.
+    check_c2_named(reports_of(gloo_checked, "c2-middle-late"), T_GLOO_CHECKED)
 
 
 @pytest.mark.gloo
