@@ -28,7 +28,10 @@ Rules:
    (``agang._backends.c10d.mailbox``) serves a queue under ``sub/<id>/``, with no
    traffic until asked: a ``weights_status`` letter asks where its side of the rounds
    stands, and is answered under the key it names. No answer within ``ASK_SECONDS``:
-   dead, stopped, or cut off from the store. The asker deletes the answers it read.
+   dead, stopped, or cut off from the store. The asker deletes the answers it read,
+   and remembers the keys of the last ``LATE_KEPT`` questions that were not answered
+   in time: at each later question, each ``forget`` and close it deletes those whose
+   late answer has come (a server stopped across a question answers when it wakes).
 6. *Nothing grows with the channel's age.* Keys that no one will read again are
    deleted by the publisher: an epoch's keys (its group's rendezvous included) once a
    later epoch's group is made, and every epoch's at close; a subscriber's beat, drop
@@ -44,6 +47,7 @@ from __future__ import annotations
 import secrets
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -59,6 +63,8 @@ DROPS_KEPT = 64
 #: The most news one look pops: a bound on the loop, far above a fleet's churn per push.
 _NEWS_PER_LOOK = 100_000
 ASK_SECONDS = 0.3
+#: The most unanswered questions whose late answers are looked for (rule 5).
+LATE_KEPT = 64
 _ROOT = "agang/weights"
 _KIND = "weights_status"
 
@@ -92,6 +98,8 @@ class Channel:
         self.session = session
         self.address = address
         self._prefix = f"{_ROOT}/{channel}/{session}"
+        # Rule 5: the reply key of each question not answered in time, and whose.
+        self._late: OrderedDict[str, str] = OrderedDict()
 
     @staticmethod
     def session_key(channel: str) -> str:
@@ -235,6 +243,7 @@ class Channel:
         self.store.delete_key(self._key(f"beat/{uid}"))
         self.forget_drop(uid)
         mailbox.drain(self.mailbox_store(uid), 0, _NEWS_PER_LOOK)
+        self.sweep_late_answers()
 
     def say_closed(self) -> None:
         self.store.set(self._key("closed"), "1")
@@ -260,6 +269,7 @@ class Channel:
 
     def ask(self, uids: list[str], seconds: float = ASK_SECONDS) -> dict[str, str | None]:
         """Each of ``uids``' status, None for one that did not answer within ``seconds``."""
+        self.sweep_late_answers()
         answers: dict[str, str | None] = dict.fromkeys(uids)
         keys = {}
         for uid in uids:
@@ -271,9 +281,22 @@ class Channel:
                 if answers[uid] is None:
                     answers[uid] = store_get(self.mailbox_store(uid), keys[uid])
             time.sleep(mailbox.POLL_SECONDS)
-        for uid in uids:  # rule 5: read, or too late to be (a late answer's key stays)
+        for uid in uids:  # rule 5: read, or too late to be
             self.mailbox_store(uid).delete_key(keys[uid])
+            if answers[uid] is None:
+                self._late[keys[uid]] = uid
+        while len(self._late) > LATE_KEPT:
+            self._late.popitem(last=False)
         return {uid: None if a is None else a.strip() for uid, a in answers.items()}
+
+    def sweep_late_answers(self) -> None:
+        """Deletes the late answers that have come to questions not answered in time
+        (rule 5)."""
+        for key, uid in list(self._late.items()):
+            store = self.mailbox_store(uid)
+            if store.check([key]):
+                store.delete_key(key)
+                del self._late[key]
 
 
 def store_get(store: Any, key: str) -> str | None:

@@ -49,6 +49,7 @@ class Housekeeping:
         self._epochs.clear()
         while self._drops:
             self._channel.forget(self._drops.popitem(last=False)[0])
+        self._channel.sweep_late_answers()
 
     def dropped(self, uid: str, why: str, alive: set[str]) -> None:
         """Drops ``uid`` with ``why`` (it reads it) and forgets the oldest drop past
