@@ -47,8 +47,9 @@ Rules:
    op becomes ready only once every rank's fingerprint agreed. A mismatch fails the op
    with ``CollectiveMismatchError`` on every rank and breaks the gang before it starts.
    A check that fails (an error, not a mismatch) is applied behind the checks issued
-   before it, so a peer's mismatch, which fails the later checks as its gang aborts,
-   is every rank's first cause (``order_checks``).
+   before it, and a started op's failure behind the checks open then, so a peer's
+   mismatch, whose abort fails what is in flight on the other ranks, is every rank's
+   first cause (``order_checks``).
 9. *Two phases.* An op whose second step depends on the first one's result (the object
    collectives: sizes, then bytes) holds the core's gate between its phases, so later
    ops start after its second phase on every rank.
@@ -92,6 +93,7 @@ from agang._errors import (
     CollectiveError,
     GangBrokenError,
     GangClosedError,
+    GangError,
     GangInheritedError,
     GangTimeoutError,
     OpContext,
@@ -401,6 +403,8 @@ class Engine:
 
         def checked(fingerprints: dict[int, str] | None, error: BaseException | None) -> None:
             if error is not None:  # never started: no backend call will report it
+                if not isinstance(error, GangError):  # an agang error is not held again
+                    error = self._wrap(handle, error)
                 self._checks.failed(index, functools.partial(abandon, error))
                 return
             if fingerprints is not None:
@@ -472,6 +476,25 @@ class Engine:
 
     def complete(self, handle: Handle[Any], value: Any, error: BaseException | None) -> None:
         """The backend op behind ``handle`` has ended (its tensors are free)."""
+        # Rule 8: with order checks on, a backend's failure waits for the checks open now.
+        held = (
+            error is not None
+            and self.checks_order
+            and not isinstance(error, GangError)
+            and self._checks.op_failed(functools.partial(self._complete, handle, value, error))
+        )
+        if not held:
+            self._complete(handle, value, error)
+
+    def _wrap(self, handle: Handle[Any], error: BaseException) -> CollectiveError:
+        """A backend's ``error`` for ``handle``'s op, as the op's ``CollectiveError``."""
+        context = self.context(handle.op, handle.seq, handle.timeout)
+        explained = f"{context.describe()} failed: {error}{self.backend.explain(error)}"
+        wrapped = CollectiveError(explained, context)
+        wrapped.__cause__ = error
+        return wrapped
+
+    def _complete(self, handle: Handle[Any], value: Any, error: BaseException | None) -> None:
         now = time.monotonic()
         seconds = now - handle.issued_at
         # A handle that already failed (its deadline passed) records as timed out.
@@ -515,10 +538,7 @@ class Engine:
             if isinstance(error, GangBrokenError | GangClosedError | CollectiveError):
                 wrapped: BaseException = error
             else:
-                context = self.context(handle.op, handle.seq, handle.timeout)
-                explained = f"{context.describe()} failed: {error}{self.backend.explain(error)}"
-                wrapped = CollectiveError(explained, context)
-                wrapped.__cause__ = error
+                wrapped = self._wrap(handle, error)
 
             def count_failed_and_break() -> None:
                 with self.lock:
@@ -569,7 +589,6 @@ class Engine:
                 return
             self.broken = cause
             pending, dropped = self._take_pending()
-        self._checks.drop()
         # The cause is raised to the op's waiter, and every later call raises it again: a
         # library logs no ERROR for what it raises (a handled deadline printed twice).
         log.info("Gang '%s' (rank %d) is broken: %s", self.name, self.rank, cause)
@@ -577,6 +596,7 @@ class Engine:
             future._finish(None, abandoned(future))
         for handle, abandon in dropped:
             abandon(abandoned(handle))  # releases their tensors; nothing was started
+        self._checks.drop()  # after: what was held ends ops that the break failed already
         try:
             # A woken waiter may have closed it meanwhile: backends cope with abort after release.
             # A rank whose own deadline broke the gang tells its peers why (their ops
@@ -593,7 +613,6 @@ class Engine:
                 return False
             self.closed = True
             pending, dropped = self._take_pending()
-        self._checks.drop()
         self._alarm.disarm()  # no deadline is left to check (rule 7)
         for future in pending:
             future._finish(
@@ -601,6 +620,7 @@ class Engine:
             )
         for handle, abandon in dropped:
             abandon(GangClosedError(f"{handle} was pending when gang '{self.name}' was closed."))
+        self._checks.drop()  # after: what was held ends ops that the close failed already
         return True
 
     def count_coalesced(self, num_members: int) -> None:

@@ -163,10 +163,11 @@ async def _c1_order_swapped_awaited(gang: agang.Gang, deadline: float) -> Report
 SKIPPER = 1
 
 
-async def _c2_skips_a_middle_op(gang: agang.Gang, deadline: float) -> Report:
-    """C2 (checked): rank 1 skips the broadcast that the others issue between two ops."""
+async def _c2_skips_a_middle_op(gang: agang.Gang, deadline: float, first: int = 4) -> Report:
+    """C2 (checked): rank 1 skips the broadcast that the others issue between two ops
+    (the first, an all_reduce of ``first`` elements)."""
     output = torch.empty(gang.size, 4)
-    calls: list[Issue] = [lambda: gang.all_reduce(torch.ones(4), timeout=deadline)]
+    calls: list[Issue] = [lambda: gang.all_reduce(torch.ones(first), timeout=deadline)]
     if gang.rank != SKIPPER:
         calls.append(lambda: gang.broadcast(torch.ones(4), timeout=deadline))
     calls.append(lambda: gang.all_gather(output, torch.ones(4), timeout=deadline))
@@ -174,14 +175,16 @@ async def _c2_skips_a_middle_op(gang: agang.Gang, deadline: float) -> Report:
 
 
 LATE_EXCHANGE = 0.5
+BIG = 16 * 1024 * 1024  # elements: 64 MiB, an all_reduce of tens of ms on loopback
 
 
 async def _c2_skips_a_middle_op_read_late(gang: agang.Gang, deadline: float) -> Report:
     """C2 (checked, Gloo), with rank 0 reading its peer's fingerprint 0.5 s late (it
-    posts its own at once): rank 1 finds the mismatch first and aborts, which fails
-    rank 0's next check (the all_gather's) at once, long before rank 0 reads the
-    mismatch. Rank 0 must still report the mismatch as the first cause, as a quicker
-    machine would."""
+    posts its own at once): rank 1 finds the mismatch first and aborts, which fails at
+    once, long before rank 0 reads the mismatch, what is in flight on rank 0: its next
+    check (the all_gather's), and the first all_reduce, big enough to be still moving
+    (it agreed and started). Rank 0 must still report the mismatch as the first cause,
+    as a quicker machine would."""
     from agang._backends.c10d import order
 
     await_key = order._await_key
@@ -193,7 +196,7 @@ async def _c2_skips_a_middle_op_read_late(gang: agang.Gang, deadline: float) -> 
     if gang.rank == 0:
         order._await_key = late
     try:
-        return await _c2_skips_a_middle_op(gang, deadline)
+        return await _c2_skips_a_middle_op(gang, deadline, BIG)
     finally:
         order._await_key = await_key
 
