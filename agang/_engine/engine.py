@@ -402,10 +402,9 @@ class Engine:
         handle, abandon = entry.item
 
         def checked(fingerprints: dict[int, str] | None, error: BaseException | None) -> None:
-            if error is not None:  # never started: no backend call will report it
-                if not isinstance(error, GangError):  # an agang error is not held again
-                    error = self._wrap(handle, error)
-                self._checks.failed(index, functools.partial(abandon, error))
+            if error is not None:  # never started; as an agang error, not held again
+                wrapped = error if isinstance(error, GangError) else self._wrap(handle, error)
+                self._checks.failed(index, functools.partial(abandon, wrapped))
                 return
             if fingerprints is not None:
                 context = self.context(handle.op, handle.seq, handle.timeout)
@@ -476,23 +475,15 @@ class Engine:
 
     def complete(self, handle: Handle[Any], value: Any, error: BaseException | None) -> None:
         """The backend op behind ``handle`` has ended (its tensors are free)."""
-        # Rule 8: with order checks on, a backend's failure waits for the checks open now.
-        held = (
-            error is not None
-            and self.checks_order
-            and not isinstance(error, GangError)
-            and self._checks.op_failed(functools.partial(self._complete, handle, value, error))
-        )
-        if not held:
+        if error is None or not self.checks_order or isinstance(error, GangError):
             self._complete(handle, value, error)
+        elif not self._checks.op_failed(functools.partial(self._complete, handle, value, error)):
+            self._complete(handle, value, error)  # rule 8: held where order checks are open
 
     def _wrap(self, handle: Handle[Any], error: BaseException) -> CollectiveError:
         """A backend's ``error`` for ``handle``'s op, as the op's ``CollectiveError``."""
         context = self.context(handle.op, handle.seq, handle.timeout)
-        explained = f"{context.describe()} failed: {error}{self.backend.explain(error)}"
-        wrapped = CollectiveError(explained, context)
-        wrapped.__cause__ = error
-        return wrapped
+        return reports.failed(context, error, self.backend.explain(error))
 
     def _complete(self, handle: Handle[Any], value: Any, error: BaseException | None) -> None:
         now = time.monotonic()

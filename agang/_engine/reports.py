@@ -1,4 +1,4 @@
-"""The errors the engine reports when an op times out or the ranks disagree.
+"""The errors the engine reports when an op fails, times out or the ranks disagree.
 
 Pure: plain data in, an error out. Each message names the gang, rank, op and seq (the
 ``OpContext``), says what happened and what it did to the gang.
@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping
 
 from agang._backends import fingerprint as flows
 from agang._backends.contract import Progress
-from agang._errors import CollectiveMismatchError, GangTimeoutError, OpContext
+from agang._errors import CollectiveError, CollectiveMismatchError, GangTimeoutError, OpContext
 
 #: Every peer's answer (None: no answer in time); the whole is None where the peers
 #: could not be asked at all (the store did not answer).
@@ -97,6 +97,14 @@ def describe(peers: Peers, where: Callable[[int], str], op: str | None = None) -
         return ""
     parts = [f"{where(rank)}: {verdict(peers[rank], op)}" for rank in sorted(peers)]
     return "Peers: " + "; ".join(parts) + "."
+
+
+def failed(context: OpContext, error: BaseException, explained: str) -> CollectiveError:
+    """A backend's ``error`` as the op's ``CollectiveError``; ``explained``: what the
+    backend adds (who the peer in its message is), or ''."""
+    wrapped = CollectiveError(f"{context.describe()} failed: {error}{explained}", context)
+    wrapped.__cause__ = error
+    return wrapped
 
 
 def mismatch(
