@@ -601,8 +601,16 @@ def reports_of(world: World, name: str) -> list[Report]:
 
 @pytest.fixture(scope="module")
 def gloo_checked() -> World:
-    names = ["c1-awaited", "c2-middle", "c2-middle-late", "c2-last", "c3", "c5-op", "c5-root"]
-    names.append("c5-dtype")
+    names = [
+        "c1-awaited",
+        "c2-middle",
+        "c2-middle-late",
+        "c2-last",
+        "c3",
+        "c5-op",
+        "c5-root",
+        "c5-dtype",
+    ]
     return run_scenarios(
         names,
         correct_first=True,
@@ -670,7 +678,8 @@ def test_c2_gloo_names_the_rank(gloo_checked: World) -> None:
 
 @pytest.mark.gloo
 def test_c2_gloo_names_the_rank_when_a_rank_reads_the_mismatch_late(gloo_checked: World) -> None:
-    # A peer's abort fails the later check first; it is applied behind the mismatch.
+    # The peer's abort fails the later check and the first all_reduce before this rank
+    # reads the mismatch; both failures are applied behind it.
     check_c2_named(reports_of(gloo_checked, "c2-middle-late"), T_GLOO_CHECKED)
 
 

@@ -13,7 +13,6 @@ import time
 
 from agang._engine.order_checks import OrderChecks
 
-
 NAME = "order-checks-unit-test"  # the timers of other tests' gangs are not counted
 
 
