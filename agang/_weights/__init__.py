@@ -15,7 +15,7 @@ makes its groups itself) and below the public face, which re-exports its classes
   the process's default group), and the round header.
 - :mod:`~agang._weights.publisher`: ``WeightPublisher``, the trainer's side.
 - :mod:`~agang._weights.service`: the subscriber's side of every round, on a thread
-  of its own, so that no push waits for the server's application code.
+  and event loop of its own, so that no push waits for the server's application code.
 - :mod:`~agang._weights.subscriber`: ``WeightSubscriber``, what the server's code holds.
 - :mod:`~agang._weights.report`: ``PushReport``, what one push did.
 - :mod:`~agang._weights.checks`: the public inputs' checks, each naming its parameter.

@@ -1,8 +1,4 @@
-"""The subscriber's side of every round, on a thread of its own.
-
-The thread waits on each op's handle directly (``Handle.wait``), with no event loop:
-a round's end wakes it the way a lock does, and its confirmation goes out without a
-loop's turn in between.
+"""The subscriber's side of every round, on a thread and an asyncio loop of its own.
 
 Rules:
 1. *Never waits for the application.* Once admitted, the service takes part in every
@@ -47,11 +43,13 @@ Rules:
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
+import anyio
 import torch
 
 from agang._backends.c10d.retry import one_line
@@ -109,7 +107,7 @@ class Service:
 
     def _run(self) -> None:
         try:
-            self._main()
+            asyncio.run(self._main())
         except GangError as error:
             self.error = error
         except Exception as error:  # the store failed under a call, or a bug
@@ -131,12 +129,12 @@ class Service:
             return f"the store at {self.channel.address} went away ({one_line(lost).rstrip('.')})."
         return one_line(error)
 
-    def _main(self) -> None:
+    async def _main(self) -> None:
         while not self._stopping.is_set():
             epoch = self._wait_for_epoch()
             if epoch is None:
                 return
-            next_epoch = self._serve(epoch)
+            next_epoch = await self._serve(epoch)
             if next_epoch is None:
                 return
 
@@ -178,7 +176,7 @@ class Service:
             time.sleep(_POLL)
         return None
 
-    def _serve(self, epoch: int) -> int | None:
+    async def _serve(self, epoch: int) -> int | None:
         """Serves ``epoch``'s rounds until it ends; the epoch to look for next (rule 3)."""
         members = [Member.from_text(line) for line in self.channel.members(epoch) or []]
         rank = next((i for i, m in enumerate(members) if m.uid == self.me.uid), None)
@@ -193,24 +191,26 @@ class Service:
             if self.channel.epoch() > epoch:  # its go was said, and deleted since (rule 3)
                 return epoch + 1
             if time.monotonic() > give_up_at:
-                return self._after_failure(epoch, "no go to make its group")
-            time.sleep(_POLL)
+                return await self._after_failure(epoch, "no go to make its group")
+            await asyncio.sleep(_POLL)
         if go != "go":
             return epoch + 1
         try:
             self._gang = make_gang(self.channel, epoch, rank, members, self.timeout)
         except Exception as error:
-            return self._after_failure(epoch, f"its group could not be made: {one_line(error)}")
+            return await self._after_failure(
+                epoch, f"its group could not be made: {one_line(error)}"
+            )
         self._close_old()  # on a thread of its own: this epoch's rounds do not wait for it
         self._renew_held()
         try:
-            return self._rounds(epoch)
+            return await self._rounds(epoch)
         finally:
             gang, self._gang = self._gang, None
             if gang is not None:
-                gang.close_sync()
+                await gang.close()
 
-    def _rounds(self, epoch: int) -> int | None:
+    async def _rounds(self, epoch: int) -> int | None:
         gang = self._gang
         assert gang is not None
         buckets = self.buckets
@@ -223,17 +223,17 @@ class Service:
             try:
                 coming = gang.broadcast(self._bucket0, 0, timeout=None)
             except GangError as error:  # broken: the last confirmation's send failed
-                return self._after_failure(epoch, one_line(error))
+                return await self._after_failure(epoch, one_line(error))
             if confirming is not None:
-                unconfirmed, confirming = self._confirmed(confirming, epoch), None
+                unconfirmed, confirming = await self._confirmed(confirming, epoch), None
                 if unconfirmed is not None:
-                    return self._after_failure(epoch, unconfirmed)
+                    return await self._after_failure(epoch, unconfirmed)
             try:
-                moved = self._watch([coming], epoch)
+                moved = await self._watch([coming], epoch)
             except GangError as error:
-                return self._after_failure(epoch, one_line(error))
+                return await self._after_failure(epoch, one_line(error))
             if moved is not None:  # the publisher left this epoch without telling it
-                return self._after_failure(epoch, moved)
+                return await self._after_failure(epoch, moved)
             what, version, named, _ = self._header.tolist()
             if what == REFORM:
                 self._say(f"moving from epoch {epoch} to epoch {named}")
@@ -243,7 +243,7 @@ class Service:
             if what != DATA:
                 raise self._lost(f"a round of epoch {epoch} had an unknown header {what}")
             if self._stale(epoch):
-                return self._after_failure(
+                return await self._after_failure(
                     epoch, f"the publisher moved on from epoch {epoch} before its round came"
                 )
             self._say(f"receiving version {version} in epoch {epoch}")
@@ -259,28 +259,28 @@ class Service:
                 if landed is not None:
                     landed(0)
                 try:
-                    moved = self._watch(handles, epoch, landed, first=1)
+                    moved = await self._watch(handles, epoch, landed, first=1)
                 except GangError as error:
-                    return self._after_failure(epoch, one_line(error))
+                    return await self._after_failure(epoch, one_line(error))
                 if moved is not None:
-                    return self._after_failure(epoch, moved)
+                    return await self._after_failure(epoch, moved)
                 # Whole now, whatever becomes of the confirmation (rule 2).
                 self.ready = int(version)
                 try:
                     ack = torch.tensor([version, epoch], dtype=torch.int64)
                     confirming = gang.send(ack, 0, timeout=self.timeout)
                 except GangError as error:
-                    return self._after_failure(epoch, one_line(error))
+                    return await self._after_failure(epoch, one_line(error))
             self._say(f"holds version {version} in epoch {epoch}")
             self._tell()
         if confirming is not None:  # stopping: the last confirmation goes out first
-            self._confirmed(confirming, epoch)
+            await self._confirmed(confirming, epoch)
         return None
 
-    def _confirmed(self, sent: Any, epoch: int) -> str | None:
+    async def _confirmed(self, sent: Any, epoch: int) -> str | None:
         """Sees a confirmation's send through; why it was not, or None."""
         try:
-            return self._watch([sent], epoch)
+            return await self._watch([sent], epoch)
         except GangError as error:
             return one_line(error)
 
@@ -322,41 +322,37 @@ class Service:
         self._header = self._header_of(self._bucket0)
         start_daemon(closing.close_sync, name=f"agang: weights: close gang '{closing.name}'")
 
-    def _watch(
+    async def _watch(
         self,
         handles: list[Any],
         epoch: int,
         landed: Callable[[int], None] | None = None,
         first: int = 0,
     ) -> str | None:
-        """Waits for ``handles``, looking at the store every ``_IDLE_LOOK`` seconds;
-        returns why it stopped waiting where the publisher moved to a later epoch (rule
-        3). ``landed(first + i)`` runs as soon as ``handles[i]`` ended well. Without it,
-        the last is waited for first: it ends last, and a handle that ended before its
-        wait costs no wake-up of this thread (one a round, not one a bucket)."""
+        """Awaits ``handles``, looking at the store every ``_IDLE_LOOK`` seconds; returns
+        why it stopped waiting where the publisher moved to a later epoch (rule 3).
+        ``landed(first + i)`` runs as soon as ``handles[i]`` ended well. Without it,
+        the last is awaited first: it ends last, and a handle that ended before it is
+        awaited costs no wake-up of the loop (one a round, not one a bucket)."""
         order = list(enumerate(handles, first))
         if landed is None:
             order.reverse()
         for index, handle in order:
             while not handle.done():
-                try:
-                    handle.wait(_IDLE_LOOK)
-                except TimeoutError:
-                    pass
-                except GangError:
-                    break  # raised below, by ``result``
+                with anyio.move_on_after(_IDLE_LOOK):
+                    await handle
                 if handle.done():
                     break
                 if self.channel.epoch() > epoch:
                     return f"the publisher moved on from epoch {epoch}"
                 if self._stopping.is_set():
                     return "closing"
-            handle.result()
+            await handle
             if landed is not None:
                 landed(index)
         return None
 
-    def _after_failure(self, epoch: int, error: str) -> int | None:
+    async def _after_failure(self, epoch: int, error: str) -> int | None:
         """Rule 3: what happened to ``epoch``, from the store; the epoch to look at next."""
         # Closed once this subscriber made the next epoch's group (``_serve``): closing
         # may wait up to 2 s for the aborted ops' ends, which the others must not wait for.
@@ -382,7 +378,7 @@ class Service:
                     f"({self.channel.publisher()}) neither made a new epoch nor dropped it "
                     f"within {self.timeout:g} s"
                 )
-            time.sleep(_POLL)
+            await asyncio.sleep(_POLL)
         return None
 
     def _register_again_if_dropped(self) -> bool:
