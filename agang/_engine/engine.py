@@ -473,19 +473,18 @@ class Engine:
     # Completion (rules 4 and 10): an op's end comes back through its ``OpEnd`` (``ops``); one
     # that ended inside its start on the issuing thread is taken by :meth:`_start_now` instead.
 
-    def complete(self, handle: Handle[Any], value: Any, error: BaseException | None) -> None:
-        """The backend op behind ``handle`` has ended (its tensors are free)."""
-        if error is None or not self.checks_order or isinstance(error, GangError):
-            self._complete(handle, value, error)
-        elif not self._checks.op_failed(functools.partial(self._complete, handle, value, error)):
-            self._complete(handle, value, error)  # rule 8: held where order checks are open
-
     def _wrap(self, handle: Handle[Any], error: BaseException) -> CollectiveError:
         """A backend's ``error`` for ``handle``'s op, as the op's ``CollectiveError``."""
         context = self.context(handle.op, handle.seq, handle.timeout)
         return reports.failed(context, error, self.backend.explain(error))
 
-    def _complete(self, handle: Handle[Any], value: Any, error: BaseException | None) -> None:
+    def complete(self, handle: Handle[Any], value: Any, error: BaseException | None) -> None:
+        """The backend op behind ``handle`` has ended (its tensors are free)."""
+        if error is not None and self.checks_order and not isinstance(error, GangError):
+            # Rule 8: held while order checks are open; as an agang error, not held again.
+            error = self._wrap(handle, error)
+            if self._checks.op_failed(functools.partial(self.complete, handle, value, error)):
+                return
         now = time.monotonic()
         seconds = now - handle.issued_at
         # A handle that already failed (its deadline passed) records as timed out.

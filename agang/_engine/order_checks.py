@@ -113,7 +113,7 @@ class OrderChecks:
 
     def _release(self) -> None:
         """Applies, in order, the held failures that no open check precedes."""
-        while True:
+        while self._held:  # read unlocked: nothing held is the common case
             with self._lock:
                 first = min(self._open, default=math.inf)
                 ready = [key for key in self._held if key[0] <= first]
