@@ -30,8 +30,8 @@ Rules:
    stands, and is answered under the key it names. No answer within ``ASK_SECONDS``:
    dead, stopped, or cut off from the store. The asker deletes the answers it read,
    and remembers the keys of the last ``LATE_KEPT`` questions that were not answered
-   in time: at each later question, each ``forget`` and close it deletes those whose
-   late answer has come (a server stopped across a question answers when it wakes).
+   in time: at each later question and at close it deletes those whose late answer
+   has come (a server stopped across a question answers when it wakes).
 6. *Nothing grows with the channel's age.* Keys that no one will read again are
    deleted by the publisher: an epoch's keys (its group's rendezvous included) once a
    later epoch's group is made, and every epoch's at close; a subscriber's beat, drop
@@ -243,7 +243,6 @@ class Channel:
         self.store.delete_key(self._key(f"beat/{uid}"))
         self.forget_drop(uid)
         mailbox.drain(self.mailbox_store(uid), 0, _NEWS_PER_LOOK)
-        self.sweep_late_answers()
 
     def say_closed(self) -> None:
         self.store.set(self._key("closed"), "1")
