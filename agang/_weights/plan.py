@@ -11,11 +11,12 @@ Rules:
 3. Buckets: tensors are taken in plan order; one of at least ``bucket_bytes`` bytes is
    a *direct* bucket of its own (its bytes move as they are, with no copy on the
    publisher); the others are *packed* into buckets of up to ``bucket_bytes``, each
-   tensor at an offset aligned to ``ALIGN`` bytes. Bucket 0 is always packed, starts
-   with the round's header (``HEADER_BYTES``) and holds at most ``FIRST_BUCKET_BYTES``
-   (a subscriber receives it apart, then copies it), so a small model moves in one
-   broadcast. Empty tensors move nothing. Both sides derive the same buckets from the
-   same plan and bucket size.
+   tensor at an offset aligned to ``ALIGN`` bytes. Bucket 0 is always packed and starts
+   with the round's header (``HEADER_BYTES``). A model that fits one bucket moves
+   whole in bucket 0, in one broadcast, which a subscriber posts before the round
+   comes; otherwise bucket 0 holds at most ``FIRST_BUCKET_BYTES`` (a subscriber
+   receives it apart, reads the header, then posts the other buckets). Empty tensors
+   move nothing. Both sides derive the same buckets from the same plan and bucket size.
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ HEADER_WORDS = 4
 HEADER_BYTES = 64
 ALIGN = 64
 DEFAULT_BUCKET_BYTES = 4 * 1024 * 1024
-#: The most bytes of bucket 0, which a subscriber receives apart (its header says what
-#: the round is) and then copies; it posts the other buckets' receives first. 4 MiB left
+#: The most bytes of bucket 0 where the model needs more than one bucket: a subscriber
+#: receives it apart (its header says what the round is), posts the other buckets'
+#: receives, then copies it. 4 MiB left
 #: a 16 MiB push waiting on it; with 1 MiB, in two alternating runs of `bench_weights.py
 #: --quick 1048576 16777216` (2-core machine, 2026-11-26), 16 MiB pushes took 8.2-14.5 ms
 #: against 9.4-17.8 ms with 64 KiB, and 1 MiB pushes the same (1.5-3.3 ms).
@@ -127,6 +129,13 @@ class Plan:
     def buckets(self) -> list[tuple[bool, int, list[tuple[int, int, int]]]]:
         """Rule 3: ``(direct, nbytes, [(index, offset, nbytes), ...])`` per bucket; bucket
         0 is packed, its first ``HEADER_BYTES`` the header."""
+        whole = self._cut(self.bucket_bytes)
+        if len(whole) == 1:  # rule 3: the whole model in bucket 0
+            return whole
+        return self._cut(min(self.bucket_bytes, FIRST_BUCKET_BYTES))
+
+    def _cut(self, first_limit: int) -> list[tuple[bool, int, list[tuple[int, int, int]]]]:
+        """The buckets, bucket 0 holding at most ``first_limit`` bytes."""
         packed: list[tuple[int, int, int]] = []
         offset = HEADER_BYTES
         out: list[tuple[bool, int, list[tuple[int, int, int]]]] = []
@@ -145,7 +154,7 @@ class Plan:
                 direct.append((True, size, [(index, 0, size)]))
                 continue
             start = _aligned(offset)
-            limit = min(self.bucket_bytes, FIRST_BUCKET_BYTES) if first else self.bucket_bytes
+            limit = first_limit if first else self.bucket_bytes
             if (packed or first) and start + size > limit:
                 close_packed()
                 start = 0

@@ -7,7 +7,7 @@ import torch
 
 from agang._weights import checks
 from agang._weights.buckets import GRAIN, Buckets, copy_bytes
-from agang._weights.plan import HEADER_BYTES, Plan
+from agang._weights.plan import FIRST_BUCKET_BYTES, HEADER_BYTES, Plan
 
 
 def tensors(**shapes: tuple[int, ...]) -> dict[str, torch.Tensor]:
@@ -70,6 +70,19 @@ def test_small_tensors_are_packed_behind_the_header_and_large_ones_move_directly
 def test_a_model_of_one_large_tensor_has_a_header_only_bucket_0() -> None:
     layout = Plan.of({"x": torch.zeros(4096)}, bucket_bytes=1024).buckets()
     assert layout == [(False, HEADER_BYTES, []), (True, 16384, [(0, 0, 16384)])]
+
+
+def test_a_model_that_fits_one_bucket_moves_whole_in_bucket_0() -> None:
+    # 16 tensors of 64 KiB: past bucket 0's usual bound, within one bucket.
+    model = {f"w{i}": torch.zeros(16384) for i in range(16)}
+    whole = Plan.of(model, bucket_bytes=4 * FIRST_BUCKET_BYTES).buckets()
+    assert len(whole) == 1
+    assert whole[0][1] == HEADER_BYTES + 16 * 65536
+    # One byte more than a bucket holds: bucket 0 keeps its usual bound.
+    split = Plan.of(model, bucket_bytes=HEADER_BYTES + 16 * 65536 - 1).buckets()
+    assert len(split) == 2
+    assert split[0][1] <= FIRST_BUCKET_BYTES
+    assert sum(len(parts) for _, _, parts in split) == 16
 
 
 @pytest.mark.parametrize("in_place", [False, True])
