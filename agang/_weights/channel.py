@@ -70,15 +70,14 @@ _KIND = "weights_status"
 
 #: The status of each subscriber this process serves, by its responder's token (rule 5).
 _status_lock = threading.Lock()
-_status_of: dict[str, Callable[[], tuple[int | None, str]]] = {}
+_status_of: dict[str, Callable[[], str]] = {}
 
 
 def _answer(responder: mailbox.Responder, key: str) -> None:
     with _status_lock:
         status = _status_of.get(responder.token)
     if status is not None:
-        held, says = status()
-        responder.reply(key, f"{'-' if held is None else held} {' '.join(says.split())}")
+        responder.reply(key, " ".join(status().split()))
 
 
 mailbox.register(_KIND, _answer)
@@ -256,11 +255,7 @@ class Channel:
     def mailbox_store(self, uid: str) -> Any:
         return dist.PrefixStore(self._key(f"sub/{uid}"), self.store)  # type: ignore[attr-defined]
 
-    def serve_status(
-        self, uid: str, status: Callable[[], tuple[int | None, str]]
-    ) -> mailbox.Responder:
-        """Answers the questions to ``uid`` with ``status()``: the version it holds whole
-        (None: none) and where its side of the rounds stands, in words (rule 5)."""
+    def serve_status(self, uid: str, status: Callable[[], str]) -> mailbox.Responder:
         responder = mailbox.Responder(self.mailbox_store(uid), 0)
         with _status_lock:
             _status_of[responder.token] = status
@@ -271,11 +266,8 @@ class Channel:
             _status_of.pop(responder.token, None)
         mailbox.post(self.mailbox_store(uid), [0], "stop", responder.token)
 
-    def ask(
-        self, uids: list[str], seconds: float = ASK_SECONDS
-    ) -> dict[str, tuple[int | None, str] | None]:
-        """Each of ``uids``' status (the version it holds, and where it stands in words),
-        None for one that did not answer within ``seconds``."""
+    def ask(self, uids: list[str], seconds: float = ASK_SECONDS) -> dict[str, str | None]:
+        """Each of ``uids``' status, None for one that did not answer within ``seconds``."""
         self.sweep_late_answers()
         answers: dict[str, str | None] = dict.fromkeys(uids)
         keys = {}
@@ -294,7 +286,7 @@ class Channel:
                 self._late[keys[uid]] = uid
         while len(self._late) > LATE_KEPT:
             self._late.popitem(last=False)
-        return {uid: None if a is None else _status(a) for uid, a in answers.items()}
+        return {uid: None if a is None else a.strip() for uid, a in answers.items()}
 
     def sweep_late_answers(self) -> None:
         """Deletes the late answers that have come to questions not answered in time
@@ -304,13 +296,6 @@ class Channel:
             if store.check([key]):
                 store.delete_key(key)
                 del self._late[key]
-
-
-def _status(answer: str) -> tuple[int | None, str]:
-    """An answer to a status question, as ``serve_status`` wrote it: the version held,
-    and the words."""
-    held, _, says = answer.strip().partition(" ")
-    return (int(held) if held.lstrip("-").isdigit() else None), says
 
 
 def store_get(store: Any, key: str) -> str | None:

@@ -13,8 +13,7 @@ Rules:
    member's name and where it runs, never by the process's world roster.
 3. The round's header is bucket 0's first ``HEADER_WORDS`` int64 words: what the round
    is (``DATA``, ``REFORM``: go to the epoch named, ``CLOSE``: the publisher closes),
-   the version, the epoch. Every message ends with a barrier: ``DATA`` after its
-   buckets, ``REFORM`` and ``CLOSE`` after bucket 0.
+   the version, the epoch.
 4. The group binds to the interface that reaches the store (as ``init`` chooses it for
    a gang: ``agang._setup.interface``), or the one ``GLOO_SOCKET_IFNAME`` or
    ``AGANG_SOCKET_IFNAME`` names: Gloo's own default, the address this host's name
@@ -49,10 +48,6 @@ from agang._weights.channel import Channel
 log = logging.getLogger("agang.weights")
 
 DATA, REFORM, CLOSE = 1, 2, 3
-#: The longest either side waits for the barrier that ends a ``REFORM`` or ``CLOSE``
-#: (rule 3): a member that is not there by then (stopped) learns the next epoch from
-#: the store, and the publisher's check-ins find out whether it comes.
-LEAVE_SECONDS = 1.0
 
 
 @dataclass

@@ -8,15 +8,12 @@ Rules:
    are written, every one checks in, then all make the new group). A joiner with the
    name of a member replaces it (a restarted server).
 2. *A round* sends the buckets in order, each filled just before it is issued (the
-   next one fills while the last one moves), then a barrier: Gloo ends a subscriber's
-   barrier only after its buckets came, so the barrier's end says that every member
-   holds ``version`` (:mod:`agang._weights.service` rule 2). The whole round has the
-   push's deadline. ``REFORM`` and ``CLOSE`` are bucket 0 and a barrier too, the
-   barrier waited for ``LEAVE_SECONDS`` at most.
+   next one fills while the last one moves), then takes each subscriber's confirmation
+   (its version and epoch, sent to rank 0). The whole round has the push's deadline.
 3. *Recovery.* A round that fails (a deadline: the gang aborts; a lost connection)
-   asks each member where it stands (blame, :mod:`agang._weights.channel` rule 5).
-   Those that do not answer are dropped, with why; the rest move to a new epoch
-   without them and the round runs
+   leaves the subscribers that confirmed delivered; the others are asked where they
+   stand (blame, :mod:`agang._weights.channel` rule 5). Those that do not answer are
+   dropped, with why; the rest move to a new epoch without them and the round runs
    again there, once, within ``RECOVERY_SECONDS`` (plus the time the bytes take at
    ``RECOVERY_BYTES_PER_SECOND``) after the failure; a bucket that an op of the failed
    round still holds moves in a new buffer (``agang._weights.buckets`` rule 6). A
@@ -38,7 +35,6 @@ import os
 import socket
 import time
 from collections.abc import Mapping
-from typing import Any
 
 import torch
 
@@ -46,14 +42,13 @@ from agang._backends.c10d.retry import one_line
 from agang._collective.process_group_gang import ProcessGroupGang
 from agang._engine import busy
 from agang._errors import GangBrokenError, GangError
-from agang._handle import Handle
 from agang._runtime.threads import start_daemon
 from agang._weights import channel as channel_keys
 from agang._weights import checks
 from agang._weights.blocking import beat, blocking, bound, run_sync
 from agang._weights.buckets import Buckets
 from agang._weights.channel import Channel
-from agang._weights.epoch import CLOSE, DATA, LEAVE_SECONDS, REFORM, Member, make_gang
+from agang._weights.epoch import CLOSE, DATA, REFORM, Member, make_gang
 from agang._weights.housekeeping import Housekeeping
 from agang._weights.plan import DEFAULT_BUCKET_BYTES, Plan
 from agang._weights.report import PushReport
@@ -381,13 +376,8 @@ class WeightPublisher:
             self._renew_held()
             header = self._buckets.header
             header.copy_(torch.tensor([what, version, self._epoch + 1, 0]))
-            told: list[Handle[Any]] = []
             with contextlib.suppress(GangError):  # a member gone: the abort told the others
-                told.append(gang.broadcast(self._buckets.wire[0], 0, timeout=5.0))
-                told.append(gang.barrier(timeout=LEAVE_SECONDS))  # rule 2
-            for handle in told:
-                with contextlib.suppress(GangError):
-                    await handle
+                await gang.broadcast(self._buckets.wire[0], 0, timeout=5.0)
         await gang.close()
 
     # Rules 2, 3: the round and its recovery.
@@ -395,28 +385,28 @@ class WeightPublisher:
     async def _round_with_recovery(
         self, version: int, deadline: float, dropped: dict[str, str]
     ) -> set[str]:
-        """The names of the subscribers that hold ``version`` (rules 2, 3)."""
+        """The names of the subscribers that confirmed ``version`` (rule 3)."""
         delivered: set[str] = set()
         for attempt in range(2):
             if self._gang is None:
                 return delivered
-            failure = await self._round(version, deadline)
+            acked, failure = await self._round(version, deadline)
+            delivered |= {m.name for m in self._members if m.uid in acked}
             if failure is None:
-                return delivered | {m.name for m in self._members}
+                return delivered
             failed_at = time.monotonic()
+            missing = [m for m in self._members if m.uid not in acked]
             answers = await blocking(
-                functools.partial(self._channel.ask, [m.uid for m in self._members]),
+                functools.partial(self._channel.ask, [m.uid for m in missing]),
                 5.0,
                 what="asking the subscribers",
             )
             error = one_line(failure).rstrip(".")
             kept = list(self._members)
-            for member in self._members:
+            for member in missing:
                 answer = answers.get(member.uid)
-                if answer is not None and answer[0] == version:
-                    delivered.add(member.name)  # its buckets came: the barrier failed after
-                elif answer is None or attempt == 1:
-                    said = _NO_ANSWER if answer is None else f"failed twice; it says: {answer[1]}"
+                if answer is None or attempt == 1:
+                    said = _NO_ANSWER if answer is None else f"failed twice; it says: {answer}"
                     why = f"{said}; version {version}'s round failed: {error}"
                     dropped[member.name] = why
                     await blocking(
@@ -428,14 +418,14 @@ class WeightPublisher:
             deadline = recovery if later is None else later
         return delivered
 
-    async def _round(self, version: int, deadline: float) -> BaseException | None:
-        """Rule 2: the round's first failure, or None where every member holds ``version``."""
+    async def _round(self, version: int, deadline: float) -> tuple[set[str], BaseException | None]:
+        """Rule 2: the subscribers (uids) that confirmed ``version``, and the first failure."""
         gang = self._gang
         assert gang is not None
         self._renew_held()
         buckets = self._buckets
         header = torch.tensor([DATA, version, self._epoch, 0])
-        handles: list[Handle[Any]] = []
+        handles = []
         failure: BaseException | None = None
         try:
             for index in range(len(buckets.wire)):
@@ -445,10 +435,13 @@ class WeightPublisher:
                 handles.append(
                     gang.broadcast(buckets.wire[index], 0, timeout=bound(deadline, 0.001))
                 )
-            handles.append(gang.barrier(timeout=bound(deadline, 0.001)))  # rule 2
+            acks = [torch.zeros(2, dtype=torch.int64) for _ in self._members]
+            for rank, ack in enumerate(acks, 1):
+                handles.append(gang.recv(ack, rank, timeout=bound(deadline, 0.001)))
         except GangError as error:
             failure = error
-        # The last issued first: the barrier ends last, and a handle that ended
+            acks = []
+        # The last issued first: the confirmations end last, and a handle that ended
         # before it is awaited costs no wake-up of the loop (one a push, not one an op).
         errors: dict[int, GangError] = {}
         for index in reversed(range(len(handles))):
@@ -460,13 +453,22 @@ class WeightPublisher:
             # The cause: the first in issue order that was not abandoned for another's.
             causes = [e for _, e in sorted(errors.items()) if not isinstance(e, GangBrokenError)]
             failure = causes[0] if causes else errors[min(errors)]
+        acked = set()
+        sent = len(handles) - len(acks)
+        for member, ack, handle in zip(self._members, acks, handles[sent:], strict=False):
+            if (
+                handle.done()
+                and handle.exception() is None
+                and ack.tolist() == [version, self._epoch]
+            ):
+                acked.add(member.uid)
         if failure is not None:
             # On a thread of its own: a close waits (up to 5 s) for ops that c10d has not
             # ended, such as a broadcast to a peer behind a dead link, and the recovery
             # must not (it took 5.3 s of a cut-off push's recovery).
             start_daemon(gang.close_sync, name=f"agang: weights: close gang '{gang.name}'")
             self._may_be_held = True  # its ops may go on holding the buckets
-        return failure
+        return acked, failure
 
     def _renew_held(self) -> None:
         """A new buffer for each bucket an op of a failed round still holds (the

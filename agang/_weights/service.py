@@ -7,23 +7,17 @@ Rules:
 2. *A round.* Bucket 0 arrives in a buffer of its own (its header says what follows);
    for ``DATA`` the service then holds the staging lock, posts the other buckets'
    receives, straight into the staging buffers (or, in place, into the user's tensors;
-   there a packed bucket is copied out as soon as it came), copies bucket 0 in and says
-   a version is ready. Every message ends with a barrier, which confirms it to the
-   publisher: Gloo ends a barrier only after the ops posted before it on the same side
-   (checked: ``tests/gloo/test_gloo_barrier_order.py``), so this side's barrier says its buckets
-   came, and no confirmation waits for this side's loop. Where bucket 0 is the whole
-   round (a model that fits one bucket), its barrier is posted with it, before the
-   round comes: the round then runs on c10d's threads alone, from the publisher's
-   first byte to its barrier's end. The version is ready once its last bucket came,
-   whatever becomes of the barrier: a server stopped as it confirmed (the publisher
-   took the barrier, the end was not reported yet) wakes to find the publisher gone
-   from the epoch, with its bytes whole, and the publisher counted it delivered.
+   there a packed bucket is copied out as soon as it came), copies bucket 0 in, says a
+   version is ready and confirms it to the publisher. The version is
+   ready once its last bucket came, whatever becomes of its confirmation: a server
+   stopped as it confirmed (the publisher took the confirmation, the send's end was
+   not reported yet) wakes to find the publisher gone from the epoch, with its bytes
+   whole, and the publisher counted it delivered.
    ``receive`` copies the staging buffers into the user's tensors under the same lock,
    so it never reads half a version, and a round waits for that copy at most. A round
-   of several buckets that would overwrite a version the application has not taken
-   yet first looks at the store: one whose epoch the publisher left already (it came
-   to a server stopped across the push) is not taken, so the version held stays
-   whole; a round of bucket 0 alone lands whole in its own buffer, or not at all.
+   that would overwrite a version the application has not taken yet first looks at
+   the store: one whose epoch the publisher left already (it came to a server stopped
+   across the push) is not taken, so the version held stays whole.
 3. *Membership.* The service registers, waits for an epoch that lists it, checks in,
    and makes the group once the publisher says go. ``REFORM`` moves it to the epoch
    named. A failed epoch's group is closed on a thread of its own once the next one is
@@ -66,7 +60,7 @@ from agang._runtime.future import Future
 from agang._runtime.threads import start_daemon
 from agang._weights.buckets import Buckets, copy_bytes
 from agang._weights.channel import Channel
-from agang._weights.epoch import CLOSE, DATA, LEAVE_SECONDS, REFORM, Member, make_gang
+from agang._weights.epoch import CLOSE, DATA, REFORM, Member, make_gang
 
 PUBLISHER_GONE = 3.0
 STOP_GRACE = 1.0
@@ -220,19 +214,15 @@ class Service:
         gang = self._gang
         assert gang is not None
         buckets = self.buckets
-        whole = len(buckets.wire) == 1  # rule 2: bucket 0 is the whole round
-        confirming: Any = None  # the last round's barrier, posted, maybe not done
+        confirming: Any = None  # the last version's confirmation, sent, maybe not done
         while not self._stopping.is_set():
             self._say(f"waiting for a round of epoch {epoch} (holds version {self.ready})")
             # The next round's bucket 0 is posted before the last confirmation is seen
             # through: a publisher that took it starts the next push at once, and the
-            # round must not wait for this side's loop to learn that a barrier ended.
-            agreeing: Any = None
+            # round must not wait for this side's loop to learn that a send ended.
             try:
                 coming = gang.broadcast(self._bucket0, 0, timeout=None)
-                if whole:  # confirmed by Gloo as soon as bucket 0 came (rule 2)
-                    agreeing = gang.barrier(timeout=None)
-            except GangError as error:  # broken: the last round's barrier failed
+            except GangError as error:  # broken: the last confirmation's send failed
                 return await self._after_failure(epoch, one_line(error))
             if confirming is not None:
                 unconfirmed, confirming = await self._confirmed(confirming, epoch), None
@@ -245,8 +235,6 @@ class Service:
             if moved is not None:  # the publisher left this epoch without telling it
                 return await self._after_failure(epoch, moved)
             what, version, named, _ = self._header.tolist()
-            if what in (REFORM, CLOSE):
-                await self._leave(gang, agreeing, epoch)
             if what == REFORM:
                 self._say(f"moving from epoch {epoch} to epoch {named}")
                 return int(named)
@@ -254,21 +242,16 @@ class Service:
                 raise self._lost(f"the publisher ({self.channel.publisher()}) closed the channel")
             if what != DATA:
                 raise self._lost(f"a round of epoch {epoch} had an unknown header {what}")
-            if not whole and self._stale(epoch):
+            if self._stale(epoch):
                 return await self._after_failure(
                     epoch, f"the publisher moved on from epoch {epoch} before its round came"
                 )
             self._say(f"receiving version {version} in epoch {epoch}")
             with self.staging:
                 self.ready = None  # rule 2: staging is being written
-                try:
-                    handles = [
-                        gang.broadcast(wire, 0, timeout=self.timeout) for wire in buckets.wire[1:]
-                    ]  # posted first: the publisher sends them as soon as they are
-                    if agreeing is None:  # Gloo confirms once they came
-                        agreeing = gang.barrier(timeout=self.timeout)
-                except GangError as error:
-                    return await self._after_failure(epoch, one_line(error))
+                handles = [
+                    gang.broadcast(wire, 0, timeout=self.timeout) for wire in buckets.wire[1:]
+                ]  # posted first: the publisher sends them as soon as they are
                 copy_bytes(buckets.wire[0], self._bucket0)  # on this thread alone
                 # In place, each packed bucket is copied out as soon as it came, while
                 # the next ones move (its tensors are the server's, written anyway).
@@ -283,23 +266,16 @@ class Service:
                     return await self._after_failure(epoch, moved)
                 # Whole now, whatever becomes of the confirmation (rule 2).
                 self.ready = int(version)
-            confirming = agreeing
+                try:
+                    ack = torch.tensor([version, epoch], dtype=torch.int64)
+                    confirming = gang.send(ack, 0, timeout=self.timeout)
+                except GangError as error:
+                    return await self._after_failure(epoch, one_line(error))
             self._say(f"holds version {version} in epoch {epoch}")
             self._tell()
         if confirming is not None:  # stopping: the last confirmation goes out first
             await self._confirmed(confirming, epoch)
         return None
-
-    async def _leave(self, gang: ProcessGroupGang, agreeing: Any, epoch: int) -> None:
-        """Takes part in the barrier that ends a ``REFORM`` or ``CLOSE`` message (rule 2),
-        for ``LEAVE_SECONDS`` at most: the next epoch is in the store either way."""
-        with anyio.move_on_after(LEAVE_SECONDS):
-            try:
-                if agreeing is None:
-                    agreeing = gang.barrier(timeout=LEAVE_SECONDS)
-            except GangError:
-                return
-            await self._confirmed(agreeing, epoch)
 
     async def _confirmed(self, sent: Any, epoch: int) -> str | None:
         """Sees a confirmation's send through; why it was not, or None."""

@@ -77,9 +77,7 @@ class WeightSubscriber:
         self._stop_beat = _beat_for(channel, self._me.uid)
         self._registration = channel.register(self._me.uid, name, where)  # before open returns
         self._service = Service(channel, self._buckets, self._me, timeout)
-        self._responder = channel.serve_status(
-            self._me.uid, lambda: (self._service.ready, self._service.status)
-        )
+        self._responder = channel.serve_status(self._me.uid, lambda: self._service.status)
 
     @classmethod
     async def open(

@@ -123,16 +123,3 @@ def test_a_late_answer_to_a_status_question_is_deleted_once_it_comes(channel: Ch
     Housekeeping(channel).closing()  # so does the publisher's close
     assert channel._late == {}
     assert not channel.mailbox_store("u2").check([key2])
-
-
-def test_a_status_answer_says_the_version_held_and_where_the_server_stands(
-    channel: Channel,
-) -> None:
-    held: list[int | None] = [None]
-    responder = channel.serve_status("u1", lambda: (held[0], "waiting for\n a round"))
-    try:
-        assert channel.ask(["u1"], seconds=10.0) == {"u1": (None, "waiting for a round")}
-        held[0] = 7
-        assert channel.ask(["u1"], seconds=10.0) == {"u1": (7, "waiting for a round")}
-    finally:
-        channel.stop_status("u1", responder)
