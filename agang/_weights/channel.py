@@ -40,6 +40,12 @@ Rules:
    wait for a new epoch ends at its deadline, saying so). What stays is a session's
    handful of fixed keys (plan, publisher, beat, counts, epoch, closed), which its
    subscribers read to learn that the publisher closed or was replaced.
+7. *A store op outlives a network blip.* A side's client waits ``STORE_OP_SECONDS``
+   for an op, not the 2 s of a connection attempt: a server whose link came back after
+   a cut of a few seconds had its first ops delayed past 2 s by TCP's retransmits, and
+   failed ("wait timeout after 2000ms"), though store and publisher were there. A key
+   that may be missing is read after a check (``store_get``), never waited for, so
+   the bound only matters for a store that stopped answering.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
@@ -63,6 +70,8 @@ DROPS_KEPT = 64
 #: The most news one look pops: a bound on the loop, far above a fleet's churn per push.
 _NEWS_PER_LOOK = 100_000
 ASK_SECONDS = 0.3
+#: The longest a store op of the channel's waits (rule 7).
+STORE_OP_SECONDS = 30.0
 #: The most unanswered questions whose late answers are looked for (rule 5).
 LATE_KEPT = 64
 _ROOT = "agang/weights"
@@ -85,8 +94,11 @@ mailbox.register(_KIND, _answer)
 
 def connect(host: str, port: int, deadline: float) -> Any:
     """A client of the store at ``host:port`` (an ``agang store``), retried until
-    ``deadline``; raises ``GangInitError`` naming the store when it does not answer."""
-    return connect_store(WorldInfo(0, 1, 0, host, port, source="arguments"), deadline)
+    ``deadline``; raises ``GangInitError`` naming the store when it does not answer.
+    Its ops then wait ``STORE_OP_SECONDS`` at most (rule 7)."""
+    client = connect_store(WorldInfo(0, 1, 0, host, port, source="arguments"), deadline)
+    client.set_timeout(timedelta(seconds=STORE_OP_SECONDS))
+    return client
 
 
 class Channel:

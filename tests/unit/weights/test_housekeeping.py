@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -11,6 +12,7 @@ import pytest
 import torch.distributed as dist
 
 from agang._backends.c10d import mailbox
+from agang._weights import channel as channel_keys
 from agang._weights import housekeeping
 from agang._weights.channel import Channel
 from agang._weights.housekeeping import Housekeeping
@@ -123,3 +125,12 @@ def test_a_late_answer_to_a_status_question_is_deleted_once_it_comes(channel: Ch
     Housekeeping(channel).closing()  # so does the publisher's close
     assert channel._late == {}
     assert not channel.mailbox_store("u2").check([key2])
+
+
+def test_a_channel_client_waits_for_an_op_past_a_network_blip(channel: Channel) -> None:
+    # Connecting tries for 2 s at a time; the client's ops then wait STORE_OP_SECONDS
+    # (channel rule 7): 2 s failed a server whose link had just come back.
+    port = int(channel.address.rsplit(":", 1)[1])
+    client = channel_keys.connect("127.0.0.1", port, time.monotonic() + 10.0)
+    assert client.timeout == timedelta(seconds=channel_keys.STORE_OP_SECONDS)
+    assert channel_keys.STORE_OP_SECONDS >= 10 * 2.0
