@@ -465,9 +465,10 @@ async def test_an_awaited_op_that_ends_soon_is_learned_without_a_thread_hand_off
             objects = [g.all_gather_objects(g.rank) for g in gangs]  # two phases, to the host
             assert [await h for h in objects] == [[0, 1]] * 2
         # None in the common case. A pause of this loaded machine past an op's poll budget
-        # (a garbage collection) may park one op: two hand-offs. Before, each of the 80
-        # awaited ops made one or two (120 in all on the last measure).
-        assert handoffs.num_handoffs() - before <= 4
+        # (a garbage collection) may park one op: two hand-offs; a CI run under three
+        # workers' load counted 6. Before, each of the 80 awaited ops made one or two (120
+        # in all on the last measure): the bound keeps a 10x margin below that.
+        assert handoffs.num_handoffs() - before <= 12
         assert tensors[0].tolist() == [2.0**20] * 2
         await close_all(*gangs)
 
