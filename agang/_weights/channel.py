@@ -44,8 +44,10 @@ Rules:
    for an op, not the 2 s of a connection attempt: a server whose link came back after
    a cut of a few seconds had its first ops delayed past 2 s by TCP's retransmits, and
    failed ("wait timeout after 2000ms"), though store and publisher were there. A key
-   that may be missing is read after a check (``store_get``), never waited for, so
-   the bound only matters for a store that stopped answering.
+   that may be missing is read after a check (``store_get``), never waited for, and
+   Gloo's rendezvous for an epoch's group waits on this client with the group's own
+   timeout, not the client's (a unit test checks it), so the bound only matters for a
+   store that stopped answering.
 """
 
 from __future__ import annotations

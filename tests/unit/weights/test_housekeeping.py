@@ -12,6 +12,7 @@ import pytest
 import torch.distributed as dist
 
 from agang._backends.c10d import mailbox
+from agang._setup.c10d_log import quiet_c10d
 from agang._weights import channel as channel_keys
 from agang._weights import housekeeping
 from agang._weights.channel import Channel
@@ -134,3 +135,16 @@ def test_a_channel_client_waits_for_an_op_past_a_network_blip(channel: Channel) 
     client = channel_keys.connect("127.0.0.1", port, time.monotonic() + 10.0)
     assert client.timeout == timedelta(seconds=channel_keys.STORE_OP_SECONDS)
     assert channel_keys.STORE_OP_SECONDS >= 10 * 2.0
+
+
+def test_an_epochs_group_waits_for_a_missing_member_by_its_own_timeout(channel: Channel) -> None:
+    # Gloo's rendezvous waits on the channel's client with the group's timeout, not the
+    # client's STORE_OP_SECONDS (channel rule 7): a member that never comes still fails
+    # the group at once.
+    port = int(channel.address.rsplit(":", 1)[1])
+    client = channel_keys.connect("127.0.0.1", port, time.monotonic() + 10.0)
+    group_store = dist.PrefixStore("agang/weights/c/x/e/0/pg", client)  # type: ignore[attr-defined]
+    started = time.monotonic()
+    with quiet_c10d(), pytest.raises(Exception, match="timeout"):
+        dist.ProcessGroupGloo(group_store, 0, 2, timedelta(seconds=1))  # type: ignore[attr-defined]
+    assert time.monotonic() - started < channel_keys.STORE_OP_SECONDS / 3
