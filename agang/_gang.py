@@ -588,6 +588,22 @@ class Gang(ABC):
     def close_sync(self) -> None:
         """:meth:`close` for synchronous code."""
 
+    @abstractmethod
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """Whether an op of this gang may still read or write ``tensor``'s memory.
+
+        True while an op that was given the tensor has not ended, including one that a
+        deadline, a cancelled wait, a failure or :meth:`close` abandoned: c10d cannot
+        cancel an op, and one behind a dead link can go on for seconds after its
+        communicator's abort. Such a tensor is busy (another op refuses it); a caller
+        that must go on without waiting for it uses other memory. False once every op
+        that used the tensor has ended. Closed gangs answer too.
+
+        Example:
+            >>> if gang.holds(buffer):
+            ...     buffer = torch.empty_like(buffer)  # the old op keeps the old one
+        """
+
     def _stream_order(self) -> StreamOrder | None:
         """How code above the gang orders its device work around the gang's ops (CUDA
         streams and events), or None where there is nothing to order (a CPU, a fake).

@@ -34,6 +34,7 @@ from agang._backends.fingerprint import describe
 from agang._collective import even, rooted, uneven
 from agang._collective import objects as object_ops
 from agang._collective.checks import Group, check_reduce_dtype
+from agang._engine import busy
 from agang._engine.coalescer import DEFAULT_BUCKET_BYTES, Coalescer
 from agang._engine.engine import Engine
 from agang._engine.ops import Op
@@ -500,3 +501,9 @@ class CollectiveGang(Gang):
     @override
     def statistics(self) -> GangStatistics:
         return self._engine.statistics()
+
+    @override
+    def holds(self, tensor: torch.Tensor) -> bool:
+        # The busy ranges are process-wide: an op of another gang on the same memory
+        # counts too, which only makes the answer safer.
+        return busy.is_busy(tensor)

@@ -15,7 +15,6 @@ In the order set-up runs:
 - :mod:`~agang._setup.process`: the device and c10d backend, and what the process is set
   up with before its group exists (NCCL's settings, as a table the doctor reads too).
 - :mod:`~agang._setup.interface`: the network interface the ranks' connections use.
-- :mod:`~agang._setup.c10d_log`: c10d's C++ log, kept quiet while the store is opened.
 - :mod:`~agang._setup.rendezvous`: the store, the check-in that names every rank that
   never came, and the barrier that proves the new group.
 - :mod:`~agang._setup.init`: ``agang.init`` and ``agang.init_sync``, which plan, run the

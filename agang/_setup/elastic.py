@@ -30,8 +30,8 @@ Rules (blocking, on set-up threads; never on the loop):
    the store takes the connection and never answers (a stopped store process: the
    kernel accepts for it), so each attempt runs on a thread of its own that is given up
    on at the deadline, and the error names the store and says it did not answer.
-5. Connecting keeps c10d's C++ log quiet (:mod:`agang._setup.c10d_log`); each failed
-   try is one INFO line of agang's.
+5. Connecting is :mod:`agang._membership.store`'s, as for every member of a
+   membership: c10d's C++ log stays quiet, and each failed try is one INFO line.
 6. Elastic set-up talks to the members through their mailboxes
    (:mod:`agang._backends.c10d.mailbox`), with letters of its own kinds, registered
    here: ``ping <key>`` asks whether a member is alive (its responder answers its index
@@ -59,7 +59,6 @@ Rules (blocking, on set-up threads; never on the loop):
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import threading
 import time
@@ -72,13 +71,14 @@ import torch.distributed as dist
 
 from agang._backends.c10d import mailbox
 from agang._backends.c10d import world as c10d_world
-from agang._backends.c10d.retry import TransientSetupError, call_c10d, one_line
+from agang._backends.c10d.retry import TransientSetupError
 from agang._errors import GangInitError
-from agang._runtime import fork, threads
+from agang._membership import store as stores
+from agang._membership.heartbeat import start_beat
+from agang._membership.member import Member
+from agang._runtime import fork
 from agang._setup import membership
-from agang._setup.c10d_log import quiet_c10d
 from agang._setup.env import WorldInfo
-from agang._setup.membership import Candidate
 from agang._setup.rendezvous import prove
 
 log = logging.getLogger("agang.setup")
@@ -119,6 +119,30 @@ def _forget_in_child() -> None:
 mailbox.register("ping", _answer_ping)
 mailbox.register("joining", _notice_joiner)
 fork.on_fork_in_child(_forget_in_child)
+
+
+#: How often a member looks at the beats of the joiners it heard of (membership rule 2).
+JOINER_LOOK = 0.3
+
+
+class LookingDone(Exception):
+    """Ends a member's watch of the joiners: its gang closed."""
+
+
+def watch_joiners(store: Any, alive: Callable[[], bool]) -> threading.Event:
+    """Looks at the beats of the joiners this process heard of, every ``JOINER_LOOK``
+    seconds on a thread of its own, while ``alive()`` (the gang is open) and until the
+    event returned is set (membership rule 2): a reform's decider then knows a joiner
+    that died already. No store op while no joiner waits."""
+
+    def look(_: int) -> None:
+        if not alive():
+            raise LookingDone
+        waiting = noticed()
+        if waiting:
+            membership.look_at_joiners(store, waiting)
+
+    return start_beat(look, JOINER_LOOK, name="elastic joiners' watch", at_once=False)
 
 
 def noticed() -> set[str]:
@@ -190,9 +214,9 @@ class Formed:
 
     world: WorldInfo
     store: Any
-    me: Candidate
+    me: Member
     epoch: int
-    members: list[Candidate]
+    members: list[Member]
     #: The job's id on the store (membership rule 6): checked at each reform (rule 8).
     job: str
 
@@ -202,64 +226,20 @@ class Formed:
 
 
 def connect_store(world: WorldInfo, deadline: float) -> Any:
-    """A client of the store that outlives the ranks (rule 1), retried until ``deadline``.
-    Each attempt runs on a thread of its own, given up on at the deadline (rule 4)."""
-    last: str | None = None  # the last failed attempt's error, in one line
-    attempt = 0
-    waiting = False  # the last attempt was given up on at the deadline
-    with quiet_c10d():  # rule 5 (held here: a thread given up on must not keep it quiet)
-        while time.monotonic() < deadline:
-            attempt += 1
-            # Short attempts, retried here: c10d's own retries sleep past their timeout
-            # (3.6 s for a 2 s one, measured on a refused port).
-            seconds = max(0.1, min(2.0, deadline - time.monotonic()))
-            trying = threads.start_thread(
-                functools.partial(_connect_once, world, seconds), name="connect to the store"
-            )
-            try:
-                return trying.wait(max(0.0, deadline - time.monotonic()))
-            except TimeoutError:
-                waiting = True
-                break
-            except TransientSetupError as error:
-                last = one_line(error.__cause__ or error).rstrip(".")
-                log.info(
-                    "agang: rank %d: attempt %d at the store %s failed: %s; retrying in 0.1 s.",
-                    world.rank,
-                    attempt,
-                    world.store_address,
-                    last,
-                )
-                time.sleep(0.1)
-    if attempt == 0:
-        how = "none: no time was left"
-    elif waiting:
-        how = f"{attempt}; the last still under way" + (
-            f", the one before failed with: {last}" if last is not None else ""
-        )
-    else:
-        how = f"{attempt}; the last failed with: {last}"
-    raise GangInitError(
-        f"The store at {world.store_address} did not answer before the deadline "
-        f"(connection attempts: {how}). An elastic gang needs a store that outlives the "
-        f"ranks and answers them: is `agang store` running there, and not stopped (a "
-        f"stopped one takes connections but never answers)?"
-    )
-
-
-def _connect_once(world: WorldInfo, seconds: float) -> Any:
-    return call_c10d(
-        dist.TCPStore,  # type: ignore[attr-defined]
+    """A client of the store that outlives the ranks (rule 1), retried until ``deadline``
+    (:mod:`agang._membership.store`, rules 1 and 2; rule 4 here)."""
+    return stores.connect(
         world.master_addr,
         world.master_port,
-        is_master=False,
-        timeout=timedelta(seconds=seconds),
+        deadline,
+        need="An elastic gang needs",
+        who=f"rank {world.rank}",
     )
 
 
 def first_formation(store: Any, world: WorldInfo, elastic: Elastic, deadline: float) -> Formed:
     """Formation 0, or, where it already happened, the next reform as a joiner."""
-    me = Candidate.me(world.rank)
+    me = membership.me(world.rank)
     if membership.current_epoch(store) is None:
         if world.world_size < elastic.min_size:
             # Formation 0 takes WORLD_SIZE processes at most: it would wait out the
@@ -284,7 +264,7 @@ def first_formation(store: Any, world: WorldInfo, elastic: Elastic, deadline: fl
     return join(world, store, me, elastic, deadline)
 
 
-def join(world: WorldInfo, store: Any, me: Candidate, elastic: Elastic, deadline: float) -> Formed:
+def join(world: WorldInfo, store: Any, me: Member, elastic: Elastic, deadline: float) -> Formed:
     """Waits, as a joiner, for the next reform that admits this process; tells the
     current members' responders that it waits (``waiting_to_join``). Gives up at
     ``deadline``, saying why, and so that no reform waits for it any more. Beats while
@@ -301,46 +281,22 @@ def join(world: WorldInfo, store: Any, me: Candidate, elastic: Elastic, deadline
         stop.set()
 
 
-def _beat_while_waiting(store: Any, me: Candidate) -> threading.Event:
+def _beat_while_waiting(store: Any, me: Member) -> threading.Event:
     """Beats once, then every ``JOINER_BEAT`` seconds on a thread of its own (a reform's
     store calls may block the waiting one), until the event returned is set; a process
     that ends stops it with itself. The first beat comes before the registration, so
     that a registered joiner without one is dead, or never waited."""
     membership.say_waiting(store, me, 1)
-    return _beat(
+    return start_beat(
         lambda count: membership.say_waiting(store, me, count + 1),
         membership.JOINER_BEAT,
-        name="agang-elastic joiner beat",
+        name="elastic joiner beat",
         at_once=False,
     )
 
 
-def _beat(say: Callable[[int], None], every: float, *, name: str, at_once: bool) -> threading.Event:
-    """Calls ``say(1)``, ``say(2)``, ... every ``every`` seconds (the first at once, or
-    after one interval) on a daemon thread of its own, until the event returned is set
-    or ``say`` fails (the store is gone: nobody can read the beats either). The joiners'
-    and the closing members' heartbeats (rules 3 and 6)."""
-    stop = threading.Event()
-
-    def run() -> None:
-        count = 0
-        if not at_once and stop.wait(every):
-            return
-        while True:
-            count += 1
-            try:
-                say(count)
-            except Exception:
-                return
-            if stop.wait(every):
-                return
-
-    threads.start_daemon(run, name=name)
-    return stop
-
-
 def _wait_for_admission(
-    world: WorldInfo, store: Any, me: Candidate, elastic: Elastic, deadline: float
+    world: WorldInfo, store: Any, me: Member, elastic: Elastic, deadline: float
 ) -> Formed:
     told: int | None = None
     full = False  # the newest epoch is at max_size: no reform can admit this process yet
@@ -384,7 +340,7 @@ def _wait_for_admission(
     raise GangInitError(f"No reform admitted this process ({me.where}) before its deadline: {why}.")
 
 
-def _tell_members(store: Any, epoch: int, me: Candidate) -> int:
+def _tell_members(store: Any, epoch: int, me: Member) -> int:
     """Tells epoch ``epoch``'s members' responders that ``me`` waits to join; returns
     how many members the epoch has."""
     size = len(membership.members_of(store, epoch))
@@ -439,9 +395,7 @@ def reform_membership(
     return Formed(formed.world, store, formed.me, following, members, formed.job)
 
 
-def _formed(
-    world: WorldInfo, store: Any, me: Candidate, epoch: int, members: list[Candidate]
-) -> Formed:
+def _formed(world: WorldInfo, store: Any, me: Member, epoch: int, members: list[Member]) -> Formed:
     """``me``'s place in ``epoch`` of the job the store holds, whose id was written
     before any member list (membership rule 6)."""
     job = membership.job_of(store)
@@ -457,11 +411,10 @@ def _formed(
 def closing(formed: Formed) -> Iterator[None]:
     """Says, every ``CLOSING_BEAT`` seconds inside the block, that this member of
     ``formed``'s epoch is closing its old gang and will come to make the group (rule 3)."""
-    stop = _beat(
+    stop = start_beat(
         lambda _: membership.say_closing(formed.store, formed.epoch, formed.me),
         CLOSING_BEAT,
-        name="agang-elastic closing",
-        at_once=True,
+        name="elastic closing",
     )
     try:
         yield

@@ -99,6 +99,8 @@ class ElasticGang(ProcessGroupGang):
         # Rules 4, 5: this process's mailbox tells the newest epoch's gang (this one).
         mailbox.register("reforming", self._another_member_reforms)
         mailbox.on_connection_lost(self._store_lost)
+        # Membership rule 2: the joiners it hears of are watched from then on.
+        setup.watch_joiners(formed.store, lambda: not self.closed)
 
     def _another_member_reforms(self, responder: mailbox.Responder, text: str) -> None:
         """A member started the next epoch: ops pending here will never finish (rule 4).

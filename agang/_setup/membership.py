@@ -17,13 +17,16 @@ Rules (all of it runs on a set-up thread, never on the loop):
    into an epoch is no longer waiting, whether it lives on or dies: later reforms do
    not wait for it. Nor for a waiting joiner that died: one that waits beats
    (``say_waiting``, every ``JOINER_BEAT`` seconds, from before it registers), and a
-   reform gives the grace only to a joiner whose last beat is under ``JOINER_STALE``
-   old. Its age is read first from the beat's wall-clock time, so that a joiner dead
-   for a while costs no wait at all, then from whether the beat changes as the decider
-   watches it: a clock that differs between hosts only delays the verdict, or costs a
-   live joiner its grace until its next beat is seen; it is never kept out of an
-   epoch it arrived for. A joiner the decider saw not beat for ``JOINER_STALE``, or
-   that never beat, is withdrawn by the decision, so that no reform reads it again.
+   reform gives the grace only to a joiner this process has not seen silent for
+   ``JOINER_STALE`` (:mod:`agang._membership.heartbeat`: a beat is a count, judged on
+   this process's own monotonic clock, never by a wall clock read on another host).
+   The watch lasts as long as the process, and starts when a member hears of a
+   joiner (its notice), not at the next reform: a joiner that died while the gang
+   trained is known silent by the time a reform decides, costs it nothing, and is
+   withdrawn by that decision, so that no reform reads it again; so is a joiner that
+   never beat. One that dies just before a reform costs that reform at most the grace
+   (and the next, till it was seen silent for ``JOINER_STALE``). A clock that differs
+   between hosts changes nothing.
 3. *One decision.* Every old member that arrived decides on its own, from the store,
    when the formation is complete; the first to write the member list
    (``compare_set`` on an empty key) wins, and every process reads that list. The
@@ -51,23 +54,25 @@ Rules (all of it runs on a set-up thread, never on the loop):
 
 from __future__ import annotations
 
-import os
 import secrets
-import socket
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from agang._errors import GangInitError
+from agang._membership import store as stores
+from agang._membership.heartbeat import Watch, write_beat
+from agang._membership.member import Member
+from agang._membership.roster import Roster
+from agang._membership.roster import epoch_key as _epoch_key
 from agang._validate import check_non_negative_int
 
 #: How long a reform waits for registered joiners to arrive (they poll every _POLL).
 JOINER_GRACE = 0.5
-#: How often a waiting joiner beats, and how old its last beat may be for a reform to
-#: wait for it (rule 2): ten beats, so that a loaded machine's late beats do not count
-#: a live joiner as dead.
+#: How often a waiting joiner beats, and how long this process must see its count not
+#: change to take it for dead (rule 2): ten beats, so that a loaded machine's late
+#: beats do not count a live joiner as dead.
 JOINER_BEAT = 0.1
 JOINER_STALE = 1.0
 PING_SECONDS = 0.3
@@ -78,57 +83,42 @@ _ROOT = "agang/elastic"
 #: decision, or given up), one id a line (rule 1).
 _JOINERS = f"{_ROOT}/joiners/list"
 _ENDED = f"{_ROOT}/joiners/admitted"
-#: Each waiting joiner's last beat, under its id: a count and the wall-clock time.
+#: Each waiting joiner's beat, under its id: a count (rule 2).
 _BEATS = f"{_ROOT}/joiners/beat"
 #: The job's id; and, on a store found without it by a member, what was lost (rule 6).
 _JOB = f"{_ROOT}/job"
 _LOST = f"{_ROOT}/lost"
 
 
-@dataclass(frozen=True)
-class Candidate:
-    """One process taking part: a unique id, its ``RANK`` (the order of formation 0)
-    and where it runs."""
+def me(rank_hint: int) -> Member:
+    """This process as a candidate member: its ``RANK`` (the order of formation 0) is
+    its name."""
+    return Member.me(str(rank_hint))
 
-    uid: str
-    rank_hint: int
-    where: str
 
-    @classmethod
-    def me(cls, rank_hint: int) -> Candidate:
-        host = socket.gethostname()
-        uid = f"{host}:{os.getpid()}:{secrets.token_hex(4)}"
-        return cls(uid, rank_hint, f"{host}, pid {os.getpid()}")
+def rank_hint(member: Member) -> int:
+    """A member's ``RANK`` at formation 0 (its name)."""
+    return int(member.name)
 
-    def to_text(self) -> str:
-        return f"{self.uid} {self.rank_hint} {self.where}"
 
-    @classmethod
-    def from_text(cls, text: str) -> Candidate:
-        uid, hint, where = text.split(" ", 2)
-        return cls(uid, int(hint), where)
+def roster(store: Any) -> Roster:
+    """The elastic gang's epochs on ``store``."""
+    return Roster(store, _ROOT)
 
 
 def epoch_key(epoch: int, name: str) -> str:
-    return f"{_ROOT}/e/{epoch}/{name}"
-
-
-def _lines(store: Any, key: str) -> list[str]:
-    if not store.check([key]):
-        return []
-    return [line for line in store.get(key).decode().splitlines() if line]
+    return _epoch_key(_ROOT, epoch, name)
 
 
 def current_epoch(store: Any) -> int | None:
     """The last epoch whose membership was decided, or None before formation 0's."""
-    key = f"{_ROOT}/epoch"
-    return int(store.get(key).decode()) if store.check([key]) else None
+    return roster(store).newest()
 
 
 def job_of(store: Any) -> str | None:
     """The id of the job whose epochs ``store`` holds, or None before formation 0's
     decision (rule 6)."""
-    return store.get(_JOB).decode() if store.check([_JOB]) else None
+    return stores.read(store, _JOB)
 
 
 def check_job(store: Any, job: str, epoch: int, where: str) -> None:
@@ -155,8 +145,8 @@ def check_job(store: Any, job: str, epoch: int, where: str) -> None:
 def _refuse_if_lost(store: Any) -> None:
     """Raises ``GangInitError`` where a running job's members found ``store`` without
     its state: a formation 0 here would run beside them (rule 6)."""
-    if store.check([_LOST]):
-        lost = store.get(_LOST).decode()
+    lost = stores.read(store, _LOST)
+    if lost is not None:
         raise GangInitError(
             f"This store lost the state of a running elastic job ({lost}): formation 0 "
             f"here would make a second job beside that one's members. Start a new "
@@ -164,9 +154,9 @@ def _refuse_if_lost(store: Any) -> None:
         )
 
 
-def members_of(store: Any, epoch: int) -> list[Candidate]:
+def members_of(store: Any, epoch: int) -> list[Member]:
     """The decided members of ``epoch``."""
-    return [Candidate.from_text(line) for line in _lines(store, epoch_key(epoch, "members"))[1:]]
+    return roster(store).members(epoch) or []
 
 
 def waiting_joiners(store: Any) -> set[str]:
@@ -174,78 +164,69 @@ def waiting_joiners(store: Any) -> set[str]:
     return {c.uid for c in _waiting(store)}
 
 
-def _waiting(store: Any) -> list[Candidate]:
-    registrations = [Candidate.from_text(t) for t in _lines(store, _JOINERS)]
-    ended = Counter(_lines(store, _ENDED))
+def _waiting(store: Any) -> list[Member]:
+    registrations = [Member.from_text(t) for t in stores.lines(store, _JOINERS)]
+    ended = Counter(stores.lines(store, _ENDED))
     count = Counter(c.uid for c in registrations)
     return [c for c in _unique(registrations) if count[c.uid] > ended[c.uid]]
 
 
-def register_joiner(store: Any, me: Candidate) -> None:
-    store.append(_JOINERS, me.to_text() + "\n")
+def register_joiner(store: Any, joiner: Member) -> None:
+    store.append(_JOINERS, joiner.to_text() + "\n")
 
 
-def withdraw_joiner(store: Any, me: Candidate) -> None:
-    """Says that the joiner ``me`` gave up (its deadline passed): no reform waits for it."""
-    store.append(_ENDED, me.uid + "\n")
+def withdraw_joiner(store: Any, joiner: Member) -> None:
+    """Says that the joiner gave up (its deadline passed): no reform waits for it."""
+    store.append(_ENDED, joiner.uid + "\n")
 
 
-def say_waiting(store: Any, me: Candidate, count: int) -> None:
-    """Beat ``count`` of the joiner ``me``: it is alive and waits (rule 2). The count
-    makes each beat differ from the last, whatever the clock says."""
-    store.set(f"{_BEATS}/{me.uid}", f"{count} {time.time():.3f}")
+def say_waiting(store: Any, joiner: Member, count: int) -> None:
+    """Beat ``count`` of the waiting ``joiner``: it is alive and waits (rule 2)."""
+    write_beat(store, f"{_BEATS}/{joiner.uid}", count)
+
+
+#: What this process saw of the joiners' beats, for every reform it takes part in
+#: (rule 2): a joiner's silence is watched across reforms, never read off a clock.
+_watch = Watch(JOINER_STALE)
 
 
 def live_joiners(store: Any) -> set[str]:
-    """The waiting joiners whose last beat is under ``JOINER_STALE`` old by this
-    process's wall clock, at one look (rule 2)."""
-    waiting = _waiting(store)
-    beats = _Beats()
-    return {c.uid for c in beats.fresh(store, waiting, time.monotonic())}
+    """The waiting joiners this process has not seen silent for ``JOINER_STALE``, as of
+    one look now (rule 2)."""
+    return {c.uid for c in _fresh(store, _waiting(store))[0]}
 
 
-class _Beats:
-    """What one decider saw of the joiners' beats (rule 2): each one's last beat, when
-    (by its own monotonic clock) that beat was made, as far as it can tell, and since
-    when it has seen that beat unchanged."""
-
-    def __init__(self) -> None:
-        self.seen: dict[str, tuple[str, float, float]] = {}  # uid: beat, made, seen since
-        self.gone: set[str] = set()  # seen not to beat for JOINER_STALE, or never beat
-
-    def fresh(self, store: Any, joiners: list[Candidate], now: float) -> list[Candidate]:
-        """Those of ``joiners`` whose last beat is under ``JOINER_STALE`` old."""
-        alive = []
-        for joiner in joiners:
-            key = f"{_BEATS}/{joiner.uid}"
-            if not store.check([key]):
-                self.gone.add(joiner.uid)  # registered without a beat: nothing to wait for
-                continue
-            beat = store.get(key).decode()
-            last = self.seen.get(joiner.uid)
-            if last is None:  # first seen: as old as its wall-clock time says
-                age = max(0.0, time.time() - float(beat.split()[1]))
-                self.seen[joiner.uid] = (beat, now - age, now)
-            elif last[0] != beat:  # it beat since: seen alive now
-                self.seen[joiner.uid] = (beat, now, now)
-            _, made, since = self.seen[joiner.uid]
-            if now - made < JOINER_STALE:
-                alive.append(joiner)
-                self.gone.discard(joiner.uid)
-            elif now - since >= JOINER_STALE:  # watched, no beat: dead, whatever the clocks
-                self.gone.add(joiner.uid)
-        return alive
+def look_at_joiners(store: Any, uids: set[str]) -> set[str]:
+    """One look at the beats of the joiners ``uids`` (rule 2); those not seen silent.
+    A member calls it while joiners wait (``agang._setup.elastic.watch_joiners``), so
+    that a reform's decider knows of a joiner that died already, without waiting."""
+    _watch.stale = JOINER_STALE  # read at each look: tests shorten it
+    started = time.monotonic()
+    beats = {uid: stores.read(store, f"{_BEATS}/{uid}") for uid in uids}
+    ended = time.monotonic()
+    _watch.look(beats, started, ended)
+    return {
+        uid for uid, beat in beats.items() if beat is not None and not _watch.is_silent(uid, ended)
+    }
 
 
-def check_in(store: Any, epoch: int, me: Candidate) -> None:
-    """Says that ``me`` starts making ``epoch``'s group (alive after the decision)."""
-    store.append(epoch_key(epoch, "connecting"), me.uid + "\n")
+def _fresh(store: Any, joiners: list[Member]) -> tuple[list[Member], set[str]]:
+    """Of ``joiners``, those not seen silent, and the uids of those seen silent (or that
+    never beat), after one look at their beats (rule 2)."""
+    alive_uids = look_at_joiners(store, {j.uid for j in joiners})
+    alive = [j for j in joiners if j.uid in alive_uids]
+    return alive, {j.uid for j in joiners} - alive_uids
 
 
-def say_closing(store: Any, epoch: int, me: Candidate) -> None:
-    """Says that ``me``, decided a member of ``epoch``, is still closing its old gang:
-    one beat of a count that goes up while it does."""
-    store.add(epoch_key(epoch, f"closing/{me.uid}"), 1)
+def check_in(store: Any, epoch: int, member: Member) -> None:
+    """Says that ``member`` starts making ``epoch``'s group (alive after the decision)."""
+    roster(store).check_in(epoch, member.uid)
+
+
+def say_closing(store: Any, epoch: int, member: Member) -> None:
+    """Says that ``member``, decided a member of ``epoch``, is still closing its old
+    gang: one beat of a count that goes up while it does."""
+    store.add(epoch_key(epoch, f"closing/{member.uid}"), 1)
 
 
 def closing_beats(store: Any, epoch: int, uid: str) -> int:
@@ -255,53 +236,52 @@ def closing_beats(store: Any, epoch: int, uid: str) -> int:
 
 def checked_in(store: Any, epoch: int) -> set[str]:
     """The members that started making ``epoch``'s group."""
-    return set(_lines(store, epoch_key(epoch, "connecting")))
+    return roster(store).checked_in(epoch)
 
 
 def form(
     store: Any,
-    me: Candidate,
+    me: Member,
     epoch: int,
     *,
-    previous: list[Candidate] | None,
+    previous: list[Member] | None,
     target: int,
     min_size: int,
     max_size: int | None,
     deadline: float,
     alive: Callable[[list[int]], set[int]],
     cancelled: Callable[[], bool] = lambda: False,
-) -> list[Candidate] | None:
+) -> list[Member] | None:
     """Takes part in forming ``epoch``; returns its members, or None where this process
     is not among them (it arrived after the decision). ``previous`` is epoch-1's members
     (None for formation 0 and for a joiner); ``alive(indices)`` pings previous members
     by their rank in it (rule 2); ``target`` is formation 0's size."""
+    epochs = roster(store)
     store.append(epoch_key(epoch, "arrived"), me.to_text() + "\n")
     decider = (previous is not None and any(c.uid == me.uid for c in previous)) or epoch == 0
     arrived_at = time.monotonic()
     dead: set[str] = set()
+    gone_joiners: set[str] = set()  # seen silent, or never beat (rule 2)
     pinged_at = -float("inf")
-    members_key = epoch_key(epoch, "members")
-    beats = _Beats()
     while True:
         if cancelled():
             raise TimeoutError("cancelled")
         if epoch == 0:
             _refuse_if_lost(store)  # rule 6
-        decided = _lines(store, members_key)
-        if decided:
-            members = [Candidate.from_text(line) for line in decided[1:]]
+        members = epochs.members(epoch)
+        if members is not None:
             return members if any(c.uid == me.uid for c in members) else None
         now = time.monotonic()
         if decider:
             arrived = _unique(
-                Candidate.from_text(t) for t in _lines(store, epoch_key(epoch, "arrived"))
+                Member.from_text(t) for t in stores.lines(store, epoch_key(epoch, "arrived"))
             )
-            proposal: list[Candidate] | None = None
+            proposal: list[Member] | None = None
             gone: list[str] = []  # who is missing, should there be too few (rule 4)
             if previous is None:  # formation 0 (rule 1)
                 if len(arrived) >= target or now >= deadline:
-                    proposal = sorted(arrived, key=lambda c: c.rank_hint)[:target]
-                    ranks = {c.rank_hint for c in arrived}
+                    proposal = sorted(arrived, key=rank_hint)[:target]
+                    ranks = {rank_hint(c) for c in arrived}
                     gone = [f"RANK {r}" for r in range(target) if r not in ranks]
             else:  # a reform (rule 2)
                 here = {c.uid for c in arrived}
@@ -318,11 +298,7 @@ def form(
                 joiners_in = (
                     (max_size is not None and len(survivors) >= max_size)
                     or now - arrived_at >= JOINER_GRACE
-                    or not beats.fresh(
-                        store,
-                        [j for j in _registered_joiners(store, previous) if j.uid not in here],
-                        now,
-                    )
+                    or not _grace_for(store, previous, here, gone_joiners)
                 )
                 enough = len(_capped(survivors + newcomers, max_size)) >= min_size  # rule 4
                 if (not missing and joiners_in and enough) or now >= deadline:
@@ -336,7 +312,7 @@ def form(
                         f"its deadline, fewer than min_size={min_size}; missing: "
                         f"{'; '.join(gone) or 'unknown'}."
                     )
-                _decide(store, me, epoch, proposal, previous, beats.gone)
+                _decide(store, me, epoch, proposal, previous, gone_joiners)
                 continue
         if now >= deadline + (0.0 if decider else 1.0):
             raise GangInitError(
@@ -346,19 +322,29 @@ def form(
         time.sleep(_POLL)
 
 
+def _grace_for(store: Any, previous: list[Member], here: set[str], gone: set[str]) -> list[Member]:
+    """The registered joiners, not arrived, that a reform from ``previous`` still gives
+    its grace to; adds those seen silent to ``gone`` (rule 2)."""
+    joiners = [j for j in _registered_joiners(store, previous) if j.uid not in here]
+    alive, silent = _fresh(store, joiners)
+    gone |= silent
+    gone -= {j.uid for j in alive}
+    return alive
+
+
 def _decide(
     store: Any,
-    me: Candidate,
+    me: Member,
     epoch: int,
-    proposal: list[Candidate],
-    previous: list[Candidate] | None,
+    proposal: list[Member],
+    previous: list[Member] | None,
     gone: set[str],
 ) -> None:
     if epoch == 0:  # rule 6: named before any list can be read
         store.compare_set(_JOB, "", secrets.token_hex(8))
-    text = "\n".join([f"by {me.uid}", *(c.to_text() for c in proposal)]) + "\n"
-    stored = store.compare_set(epoch_key(epoch, "members"), "", text).decode()
-    if stored == text:  # this process's list won (rule 3)
+    epochs = roster(store)
+    _, won = epochs.decide(epoch, proposal, by=me.uid)
+    if won:  # rule 3
         # The waiting joiners it takes wait no more (rule 1); formation 0's members never
         # registered, so they are not counted as admitted (they may register later).
         waiting = waiting_joiners(store)
@@ -368,22 +354,22 @@ def _decide(
         ended = admitted + sorted((gone & waiting) - set(admitted))
         if ended:
             store.append(_ENDED, "".join(f"{uid}\n" for uid in ended))
-        store.set(f"{_ROOT}/epoch", str(epoch))
+        epochs.publish(epoch)
 
 
-def _registered_joiners(store: Any, previous: list[Candidate]) -> list[Candidate]:
+def _registered_joiners(store: Any, previous: list[Member]) -> list[Member]:
     """The joiners a reform from ``previous`` gives a grace to arrive: those waiting now,
     not an admitted one that died since (rule 2)."""
     old = {c.uid for c in previous}
     return [c for c in _waiting(store) if c.uid not in old]
 
 
-def _capped(candidates: list[Candidate], max_size: int | None) -> list[Candidate]:
+def _capped(candidates: list[Member], max_size: int | None) -> list[Member]:
     return candidates if max_size is None else candidates[:max_size]
 
 
-def _unique(candidates: Any) -> list[Candidate]:
-    seen: dict[str, Candidate] = {}
+def _unique(candidates: Any) -> list[Member]:
+    seen: dict[str, Member] = {}
     for candidate in candidates:
         seen.setdefault(candidate.uid, candidate)
     return list(seen.values())

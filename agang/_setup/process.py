@@ -16,7 +16,7 @@ and logged:
 3. With several local ranks and no ``OMP_NUM_THREADS``, each rank gets its share of the
    CPUs, so they do not oversubscribe the machine.
 4. c10d's C++ log stays quiet while the store is opened, unless the user asked for it
-   (``agang._setup.c10d_log``); what set-up does with it is logged.
+   (``agang._backends.c10d.log``); what set-up does with it is logged.
 
 The NCCL settings are data, a name mapped to (value, why), because two readers need
 them: :func:`apply_nccl_settings` here, and ``agang doctor``, which reports a user's value
@@ -51,7 +51,7 @@ from collections.abc import Mapping, MutableMapping
 
 import torch
 
-from agang._setup import c10d_log
+from agang._backends.c10d import log as c10d_log
 from agang._setup.env import WorldInfo
 from agang._setup.interface import apply_interface, check_master_reachable
 
@@ -134,7 +134,7 @@ def prepare_process(
     world: WorldInfo, backend: str, device: torch.device, env: Mapping[str, str]
 ) -> None:
     """Applies rules 1 to 4 to this process (``env`` is the launcher's view of it)."""
-    c10d_log.announce(os.environ)
+    announce_c10d_log(os.environ)
     check_master_reachable(world.master_addr, world.world_size, world.local_world_size)
     apply_interface(world.master_addr, os.environ, nccl=backend == "nccl")
     if backend == "nccl":
@@ -186,3 +186,21 @@ def apply_nccl_settings(environ: MutableMapping[str, str]) -> dict[str, str]:
         environ[name] = value
         made[name] = value
     return made
+
+
+def announce_c10d_log(env: Mapping[str, str]) -> bool:
+    """Logs, at INFO, what set-up does with c10d's log in this process; returns whether
+    it is quiet. Called once per init, beside the other settings agang makes."""
+    wanted = c10d_log.c10d_output_wanted(env)
+    if wanted is not None:
+        log.info("agang: %s is set: c10d's own log output is left as torch makes it.", wanted)
+        return False
+    if not c10d_log.can_quiet():
+        log.info("agang: c10d's log cannot be quieted on this torch build; it is left as is.")
+        return False
+    log.info(
+        "agang: c10d's log is quiet while this rank opens the store (its C++ traces of "
+        "connection retries); set %s=1 to see it.",
+        c10d_log.DEBUG_VARIABLE,
+    )
+    return True

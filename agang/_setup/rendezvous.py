@@ -33,7 +33,7 @@ Rules (all of this runs on init's daemon thread, never on the loop):
    network); the ranks learn each other's, for messages that name where a rank runs,
    and warn when they are on different networks.
 10. Opening the store (hosting it, or connecting) keeps c10d's C++ log quiet
-   (:mod:`agang._setup.c10d_log`): each retry is one INFO line of agang's instead of
+   (:mod:`agang._backends.c10d.log`): each retry is one INFO line of agang's instead of
    c10d's stack traces.
 11. Meeting ends with proof: a barrier on the new default group (:func:`prove`), within
    the set-up's deadline, and the group destroyed if it fails. It lives here, not in
@@ -61,6 +61,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from agang._backends.c10d.log import quiet_c10d
 from agang._backends.c10d.retry import (
     PortInUseError,
     RetryPolicy,
@@ -72,7 +73,6 @@ from agang._backends.c10d.retry import (
 )
 from agang._errors import GangInitError
 from agang._runtime.threads import start_thread
-from agang._setup.c10d_log import quiet_c10d
 from agang._setup.env import WorldInfo
 from agang._setup.interface import Link, disagreement
 

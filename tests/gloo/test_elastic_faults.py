@@ -286,7 +286,8 @@ def test_a_joiner_killed_while_it_waits_is_not_waited_for_by_the_reforms_after(
     with Cluster(control, 2, min_size=2, **SETTINGS) as cluster:
         w0, w1 = cluster.workers
         _a_joiner_waits_then_dies(cluster)  # it registered, and told them
-        time.sleep(membership.JOINER_STALE + 0.2)  # its last beat is stale by then
+        # A member looks at the joiners every JOINER_LOOK: seen silent by then.
+        time.sleep(membership.JOINER_STALE + elastic_setup.JOINER_LOOK + 0.2)
         epochs = []
         for _ in range(2):
             for worker in (w0, w1):

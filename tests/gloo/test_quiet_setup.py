@@ -1,5 +1,5 @@
 """c10d's C++ log while a rank waits for a late store host: quiet by default, and back
-with ``AGANG_DEBUG=1`` or torch's own variables (``agang._setup.c10d_log``).
+with ``AGANG_DEBUG=1`` or torch's own variables (``agang._backends.c10d.log``).
 
 The end-to-end tests run two real processes on Gloo over 127.0.0.1: rank 1 starts, and
 rank 0, the store's host, only once rank 1 has failed at least one attempt.
@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 from netutil import free_port, rank_env
 
+from agang._backends.c10d import log as c10d_log
 from agang._backends.c10d.retry import one_line
 from agang._cli.doctor.host import c10d_log_finding
-from agang._setup import c10d_log
 
 REPO = Path(__file__).resolve().parents[2]
 # A C++ frame as c10d prints it ("frame #3: ..."), or symbolized ("#3 c10::Error ...").

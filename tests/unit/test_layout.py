@@ -43,20 +43,21 @@ LAYERS: dict[str, int] = {
     "agang.testing": 2,  # public testing tools
     "agang": 3,  # the public face: re-exports only
     "agang._weights": 3,  # weights to a changing fleet: above set-up, re-exported
-    "agang._setup": 4,  # making the root gang, elastic gangs
+    "agang._setup": 4,  # making the root gang, elastic gangs, epoch gangs
     "agang._parallel": 4,  # gangs for parallel layouts, DeviceMesh
     "agang._gradient_sync": 4,  # a feature on the public Gang API
-    "agang._collective": 5,  # the one Gang implementation and its collectives
-    "agang._engine": 6,  # one gang's op machinery
-    "agang._gang": 6,  # the interface
-    "agang._backends": 7,  # the seam and what stands behind it
-    "agang._handle": 7,  # what a call returns
-    "agang._runtime": 8,  # loops, threads, fork, futures
-    "agang._policy": 8,
-    "agang._errors": 9,
-    "agang._reduce_op": 9,
-    "agang._statistics": 9,
-    "agang._validate": 9,
+    "agang._membership": 5,  # the store, members, epochs, beats: below both features
+    "agang._collective": 6,  # the one Gang implementation and its collectives
+    "agang._engine": 7,  # one gang's op machinery
+    "agang._gang": 7,  # the interface
+    "agang._backends": 8,  # the seam and what stands behind it
+    "agang._handle": 8,  # what a call returns
+    "agang._runtime": 9,  # loops, threads, fork, futures
+    "agang._policy": 9,
+    "agang._errors": 10,
+    "agang._reduce_op": 10,
+    "agang._statistics": 10,
+    "agang._validate": 10,
 }
 
 # Imports inside functions, each with the reason it is not at module level.

@@ -6,8 +6,8 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from agang._backends.c10d.log import DEBUG_VARIABLE, c10d_output_wanted
 from agang._cli.doctor.findings import Finding, Status
-from agang._setup.c10d_log import DEBUG_VARIABLE, c10d_output_wanted
 from agang._setup.process import KEEP_NCCL_SETTINGS, NCCL_SETTINGS, launcher_default
 
 
@@ -145,7 +145,7 @@ def backend_findings(env: Mapping[str, str], facts: HostFacts) -> list[Finding]:
 
 def c10d_log_finding(env: Mapping[str, str]) -> Finding:
     """What ``agang.init`` does with c10d's C++ log while it opens the store (see
-    ``agang._setup.c10d_log``): quiet, or left as the user's variable asks.
+    ``agang._backends.c10d.log``): quiet, or left as the user's variable asks.
 
     Raises:
         TypeError: ``env`` is not a mapping.

@@ -26,14 +26,11 @@ traces of nothing wrong. Rules:
 from __future__ import annotations
 
 import ctypes
-import logging
 import os
 import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-
-log = logging.getLogger("agang.setup")
 
 DEBUG_VARIABLE = "AGANG_DEBUG"
 #: torch's own variables that, set by the user, leave c10d's log as torch makes it.
@@ -132,21 +129,3 @@ def _leave(flag: ctypes.c_int) -> None:
         if _depth == 0 and _saved_level is not None:
             flag.value = _saved_level
             _saved_level = None
-
-
-def announce(env: Mapping[str, str]) -> bool:
-    """Logs, at INFO, what set-up does with c10d's log in this process; returns whether
-    it is quiet. Called once per init, beside the other settings agang makes."""
-    wanted = c10d_output_wanted(env)
-    if wanted is not None:
-        log.info("agang: %s is set: c10d's own log output is left as torch makes it.", wanted)
-        return False
-    if not can_quiet():
-        log.info("agang: c10d's log cannot be quieted on this torch build; it is left as is.")
-        return False
-    log.info(
-        "agang: c10d's log is quiet while this rank opens the store (its C++ traces of "
-        "connection retries); set %s=1 to see it.",
-        DEBUG_VARIABLE,
-    )
-    return True
