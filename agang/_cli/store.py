@@ -16,7 +16,11 @@ Rules:
    change. So is a host that means every interface (``0.0.0.0``, ``::``, any spelling
    that resolves to one), unless ``--allow-all-interfaces`` asks for it: the store is
    unauthenticated, and on every interface it is open to every network that reaches
-   the machine. With the flag it listens there, after a warning on stderr.
+   the machine. With the flag it listens there, after a warning on stderr. A host that
+   is no host name at all is a usage error too, before any look-up: empty, with spaces
+   or characters that do not print, longer than MAX_HOST characters, or with an empty
+   label or one of more than 63 characters (``a..b``: IDNA's rules, which Python's
+   resolver applies).
 2. Its first line on stdout, flushed at once, is ``agang store listening on ADDR:PORT``:
    the address bound (a name is shown resolved; IPv6 in brackets, ``[::1]:PORT``) and
    the real port (``--port 0`` takes a free one). Its last, once the port is closed, is
@@ -69,6 +73,40 @@ class StoreUsageError(Exception):
 
 #: The option that lets ``--host`` name every interface (rule 1).
 ALL_INTERFACES_FLAG = "--allow-all-interfaces"
+#: The most characters of ``--host``: a DNS name's (an address is shorter).
+MAX_HOST = 253
+
+
+def _shown(host: str) -> str:
+    """``host`` quoted on one line, cut to its first 40 characters (and its length said)
+    when long."""
+    if len(host) <= 40:
+        return repr(host)
+    return f"{host[:40]!r}... ({len(host)} characters)"
+
+
+def check_host(host: str) -> None:
+    """Refuses, as a usage error, a ``--host`` that is no host name or address at all
+    (rule 1), before anything looks it up."""
+    rule = "--host must be an address or host name of this machine"
+    if not host:
+        raise StoreUsageError(f"{rule}, but is empty instead.")
+    if not host.isprintable() or any(c.isspace() for c in host):
+        raise StoreUsageError(
+            f"{rule} (printable characters, no spaces), but is {_shown(host)} instead."
+        )
+    if len(host) > MAX_HOST:
+        raise StoreUsageError(
+            f"{rule} (at most {MAX_HOST} characters), but is {_shown(host)} instead."
+        )
+    try:
+        host.encode("idna")  # how the resolver encodes it
+    except UnicodeError as error:
+        reason = str(error.__cause__ or error)
+        raise StoreUsageError(
+            f"{rule} (labels of 1 to 63 characters between dots), but is {_shown(host)} "
+            f"instead ({reason})."
+        ) from None
 
 
 def format_endpoint(endpoint: Endpoint) -> str:
@@ -95,7 +133,7 @@ def _means_every_interface(host: str) -> bool:
     resolve (binding it says so)."""
     try:
         infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
-    except OSError:
+    except (OSError, UnicodeError):
         return False
     return any(_is_every_interface(str(info[4][0])) for info in infos)
 
@@ -191,20 +229,20 @@ def _bind(host: str, port: int) -> socket.socket:
         listener = listen_on(host, port)
     except OSError as error:  # listen_on raises only EADDRINUSE
         raise StoreUsageError(
-            f"--port must be a free port on {host}, but {port} is in use by another "
+            f"--port must be a free port on {_shown(host)}, but {port} is in use by another "
             f"process: pick another, or --port 0 for any free one ({error.strerror})."
         ) from None
     if listener is None:
         try:
             socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        except OSError as error:
+        except (OSError, UnicodeError) as error:
             raise StoreUsageError(
-                f"--host must be an address of this machine, but {host!r} does not resolve "
-                f"({error})."
+                f"--host must be an address of this machine, but {_shown(host)} does not "
+                f"resolve ({error})."
             ) from None
         raise StoreUsageError(
             f"--host must be one address of this machine (the store listens on it only), "
-            f"but {host!r} is not (or names loopback and other addresses at once): give "
+            f"but {_shown(host)} is not (or names loopback and other addresses at once): give "
             f"the address of one of its interfaces, e.g. the cluster's private network "
             f"address, or 127.0.0.1."
         )
@@ -241,11 +279,13 @@ def serve_store(
         0, once stopped by a signal.
 
     Raises:
-        StoreUsageError: ``host`` is not an address here, or means every interface
-            unasked, or ``port`` is taken.
+        StoreUsageError: ``host`` is no host name (empty, spaces, too long), is not an
+            address here, or means every interface unasked; or ``port`` is taken.
+        ValueError: ``host`` is not a str, or ``port`` not an int in [0, 65535].
     """
-    if not isinstance(host, str) or not host:  # type: ignore[redundant-expr]  # untyped callers
-        raise ValueError(f"`host` must be a non-empty str, but is {host!r} instead.")
+    if not isinstance(host, str):  # untyped callers
+        raise ValueError(f"`host` must be a str, but is {host!r} instead.")
+    check_host(host)
     number: object = port  # untyped callers
     if isinstance(number, bool) or not isinstance(number, int) or not 0 <= number <= 65535:
         raise ValueError(f"`port` must be an int in [0, 65535], but is {port!r} instead.")

@@ -22,6 +22,8 @@ Rules:
    reads (on the publisher) or writes (on a subscriber) the old memory, which nothing
    reads again, and the recovery round does not wait for it. A packed bucket costs its
    size again; a direct one, a copy per round.
+7. A tied tensor (``agang._weights.plan`` rule 4) moves once; a subscriber whose own
+   tensors are not tied copies it into each alias once the version is whole (``tie``).
 """
 
 from __future__ import annotations
@@ -99,6 +101,12 @@ class Buckets:
                 assert tensor_bytes is not None
                 pairs += pieces(wire[offset : offset + nbytes], tensor_bytes)
             self._pieces.append(pairs)
+        # Rule 7: (the tensor's bytes, an alias's own bytes) where they are two memories.
+        self._ties: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for alias, first in plan.ties().items():
+            source, target = self._bytes[first], self._bytes[alias]
+            if source is not None and target is not None and source.data_ptr() != target.data_ptr():
+                self._ties.append((source, target))
 
     @property
     def staging_bytes(self) -> int:
@@ -134,6 +142,14 @@ class Buckets:
             to.copy_(came)
 
     def unpack(self) -> None:
-        """Copies every bucket that is a buffer of its own into the user's tensors (rule 2)."""
+        """Copies every bucket that is a buffer of its own into the user's tensors, then
+        the tied ones into their aliases (rules 2, 7)."""
         for index in range(len(self.wire)):
             self.unpack_bucket(index)
+        self.tie()
+
+    def tie(self) -> None:
+        """Copies each tied tensor into its alias, where the alias is a memory of its own
+        (rule 7)."""
+        for source, target in self._ties:
+            copy_bytes(target, source)

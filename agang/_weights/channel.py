@@ -1,79 +1,85 @@
 """A weights channel's keys in the store (an ``agang store`` that outlives both sides).
 
 Rules:
-1. Everything lives under ``agang/weights/<channel>/<session>/``; the session is a
-   token a publisher draws at ``open`` and writes under ``agang/weights/<channel>/
-   session`` after its plan, so a subscriber that reads the session finds the plan, and
-   a publisher started again on the channel never mixes with the last one's keys.
-2. A subscriber *registers* (a ``join`` line on the ``news`` queue: id, name, where)
-   and *beats* (its own key: a count and the wall-clock time) every ``BEAT`` seconds
-   while it is open; the publisher admits, at a push, the registered subscribers whose
-   beat is under ``STALE`` seconds old. It beats too, so a subscriber tells a publisher
-   that went away from one that is only quiet. A registration also counts itself under
-   ``joined``; the publisher's beat reads that count and says under ``seen`` how many it
-   saw, and a subscriber's ``open`` returns once its own was seen: so a push reads the
-   news (on a thread, off its loop) only when there is some, and a subscriber that
-   opened before a push began is still admitted at that push. A subscriber that closes
-   says so (a ``leave`` line on the same queue, counted under ``joined`` too): the next
-   push leaves it out at once, instead of waiting for it to come. The publisher pops
-   what it reads, so the queue holds only what it has not read yet.
-3. *Epochs.* Each membership has an epoch: its members (publisher first) under
-   ``e/<n>/members``; each member checks in under ``e/<n>/in`` once it read them, and
-   makes the epoch's group only once the publisher says ``go`` (every member checked
-   in) under ``e/<n>/go``; ``abandoned`` instead tells those that came to look for the
-   next epoch, so that no one waits in a group that a missing member never joins.
-4. *Drops.* A subscriber the publisher drops gets its reason under ``dropped/<id>``,
+1. *Sessions and the holder.* Everything lives under ``agang/weights/<channel>/<session>/``;
+   the session is a token a publisher draws at ``open``, and the channel's ``holder``
+   key names the session that may publish. A publisher writes its plan and its
+   ``where`` under its session, then takes the holder key (compare-and-set, so that two
+   publishers opening at once do not both take it), so a subscriber that reads the
+   holder finds the plan. A publisher that takes the channel from a live one *fences*
+   it: it says so under the old session (``fenced``), and the old one, whose watch
+   reads its own ``fenced`` at each beat, stops pushing and says why it is closed
+   (``closed``); ``open`` returns once it did, or once it was seen silent
+   (``agang._weights.publisher`` rule 5).
+2. *Registration.* A subscriber *registers* (a ``join`` line on the ``news`` queue: its
+   member record) and *beats* (a count under its own key, ``agang._membership.
+   heartbeat``) while it is open. A registration also counts itself under ``joined``;
+   the publisher's watch reads that count at each beat, reads the news when it
+   changed, and then says under ``seen`` how many it read: a subscriber's ``open``
+   returns once its own was seen, so a push that begins after that admits it. A
+   subscriber that closes says so (a ``leave`` line, counted too). The news are popped
+   as read, so the queue holds only what is unread.
+3. *Epochs* are ``agang._membership.roster``'s: each membership's members (publisher
+   first), the newest epoch, and the members' check-ins; the publisher says ``go`` (every
+   member checked in) under the epoch, or ``abandoned``, so that no one waits in a group
+   that a missing member never joins. The epoch's group makes its rendezvous under the
+   epoch's ``group/`` prefix.
+4. *Drops.* A subscriber the publisher drops gets its reason under ``dropped/<uid>``,
    and may register again.
 5. *Status (blame).* Each subscriber's mailbox responder
-   (``agang._backends.c10d.mailbox``) serves a queue under ``sub/<id>/``, with no
+   (``agang._backends.c10d.mailbox``) serves a queue under ``sub/<uid>/``, with no
    traffic until asked: a ``weights_status`` letter asks where its side of the rounds
    stands, and is answered under the key it names. No answer within ``ASK_SECONDS``:
    dead, stopped, or cut off from the store. The asker deletes the answers it read,
    and remembers the keys of the last ``LATE_KEPT`` questions that were not answered
    in time: at each later question and at close it deletes those whose late answer
    has come (a server stopped across a question answers when it wakes).
-6. *Nothing grows with the channel's age.* Keys that no one will read again are
-   deleted by the publisher: an epoch's keys (its group's rendezvous included) once a
-   later epoch's group is made, and every epoch's at close; a subscriber's beat, drop
-   and mailbox once it left, or once ``DROPS_KEPT`` later drops passed since it was
-   dropped (a subscriber that comes back after that many finds no drop to read; its
-   wait for a new epoch ends at its deadline, saying so). What stays is a session's
-   handful of fixed keys (plan, publisher, beat, counts, epoch, closed), which its
-   subscribers read to learn that the publisher closed or was replaced.
-7. *A store op outlives a network blip.* A side's client waits ``STORE_OP_SECONDS``
-   for an op, not the 2 s of a connection attempt: a server whose link came back after
-   a cut of a few seconds had its first ops delayed past 2 s by TCP's retransmits, and
-   failed ("wait timeout after 2000ms"), though store and publisher were there. A key
-   that may be missing is read after a check (``store_get``), never waited for, and
-   Gloo's rendezvous for an epoch's group waits on this client with the group's own
-   timeout, not the client's (a unit test checks it), so the bound only matters for a
-   store that stopped answering.
+6. *Nothing grows with the channel's age* (``agang._weights.housekeeping``): what
+   stays is a session's handful of fixed keys (plan, publisher, beat, counts, epoch,
+   closed), which its subscribers read to learn that the publisher closed or was
+   replaced.
+7. *Authentication* (``secret``, :mod:`agang._membership.seal`). With a channel secret,
+   every control record (the holder, the plan, the fence, joins and leaves, member
+   lists, go, drops, closes) is sealed (an HMAC of its key and text), and a reader
+   ignores a record without a valid seal (logged once); each epoch's group makes its
+   rendezvous on a sealed store, so no member connects to an address a stranger wrote.
+   A stranger who reaches the store can neither publish to the servers, nor take the
+   channel, nor strand a server by a forged leave or drop; the publisher takes the
+   holder key back from a stranger who overwrote it. Without a secret every record is
+   taken as written (``docs/guides/trust.md``).
 """
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import secrets
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 
 from agang._backends.c10d import mailbox
-from agang._setup.elastic import connect_store
-from agang._setup.env import WorldInfo
+from agang._membership import store as stores
+from agang._membership.heartbeat import Watch, write_beat
+from agang._membership.member import Member
+from agang._membership.roster import Roster
+from agang._membership.seal import Seal, SealedStore
 
+log = logging.getLogger("agang.weights")
+
+#: How often each side beats (seconds), and how long the publisher must see a
+#: subscriber not beat before it takes it for dead or stopped (``agang._membership.
+#: heartbeat``): seven beats, so that a loaded machine's late beats are not a death.
 BEAT = 0.2
 STALE = 1.5
 DROPS_KEPT = 64
-#: The most news one look pops: a bound on the loop, far above a fleet's churn per push.
+#: The most news one look pops: a bound on the loop, far above a fleet's churn per beat.
 _NEWS_PER_LOOK = 100_000
 ASK_SECONDS = 0.3
-#: The longest a store op of the channel's waits (rule 7).
-STORE_OP_SECONDS = 30.0
 #: The most unanswered questions whose late answers are looked for (rule 5).
 LATE_KEPT = 64
 _ROOT = "agang/weights"
@@ -94,158 +100,270 @@ def _answer(responder: mailbox.Responder, key: str) -> None:
 mailbox.register(_KIND, _answer)
 
 
-def connect(host: str, port: int, deadline: float) -> Any:
-    """A client of the store at ``host:port`` (an ``agang store``), retried until
-    ``deadline``; raises ``GangInitError`` naming the store when it does not answer.
-    Its ops then wait ``STORE_OP_SECONDS`` at most (rule 7)."""
-    client = connect_store(WorldInfo(0, 1, 0, host, port, source="arguments"), deadline)
-    client.set_timeout(timedelta(seconds=STORE_OP_SECONDS))
-    return client
-
-
 class Channel:
-    """One session of a channel on ``store`` (rule 1); ``address`` is for messages."""
+    """One session of a channel on ``store`` (rule 1); ``address`` is the store's, for
+    messages; ``secret`` authenticates the control records (rule 7)."""
 
-    def __init__(self, store: Any, channel: str, session: str, address: str) -> None:
+    def __init__(
+        self, store: Any, channel: str, session: str, address: str, secret: bytes | None
+    ) -> None:
         self.store = store
         self.name = channel
         self.session = session
         self.address = address
-        self._prefix = f"{_ROOT}/{channel}/{session}"
+        self._secret = secret
+        self._seal = Seal(secret, f"weights channel '{channel}'")
+        self.prefix = f"{_ROOT}/{channel}/{session}"
+        self.roster = Roster(store, self.prefix)
         # Rule 5: the reply key of each question not answered in time, and whose.
         self._late: OrderedDict[str, str] = OrderedDict()
 
+    def rebind(self, store: Any) -> None:
+        """Talks to the store through ``store`` from now on (a new connection)."""
+        self.store = store
+        self.roster.store = store
+
     @staticmethod
-    def session_key(channel: str) -> str:
-        return f"{_ROOT}/{channel}/session"
-
-    @classmethod
-    def start(cls, store: Any, channel: str, plan_text: str, where: str, address: str) -> Channel:
-        """A new session, its plan and its publisher written (rule 1)."""
-        opened = cls(store, channel, secrets.token_hex(6), address)
-        store.set(opened._key("plan"), plan_text)
-        store.set(opened._key("publisher"), where)
-        opened.beat("publisher", 0)
-        store.set(cls.session_key(channel), opened.session)
-        return opened
-
-    @classmethod
-    def find(cls, store: Any, channel: str, address: str) -> Channel | None:
-        """The channel's current session, or None before any publisher opened it."""
-        key = cls.session_key(channel)
-        if not store.check([key]):
-            return None
-        return cls(store, channel, store.get(key).decode(), address)
+    def holder_key(channel: str) -> str:
+        return f"{_ROOT}/{channel}/holder"
 
     def _key(self, name: str) -> str:
-        return f"{self._prefix}/{name}"
+        return f"{self.prefix}/{name}"
 
-    def _get(self, name: str) -> str | None:
-        key = self._key(name)
-        return store_get(self.store, key)
+    # Rule 7: sealed control records.
 
-    def plan_text(self) -> str:
-        text = self._get("plan")
-        assert text is not None  # written before the session (rule 1)
-        return text
+    def _sign(self, key: str, text: str) -> str:
+        return self._seal.seal(key, text)
 
-    def publisher(self) -> str:
-        return self._get("publisher") or "unknown"
+    def _verify(self, key: str, value: str | None) -> str | None:
+        return self._seal.open(key, value)
+
+    def group_store(self) -> Any:
+        """The store an epoch's group makes its rendezvous on: sealed with a secret."""
+        return self.store if self._secret is None else SealedStore(self.store, self._seal)
+
+    def _set(self, key: str, text: str) -> None:
+        self.store.set(key, self._sign(key, text))
+
+    def _read(self, key: str) -> str | None:
+        return self._verify(key, stores.read(self.store, key))
+
+    # Rule 1: the session and its holder.
+
+    @classmethod
+    def start(
+        cls,
+        store: Any,
+        channel: str,
+        plan_text: str,
+        where: str,
+        address: str,
+        secret: bytes | None,
+    ) -> tuple[Channel, str | None]:
+        """A new session with its plan, and the channel taken for it; returns it and
+        the session it took the channel from (None: nobody held it)."""
+        opened = cls(store, channel, secrets.token_hex(6), address, secret)
+        return opened, opened.take(plan_text, where)
+
+    def take(self, plan_text: str, where: str, *, if_free: bool = False) -> str | None:
+        """Writes this session's plan and publisher, and takes the channel for it (rule
+        1); returns the session it took the channel from (None: nobody held it, or this
+        one did). ``if_free``: only where nobody holds it (a store that lost the session:
+        opening it there again must not take it from a publisher that opened since);
+        returns the holder then, where it is another."""
+        self._set(self._key("plan"), plan_text)
+        self._set(self._key("publisher"), where)
+        self.beat("publisher", 0)
+        key = self.holder_key(self.name)
+        mine = self._sign(key, self.session)
+        for _ in range(100):  # another publisher may take it between the read and the set
+            current = stores.read(self.store, key)
+            if if_free and current is not None:
+                holder = self._verify(key, current)
+                return None if holder == self.session else holder
+            if self.store.compare_set(key, current or "", mine).decode() == mine:
+                previous = self._verify(key, current)
+                return None if previous == self.session else previous
+        raise RuntimeError(f"the channel '{self.name}' changed hands 100 times while opening")
+
+    @classmethod
+    def find(cls, store: Any, channel: str, address: str, secret: bytes | None) -> Channel | None:
+        """The channel's current session, or None before any publisher opened it."""
+        probe = cls(store, channel, "", address, secret)
+        key = cls.holder_key(channel)
+        session = probe._read(key)
+        return None if session is None else cls(store, channel, session, address, secret)
+
+    def reclaim(self) -> None:
+        """With a secret, takes the holder key back from a record without a valid MAC
+        (rule 7): a stranger who overwrote it would keep new subscribers from finding
+        the channel. A valid record of another publisher's is a fence, and stays."""
+        if self._secret is None:
+            return
+        key = self.holder_key(self.name)
+        current = stores.read(self.store, key)
+        if current is not None and self._verify(key, current) is None:
+            self.store.compare_set(key, current, self._sign(key, self.session))
+
+    def holder(self) -> str | None:
+        """The session that holds the channel now (rule 1)."""
+        return self._read(self.holder_key(self.name))
 
     def current(self) -> bool:
-        """Whether this is still the channel's session (no newer publisher opened it)."""
-        found = store_get(self.store, self.session_key(self.name))
-        return found == self.session
+        """Whether this session still holds the channel."""
+        return self.holder() == self.session
+
+    def other(self, session: str) -> Channel:
+        """Another session of this channel, on the same store."""
+        return Channel(self.store, self.name, session, self.address, self._secret)
+
+    def plan_text(self) -> str | None:
+        return self._read(self._key("plan"))
+
+    def publisher(self) -> str:
+        return self._read(self._key("publisher")) or "unknown"
+
+    def fence(self, by: str) -> None:
+        """Says, under this (old) session, that the publisher at ``by`` took the channel."""
+        self._set(self._key("fenced"), by)
+
+    def fence_and_wait(self, by: str, deadline: float) -> None:
+        """Takes the channel from this (old) session's publisher (rule 1): tells it, then
+        waits until it says it stopped, or is seen silent for ``STALE``, or ``deadline``."""
+        if self.closed() is not None:
+            return
+        self.fence(by)
+        watch = Watch(STALE)
+        while time.monotonic() < deadline:
+            started = time.monotonic()
+            if self.closed() is not None:
+                return
+            beats = self.beats(["publisher"])
+            ended = time.monotonic()
+            watch.look(beats, started, ended)
+            if watch.is_silent("publisher", ended):
+                log.info(
+                    "agang: channel '%s': its last publisher (%s) is silent; taken from it.",
+                    self.name,
+                    self.publisher(),
+                )
+                return
+            time.sleep(BEAT / 4)
+
+    def fenced_by(self) -> str | None:
+        return self._read(self._key("fenced"))
+
+    def say_closed(self, why: str) -> None:
+        self._set(self._key("closed"), why)
+
+    def closed(self) -> str | None:
+        """Why this session's publisher closed, or None while it is open."""
+        return self._read(self._key("closed"))
 
     # Rule 2: registration and beats.
 
-    def register(self, uid: str, name: str, where: str) -> int:
-        """Registers ``uid``; returns the registrations' count, this one's included."""
-        self.store.queue_push(self._key("news"), f"join {uid} {name} {where}")
+    def register(self, member: Member) -> int:
+        """Registers ``member``; returns the registrations' count, this one's included."""
+        key = self._key("news")
+        self.store.queue_push(key, self._sign(key, f"join {member.to_text()}"))
         return int(self.store.add(self._key("joined"), 1))
 
     def leave(self, uid: str) -> None:
-        """``uid`` closed: the publisher drops it at its next push, without waiting for
-        it; counted with the registrations, so that the publisher's beat sees it."""
-        self.store.queue_push(self._key("news"), f"leave {uid}")
+        """``uid`` closed: the publisher leaves it out of the next push at once."""
+        key = self._key("news")
+        self.store.queue_push(key, self._sign(key, f"leave {uid}"))
         self.store.add(self._key("joined"), 1)
 
     def news(self) -> list[tuple[str, str]]:
         """The registrations and leaves not read yet, in order, as (``"join"``, the
-        member's text) and (``"leave"``, its id); each is read once (rule 2)."""
+        member's text) and (``"leave"``, its uid); each is read once (rule 2)."""
+        key = self._key("news")
         found = []
         for _ in range(_NEWS_PER_LOOK):
             try:
-                text = self.store.queue_pop(self._key("news"), False).decode()
+                value = self.store.queue_pop(key, False).decode()
             except dist.QueueEmptyError:
                 break
+            text = self._verify(key, value)
+            if text is None:
+                continue
             kind, _, rest = text.partition(" ")
-            found.append((kind, rest))
+            if kind in ("join", "leave"):
+                found.append((kind, rest))
         return found
 
     def registered(self) -> int:
-        """How many registrations there were (at least as many lines as ``registrations``)."""
+        """How many registrations and leaves there were."""
         return int(self.store.add(self._key("joined"), 0))
 
     def say_seen(self, count: int) -> None:
-        """The publisher saw the first ``count`` registrations (rule 2)."""
+        """The publisher read the first ``count`` registrations and leaves (rule 2)."""
         self.store.set(self._key("seen"), str(count))
 
     def seen(self) -> int:
-        text = self._get("seen")
-        return 0 if text is None else int(text)
+        return int(stores.read(self.store, self._key("seen")) or 0)
 
     def beat(self, uid: str, count: int) -> None:
-        self.store.set(self._key(f"beat/{uid}"), f"{count} {time.time():.3f}")
+        write_beat(self.store, self._key(f"beat/{uid}"), count)
 
-    def beat_age(self, uid: str) -> float | None:
-        """Seconds since ``uid``'s last beat by the wall clock, or None if it never beat."""
-        text = self._get(f"beat/{uid}")
-        return None if text is None else max(0.0, time.time() - float(text.split()[1]))
+    def beats(self, uids: list[str]) -> dict[str, str | None]:
+        """Each of ``uids``' beat count (None: it has none)."""
+        return {uid: stores.read(self.store, self._key(f"beat/{uid}")) for uid in uids}
 
     # Rule 3: epochs.
 
-    def set_members(self, epoch: int, members: list[str]) -> None:
-        self.store.set(self._key(f"e/{epoch}/members"), "\n".join(members))
-        self.store.set(self._key("epoch"), str(epoch))
+    def set_members(self, epoch: int, members: list[Member]) -> bool:
+        """Writes ``epoch``'s members (publisher first) and makes it the newest; False
+        where a list was there already (written by someone else: the epoch is spent)."""
+        _, won = self.roster.decide(epoch, members, by=members[0].uid)
+        if not won:
+            return False
+        self._set(self.roster.key(epoch, "seal"), _digest(members))  # rule 7
+        self.roster.publish(epoch)
+        return True
 
-    def members(self, epoch: int) -> list[str] | None:
-        text = self._get(f"e/{epoch}/members")
-        return None if text is None else text.splitlines()
+    def members(self, epoch: int) -> list[Member] | None:
+        """``epoch``'s members, None before they were written, or where the list is not
+        the publisher's (rule 7)."""
+        members = self.roster.members(epoch)
+        if members is None or self._secret is None:
+            return members
+        if self._read(self.roster.key(epoch, "seal")) != _digest(members):
+            return None
+        return members
 
     def epoch(self) -> int:
-        text = self._get("epoch")
-        return -1 if text is None else int(text)
+        newest = self.roster.newest()
+        return -1 if newest is None else newest
 
     def check_in(self, epoch: int, uid: str) -> None:
-        self.store.append(self._key(f"e/{epoch}/in"), f"{uid}\n")
+        self.roster.check_in(epoch, uid)
 
     def checked_in(self, epoch: int) -> set[str]:
-        return set((self._get(f"e/{epoch}/in") or "").split())
+        return self.roster.checked_in(epoch)
 
     def say_go(self, epoch: int, go: bool) -> None:
-        self.store.set(self._key(f"e/{epoch}/go"), "go" if go else "abandoned")
+        self._set(self.roster.key(epoch, "go"), "go" if go else "abandoned")
 
     def go(self, epoch: int) -> str | None:
-        return self._get(f"e/{epoch}/go")
+        return self._read(self.roster.key(epoch, "go"))
 
-    def group_store(self, epoch: int) -> Any:
-        return dist.PrefixStore(self._key(f"e/{epoch}/pg"), self.store)  # type: ignore[attr-defined]
+    def group_prefix(self, epoch: int) -> str:
+        """Where ``epoch``'s group makes its rendezvous (rule 3)."""
+        return self.roster.key(epoch, "group")
 
-    def forget_epoch(self, epoch: int, size: int) -> None:
-        """Deletes ``epoch``'s keys (rule 6): its members, check-ins and go, and its
-        group's rendezvous (Gloo's context 0 writes one key per rank, named by it)."""
-        names = ["members", "in", "go", *(f"pg/0/{rank}" for rank in range(size))]
-        for name in names:
-            self.store.delete_key(self._key(f"e/{epoch}/{name}"))
+    def forget_epoch(self, epoch: int, group_keys: list[str]) -> None:
+        """Deletes ``epoch``'s keys: its members, check-ins and go, and its group's
+        rendezvous keys ``group_keys`` (under ``group_prefix``)."""
+        self.roster.forget(epoch, ["go", "seal", *(f"group/{key}" for key in group_keys)])
 
-    # Rule 4: drops; and the publisher's close.
+    # Rule 4: drops.
 
     def drop(self, uid: str, why: str) -> None:
-        self.store.set(self._key(f"dropped/{uid}"), why)
+        self._set(self._key(f"dropped/{uid}"), why)
 
     def dropped(self, uid: str) -> str | None:
-        return self._get(f"dropped/{uid}")
+        return self._read(self._key(f"dropped/{uid}"))
 
     def forget_drop(self, uid: str) -> None:
         """Deletes ``uid``'s drop: it registered again (rule 6)."""
@@ -257,12 +375,6 @@ class Channel:
         self.store.delete_key(self._key(f"beat/{uid}"))
         self.forget_drop(uid)
         mailbox.drain(self.mailbox_store(uid), 0, _NEWS_PER_LOOK)
-
-    def say_closed(self) -> None:
-        self.store.set(self._key("closed"), "1")
-
-    def closed(self) -> bool:
-        return self._get("closed") is not None
 
     # Rule 5: status.
 
@@ -292,7 +404,7 @@ class Channel:
         while time.monotonic() < give_up_at and any(a is None for a in answers.values()):
             for uid in uids:
                 if answers[uid] is None:
-                    answers[uid] = store_get(self.mailbox_store(uid), keys[uid])
+                    answers[uid] = stores.read(self.mailbox_store(uid), keys[uid])
             time.sleep(mailbox.POLL_SECONDS)
         for uid in uids:  # rule 5: read, or too late to be
             self.mailbox_store(uid).delete_key(keys[uid])
@@ -312,8 +424,7 @@ class Channel:
                 del self._late[key]
 
 
-def store_get(store: Any, key: str) -> str | None:
-    """``key``'s value, or None where the store does not hold it (never waits for it)."""
-    if not store.check([key]):
-        return None
-    return str(store.get(key).decode())
+def _digest(members: list[Member]) -> str:
+    """A list of members in a few bytes, for its seal (rule 7)."""
+    text = "\n".join(m.to_text() for m in members)
+    return hashlib.sha256(text.encode()).hexdigest()[:32]

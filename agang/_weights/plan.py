@@ -17,11 +17,19 @@ Rules:
    comes; otherwise bucket 0 holds at most ``FIRST_BUCKET_BYTES`` (a subscriber
    receives it apart, reads the header, then posts the other buckets). Empty tensors
    move nothing. Both sides derive the same buckets from the same plan and bucket size.
+4. *Tied tensors.* A tensor under several names (a tied embedding's ``state_dict()``:
+   one tensor, the same view, twice) moves once, under its first name; the later names
+   are its *aliases* and move nothing. The aliases are part of the stored plan but not
+   of the fingerprint: a subscriber whose tensors are not tied gets the bytes copied
+   into each name's tensor; one that ties names the publisher does not is refused at
+   ``open`` (one tensor cannot hold two values). Two names whose memory overlaps
+   without being the same view are refused too: no order of copies keeps both.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 from dataclasses import dataclass
 
@@ -53,6 +61,12 @@ class Plan:
     entries: tuple[tuple[str, str, tuple[int, ...]], ...]
     sizes: tuple[int, ...]
     bucket_bytes: int
+    #: Per tensor, the index of the first tensor it is (itself where it is not tied).
+    aliases: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.aliases:
+            object.__setattr__(self, "aliases", tuple(range(len(self.entries))))
 
     @classmethod
     def of(cls, tensors: dict[str, torch.Tensor], bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Plan:
@@ -65,7 +79,7 @@ class Plan:
             for name, t in tensors.items()
         )
         sizes = tuple(t.numel() * t.element_size() for t in tensors.values())
-        return cls(entries, sizes, bucket_bytes)
+        return cls(entries, sizes, bucket_bytes, _aliases(tensors))
 
     @property
     def fingerprint(self) -> str:
@@ -82,7 +96,12 @@ class Plan:
 
     @property
     def nbytes(self) -> int:
-        return sum(self.sizes)
+        """The bytes one version moves (a tied tensor once: rule 4)."""
+        return sum(size for i, size in enumerate(self.sizes) if self.aliases[i] == i)
+
+    def ties(self) -> dict[int, int]:
+        """Each alias's index, and the index of the tensor it is (rule 4)."""
+        return {i: first for i, first in enumerate(self.aliases) if first != i}
 
     def to_text(self) -> str:
         """The plan as the store keeps it (rule 2)."""
@@ -92,6 +111,7 @@ class Plan:
                 "bucket_bytes": self.bucket_bytes,
                 "tensors": [[n, d, list(s)] for n, d, s in self.entries],
                 "sizes": list(self.sizes),
+                "aliases": list(self.aliases),
             }
         )
 
@@ -99,7 +119,10 @@ class Plan:
     def from_text(cls, text: str) -> Plan:
         data = json.loads(text)
         entries = tuple((str(n), str(d), tuple(int(x) for x in s)) for n, d, s in data["tensors"])
-        plan = cls(entries, tuple(int(x) for x in data["sizes"]), int(data["bucket_bytes"]))
+        aliases = tuple(int(x) for x in data.get("aliases", ()))
+        plan = cls(
+            entries, tuple(int(x) for x in data["sizes"]), int(data["bucket_bytes"]), aliases
+        )
         if plan.fingerprint != data["fingerprint"]:
             raise ValueError("the stored plan does not match its own fingerprint")
         return plan
@@ -110,6 +133,12 @@ class Plan:
         """None where the plans match (rule 1), else a sentence naming the first tensor
         that differs, on both sides (rule 2)."""
         if self.fingerprint == theirs.fingerprint:
+            for alias, first in self.ties().items():  # rule 4
+                if theirs.aliases[alias] != theirs.aliases[first]:
+                    return (
+                        f"{self.describe(alias)} and {self.describe(first)} are one tensor "
+                        f"{mine}, and two in {other} plan (a tensor cannot hold two values)"
+                    )
             return None
         for index, (a, b) in enumerate(zip(self.entries, theirs.entries, strict=False)):
             if a != b:
@@ -148,7 +177,7 @@ class Plan:
             packed, offset, first = [], 0, False
 
         for index, size in enumerate(self.sizes):
-            if size == 0:
+            if size == 0 or self.aliases[index] != index:  # rule 4: moves under its first
                 continue
             if size >= self.bucket_bytes:
                 direct.append((True, size, [(index, 0, size)]))
@@ -164,3 +193,33 @@ class Plan:
             close_packed()
         # Packed buckets first (bucket 0 carries the header), then the direct ones.
         return out + direct
+
+
+def _aliases(tensors: dict[str, torch.Tensor]) -> tuple[int, ...]:
+    """Per tensor, the index of the first of ``tensors`` that is the same view of the
+    same memory (itself where none is); raises ``ValueError`` for two whose memory
+    overlaps otherwise (rule 4)."""
+    names = list(tensors)
+    first_of: dict[tuple[object, ...], int] = {}
+    aliases: list[int] = []
+    spans: list[tuple[int, int, int]] = []  # (start, end, index) of each first
+    for index, tensor in enumerate(tensors.values()):
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes == 0:
+            aliases.append(index)
+            continue
+        start = tensor.data_ptr()
+        key = (start, nbytes, tensor.dtype, tuple(tensor.shape))
+        aliases.append(first_of.setdefault(key, index))
+        if aliases[-1] == index:
+            spans.append((start, start + nbytes, index))
+    spans.sort()
+    for (_, end, a), (start, _, b) in itertools.pairwise(spans):
+        if start < end:
+            first, second = sorted((a, b))
+            raise ValueError(
+                f"`tensors['{names[first]}']` and `tensors['{names[second]}']` overlap in "
+                f"memory without being the same tensor: pass them as separate tensors (a "
+                f"copy), or one tensor under both names."
+            )
+    return tuple(aliases)

@@ -1,57 +1,91 @@
 """The trainer's side: ``WeightPublisher``.
 
+Why one module of this size: the push is one protocol (admission, the round, its
+recovery, and what a cancel leaves), whose steps share the publisher's state; split,
+each half would read the other's fields.
+
 Rules:
-1. *Membership at round boundaries.* A push first reads the registrations, where its
-   beat saw new ones (``agang._weights.channel`` rule 2): every registered subscriber
-   whose beat is fresh is admitted, and the members then move to
-   a new epoch (the old gang is told ``REFORM`` in bucket 0's header, the new members
-   are written, every one checks in, then all make the new group). A joiner with the
-   name of a member replaces it (a restarted server).
+1. *Membership at round boundaries.* A push first takes what the fleet saw since the
+   last one (``agang._weights.fleet``, no store op): the subscribers registered since,
+   the members that closed, were seen silent, or were replaced (a joiner with the name
+   of a member replaces it: a restarted server). Where anything changed, the members
+   move to a new epoch: the old gang is told ``REFORM`` in bucket 0's header, the new
+   members are written, every one checks in, then all make the new gang (the channel's
+   factory, ``agang._membership.gangs``).
 2. *A round* sends the buckets in order, each filled just before it is issued (the
    next one fills while the last one moves), then takes each subscriber's confirmation
    (its version and epoch, sent to rank 0). The whole round has the push's deadline.
 3. *Recovery.* A round that fails (a deadline: the gang aborts; a lost connection)
    leaves the subscribers that confirmed delivered; the others are asked where they
-   stand (blame, :mod:`agang._weights.channel` rule 5). Those that do not answer are
+   stand (blame, ``agang._weights.channel`` rule 5). Those that do not answer are
    dropped, with why; the rest move to a new epoch without them and the round runs
    again there, once, within ``RECOVERY_SECONDS`` (plus the time the bytes take at
    ``RECOVERY_BYTES_PER_SECOND``) after the failure; a bucket that an op of the failed
-   round still holds moves in a new buffer (``agang._weights.buckets`` rule 6). A
-   member that fails the second round too is dropped. So a push returns within its
-   deadline plus that bound, and never raises for a lost server.
-4. A member that does not come to make a new epoch's group within
-   ``CHECK_IN_SECONDS`` is dropped, and the epoch after is made without it, within the
-   recovery's bound from then; a joiner that did not come gives the round that follows
-   that bound too, so that the members are not dropped for the time it took. Every step
-   is bounded.
+   round still holds (``Gang.holds``) moves in a new buffer (``agang._weights.buckets``
+   rule 6). A member that fails the second round too is dropped. So a push returns
+   within its deadline plus that bound, and never raises for a lost server.
+4. A member that does not come to make a new epoch's gang within ``CHECK_IN_SECONDS``
+   is dropped, and the epoch after is made without it, within the recovery's bound
+   from then; a joiner that did not come gives the round that follows that bound too,
+   so that the members are not dropped for the time it took. Every step is bounded.
+5. *One publisher per channel: the newest fences the others.* ``open`` takes the
+   channel from a publisher that holds it, tells it (``agang._weights.channel`` rule
+   1), and returns once it stopped (it says so at its next beat) or was seen silent
+   for ``STALE`` (dead or stopped). From then on the old one's pushes raise
+   ``GangError`` naming the new one, and it sends its servers no version. Fencing, not
+   refusing: a trainer restarted while the old process lingers (or is stopped, and
+   could wake) must take over without waiting for it, and the old one must fail
+   clearly wherever it is; refusing would keep the new one out and still need the
+   fence for the old one that wakes.
+6. *Cancellation.* A push reads the trainer's tensors until it returns or raises, and
+   never after. Cancelled mid-round, it lets the round's ops finish for up to
+   ``CANCEL_GRACE`` seconds (they are under way, and a round takes milliseconds: a
+   finished round leaves the epoch as it was), then closes the epoch's gang before the
+   cancel goes on: closing aborts the ops still reading the tensors (their connections
+   close, so no byte read later leaves), and the next push starts a new epoch with the
+   same members. A server then holds the cancelled version whole or not at all
+   (staging; in place, its tensors may hold parts of it until the next version
+   comes). Cancelled while it admitted subscribers, the next push admits them.
+7. *The store.* A push needs the store only where the membership changes or a round
+   fails; where the store failed or did not answer, the push raises ``GangError``
+   naming it, within its deadline and the recovery bound. The fleet connects again
+   (and opens the session there again, on a store that was restarted), so a later
+   push goes on once a store is back.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import math
-import os
-import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
+import anyio
 import torch
 
 from agang._backends.c10d.retry import one_line
-from agang._collective.process_group_gang import ProcessGroupGang
-from agang._engine import busy
 from agang._errors import GangBrokenError, GangError
+from agang._gang import Gang
+from agang._handle import Handle
+from agang._membership import store as stores
+from agang._membership.gangs import GangFactory
+from agang._membership.member import Member
 from agang._runtime.threads import start_daemon
-from agang._weights import channel as channel_keys
+from agang._setup.epoch_gang import GlooEpochGangs
 from agang._weights import checks
-from agang._weights.blocking import beat, blocking, bound, run_sync
+from agang._weights.blocking import StoreTrouble, blocking, bound, run_sync
 from agang._weights.buckets import Buckets
 from agang._weights.channel import Channel
-from agang._weights.epoch import CLOSE, DATA, REFORM, Member, make_gang
+from agang._weights.epoch import CLOSE, DATA, REFORM, gang_name
+from agang._weights.fleet import Fleet
 from agang._weights.housekeeping import Housekeeping
 from agang._weights.plan import DEFAULT_BUCKET_BYTES, Plan
 from agang._weights.report import PushReport
+
+log = logging.getLogger("agang.weights")
 
 #: The recovery's bound after a failure (plus the bytes' time): a push that lost a
 #: subscriber returns at most this long after its failure (measured in the tests, under
@@ -61,6 +95,13 @@ from agang._weights.report import PushReport
 RECOVERY_SECONDS = 2.0
 RECOVERY_BYTES_PER_SECOND = 200e6
 CHECK_IN_SECONDS = 2.0
+#: How long a push cancelled mid-round lets the round's ops finish before it closes the
+#: round's gang (rule 6): a round that ends costs nothing, an abort a new epoch.
+CANCEL_GRACE = 1.0
+#: The longest ``open`` waits for the connection to the store where it has no deadline.
+OPEN_SECONDS = 60.0
+#: The longest a store step of a push may take past the push's own bound.
+_STEP_SECONDS = 5.0
 _POLL = 0.01
 _NO_ANSWER = "no answer (dead, stopped, or cut off from the store)"
 
@@ -76,26 +117,35 @@ class WeightPublisher:
     """
 
     def __init__(
-        self, channel: Channel, plan: Plan, tensors: dict[str, torch.Tensor], timeout: float | None
+        self,
+        channel: Channel,
+        plan: Plan,
+        tensors: dict[str, torch.Tensor],
+        timeout: float | None,
+        factory: GangFactory,
+        me: Member,
+        connect: Callable[[float], Any],
     ) -> None:
         self._channel = channel
         self._plan = plan
         self._buckets = Buckets(plan, tensors, publisher=True, in_place=True)
-        self._timeout = timeout
-        self._me = Member("publisher", "publisher", f"{socket.gethostname()}, pid {os.getpid()}")
-        self._members: list[Member] = []  # the subscribers of the current epoch, by rank - 1
-        self._pending: dict[str, Member] = {}  # registered, not admitted yet
-        self._handled = 0  # the count of registrations and leaves the last look read
-        self._leaving: set[str] = set()  # members that closed, dropped at the next push
-        self._keeping = Housekeeping(channel)
-        self._may_be_held = False  # a failed round's ops may hold buckets (rule 3)
-        self._registered = 0  # registrations the beat saw (channel rule 2)
-        self._gang: ProcessGroupGang | None = None
+        self._timeout = timeout  # a push's default deadline (None: none)
+        self._factory = factory
+        self._me = me
+        self._connect = connect  # a new client of the store, by a deadline
+        self._members: list[Member] = []  # the current epoch's subscribers, by rank - 1
+        self._gang: Gang | None = None  # None with members: the next push reforms
+        self._abandoned: list[Gang] = []  # failed epochs' gangs, whose ops may hold buckets
+        self._in_flight: list[Handle[Any]] = []  # the round under way's ops (rule 6)
         self._epoch = -1
+        self._taken: list[Member] = []  # joiners taken from the fleet, not admitted yet
+        self._unreported: dict[str, str] = {}  # drops no report has named yet
+        self._names: dict[str, str] = {}  # uid -> name, of every member of this push
+        self._keeping = Housekeeping(channel, factory.rendezvous_keys)
         self._last: int | None = None
         self._busy = False
         self._closed = False
-        self._stop_beat = beat(self._beat, "publisher")
+        self._fleet = Fleet(channel, self._keeping, self._reconnect)
 
     @classmethod
     async def open(
@@ -106,41 +156,66 @@ class WeightPublisher:
         channel: str,
         timeout: float | None = 60.0,  # noqa: ASYNC109  # the default deadline of open and push
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        secret: str | bytes | None = None,
     ) -> WeightPublisher:
         """Opens ``channel`` on the ``agang store`` at ``store`` ("HOST:PORT") and writes
-        the plan of ``tensors`` there; subscribers may open before or after.
+        the plan of ``tensors`` there; subscribers may open before or after. A publisher
+        that holds the channel already is fenced (module rule 5): its pushes raise from
+        then on, and ``open`` returns once it stopped, or was seen silent.
 
         Args:
-            tensors: Names to contiguous CPU tensors (a ``state_dict()``): what each push
-                sends, read during the push (do not change them until it returns).
+            tensors: Names to contiguous CPU tensors (a ``state_dict()``; a tensor under
+                several names moves once): what each push sends, read during the push
+                and only then (do not write them while a push is awaited).
             store: The store's "HOST:PORT".
             channel: The channel's name; subscribers name the same.
-            timeout: The store connection's deadline, and each push's default one
-                (seconds; None: none for pushes, 60 s for connecting).
+            timeout: The deadline of ``open`` and each push's default one (seconds; None
+                or ``math.inf``: pushes have none, and ``open`` waits up to 60 s).
             bucket_bytes: The most bytes of small tensors packed into one broadcast.
+            secret: The channel's secret, if it has one: the same on every side. It
+                authenticates the channel's control records in the store, so that a
+                stranger who reaches the store cannot publish or strand a server
+                (``docs/guides/trust.md`` says what it does not protect).
 
         Raises:
             GangInitError: The store did not answer before the deadline.
+            ValueError: An argument is invalid (the message names it).
         """
         checked = checks.check_tensors(tensors)
         host, port = checks.check_store(store)
         name = checks.check_channel(channel)
-        seconds = checks.check_timeout(timeout)
+        seconds = checks.check_deadline(timeout)
+        key = checks.check_secret(secret)
         plan = Plan.of(checked, bucket_bytes)
-        where = f"{socket.gethostname()}, pid {os.getpid()}"
-        connect_for = 60.0 if seconds is None else seconds
-        opened = await blocking(
-            lambda: Channel.start(
-                channel_keys.connect(host, port, time.monotonic() + connect_for),
-                name,
-                plan.to_text(),
-                where,
-                store,
-            ),
-            connect_for + 2.0,
-            what=f"connecting to the store at {store}",
+        me = Member.me("publisher")
+        open_for = OPEN_SECONDS if seconds is None else seconds
+        deadline = time.monotonic() + open_for
+        need = f"The weights channel '{name}' needs"
+
+        def connect(until: float) -> Any:
+            return stores.connect(
+                host,
+                port,
+                until,
+                need=need,
+                who="a weights publisher",
+                op_seconds=stores.OP_SECONDS,
+            )
+
+        def start() -> tuple[Channel, str | None]:
+            return Channel.start(connect(deadline), name, plan.to_text(), me.where, store, key)
+
+        opened, previous = await blocking(
+            start, open_for + 2.0, what=f"connecting to the store at {store}", store=store
         )
-        return cls(opened, plan, checked, seconds)
+        if previous is not None:
+            await blocking(
+                functools.partial(opened.other(previous).fence_and_wait, me.where, deadline),
+                open_for + 2.0,
+                what="fencing the channel's last publisher",
+                store=store,
+            )
+        return cls(opened, plan, checked, seconds, GlooEpochGangs(host), me, connect)
 
     @classmethod
     def open_sync(
@@ -151,6 +226,7 @@ class WeightPublisher:
         channel: str,
         timeout: float | None = 60.0,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        secret: str | bytes | None = None,
     ) -> WeightPublisher:
         """:meth:`open` for programs without an event loop."""
         return run_sync(  # type: ignore[no-any-return]
@@ -161,17 +237,9 @@ class WeightPublisher:
                 channel=channel,
                 timeout=timeout,
                 bucket_bytes=bucket_bytes,
+                secret=secret,
             )
         )
-
-    def _beat(self, count: int) -> None:
-        """The publisher's beat; it also says how many registrations it saw
-        (``agang._weights.channel`` rule 2)."""
-        self._channel.beat("publisher", count)
-        registered = self._channel.registered()
-        if registered != self._registered:
-            self._registered = registered
-            self._channel.say_seen(registered)
 
     @property
     def subscribers(self) -> tuple[str, ...]:
@@ -188,34 +256,44 @@ class WeightPublisher:
         push, receives ``version`` in full. Never raises for a lost subscriber: it is in
         the report's ``dropped``, with why, and the others' round goes on (module rules).
 
+        The push reads the tensors until it returns or raises, and never after: do not
+        write them meanwhile. Cancelled, it closes its round first (module rule 6): a
+        subscriber holds that version whole or not at all, and the next push goes on.
+
         Args:
-            version: An int above the last one pushed.
-            timeout: The round's deadline in seconds (None: ``open``'s timeout). A
-                failure adds a bounded recovery (``RECOVERY_SECONDS``, plus the bytes'
-                time) after it.
+            version: An int above the last one pushed (below 2**63).
+            timeout: The round's deadline in seconds (None: ``open``'s timeout;
+                ``math.inf``: none). A failure adds a bounded recovery
+                (``RECOVERY_SECONDS``, plus the bytes' time) after it.
+
+        Raises:
+            GangError: Another publisher opened the channel since (module rule 5), or
+                the store failed or did not answer where the push needed it (rule 7).
         """
         if self._closed:
             raise RuntimeError("The publisher is closed.")
         if self._busy:
             raise RuntimeError("A push is under way on this publisher: await it first.")
         version = checks.check_version(version, self._last)
-        seconds = checks.check_timeout(timeout)
-        seconds = self._timeout if seconds is None else seconds
+        seconds = checks.check_deadline(timeout, default=self._timeout)
+        self._raise_if_fenced()
         started = time.monotonic()
         deadline = started + (math.inf if seconds is None else seconds)
-        dropped: dict[str, str] = {}
         self._busy = True
         try:
-            # A joiner that did not come took the members' time: the round then gets
-            # the recovery's bound from then (rule 4), as after a failed round.
-            deadline = await self._admit(version, deadline, dropped)
-            delivered = await self._round_with_recovery(version, deadline, dropped)
+            deadline = await self._admit(version, deadline)
+            delivered = await self._round_with_recovery(version, deadline)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self._abandon()
+            raise
         finally:
             self._busy = False
         self._last = version
+        dropped, self._unreported = self._unreported, {}
         return PushReport(
             version=version,
-            delivered=tuple(sorted(delivered - set(dropped))),
+            delivered=tuple(sorted({self._names[uid] for uid in delivered})),
             dropped=dropped,
             seconds=time.monotonic() - started,
             bytes=self._plan.nbytes,
@@ -226,139 +304,215 @@ class WeightPublisher:
         """:meth:`push` for programs without an event loop."""
         return run_sync(functools.partial(self.push, version, timeout))  # type: ignore[no-any-return]
 
+    def _raise_if_fenced(self) -> None:
+        fenced = self._fleet.fenced_by
+        if fenced is not None:
+            raise GangError(
+                f"Publisher ({self._me.where}) of channel '{self._channel.name}' can push "
+                f"no more: another publisher opened the channel ({fenced}) and fenced this "
+                f"one (a channel has one publisher: the newest)."
+            )
+
+    async def _abandon(self) -> None:
+        """What a push cancelled or failed mid-way leaves (rule 6): its round finished
+        within ``CANCEL_GRACE``, or its gang closed (no op of it reads the tensors after
+        the push raised) and the next push to start a new epoch; the joiners it took
+        given back. Called shielded from the cancel."""
+        self._fleet.put_back(self._taken)
+        self._taken = []
+        in_flight, self._in_flight = self._in_flight, []
+        if in_flight and self._gang is not None:
+            with anyio.move_on_after(CANCEL_GRACE):
+                for handle in in_flight:
+                    with contextlib.suppress(GangError):
+                        await handle
+            if all(h.done() and h.exception() is None for h in in_flight):
+                return  # the round ended well: the epoch goes on
+        gang, self._gang = self._gang, None
+        if gang is not None:
+            self._abandoned.append(gang)
+            await gang.close()
+
+    def _blocking(self, fn: Callable[[], Any], seconds: float, what: str) -> Any:
+        return blocking(fn, seconds, what=what, store=self._channel.address)
+
+    def _reconnect(self) -> None:
+        """A new connection to the store, for the fleet (``agang._weights.fleet`` rule 4);
+        where the store lost the session (it was restarted), it is opened there again,
+        with the current epoch's members, unless another publisher took the channel."""
+        channel = self._channel
+        channel.rebind(self._connect(time.monotonic() + 2.0))
+        if channel.plan_text() is not None:
+            return
+        holder = channel.take(self._plan.to_text(), self._me.where, if_free=True)
+        if holder is not None:  # another publisher opened the channel on the new store
+            self._fleet.fenced_by = channel.other(holder).publisher()
+            return
+        if self._epoch >= 0:
+            channel.set_members(self._epoch, [self._me, *self._members])
+        log.info(
+            "agang: the store at %s had lost channel '%s': opened again there.",
+            channel.address,
+            channel.name,
+        )
+
     # Rule 1: admission.
 
-    async def _admit(self, version: int, deadline: float, dropped: dict[str, str]) -> float:
-        """Admits the joiners (rule 1); the round's deadline, later where one did not
-        come (rule 4)."""
-        if self._registered == self._handled and not self._pending:
-            return deadline  # nothing new since the last look: no store read, no thread
-        joiners = await blocking(self._joiners, bound(deadline), what="reading the joiners")
-        members = [m for m in self._members if m.uid not in self._leaving]
-        for gone in [m for m in self._members if m.uid in self._leaving]:
-            dropped[gone.name] = "it closed (left the channel)"
-        self._leaving.clear()
-        if not joiners and len(members) == len(self._members):
+    async def _admit(self, version: int, deadline: float) -> float:
+        """Admits the joiners, drops who left, went silent or was replaced (rule 1);
+        returns the round's deadline, later where a joiner did not come (rule 4)."""
+        seen = self._fleet.take()
+        self._unreported.update(seen.dropped)
+        self._taken += seen.joiners
+        gone: dict[str, str] = {}  # uid -> why, told to each
+        for member in self._members:
+            if member.uid in seen.leaving:
+                self._unreported[member.name] = "it closed (left the channel)"
+                gone[member.uid] = ""
+            elif member.uid in seen.silent:
+                why = (
+                    f"no beat for {seen.silent[member.uid]:.1f} s (dead, stopped, or cut "
+                    f"off from the store)"
+                )
+                self._unreported[member.name] = why
+                gone[member.uid] = why
+        for joiner in self._taken:
+            for old in self._members:
+                if old.name == joiner.name and old.uid not in gone and old.uid != joiner.uid:
+                    why = f"replaced: a subscriber of the same name opened ({joiner.where})"
+                    self._unreported[old.name] = why
+                    gone[old.uid] = why
+        members = [m for m in self._members if m.uid not in gone]
+        changed = bool(gone) or bool(self._taken) or (self._gang is None and bool(members))
+        self._members = members  # the state is whole at every await below (rule 6)
+        if gone:
+            self._fleet.set_members(members)
+            told = {uid: why for uid, why in gone.items() if why}
+            if told:
+                await self._blocking(
+                    functools.partial(self._drop_all, told), _STEP_SECONDS, "drops"
+                )
+        if not changed:
             return deadline
-        for joiner in joiners:
-            for old in [m for m in members if m.name == joiner.name]:
-                members.remove(old)
-                why = f"replaced: a subscriber of the same name opened ({joiner.where})"
-                dropped[old.name] = why
-                await blocking(functools.partial(self._drop, old.uid, why), 5.0, what="a drop")
-            members.append(joiner)
-        later = await self._reform(members, version, deadline, dropped)
+        joiners = [j for j in self._taken if j.uid not in {m.uid for m in members}]
+        later = await self._reform([*members, *joiners], version, deadline)
+        self._taken = []
         return deadline if later is None else later
 
     def _recovery_bound(self, failed_at: float) -> float:
         """When a recovery that began at ``failed_at`` must end (rule 3)."""
         return failed_at + RECOVERY_SECONDS + self._plan.nbytes / RECOVERY_BYTES_PER_SECOND
 
-    def _joiners(self) -> list[Member]:
-        """The registered subscribers, not members, whose beat is fresh; and the
-        members that closed, into ``_leaving`` (blocking)."""
-        self._handled = self._channel.registered()  # first: the news holds at least it
-        for kind, text in self._channel.news():
-            if kind == "join":
-                member = Member.from_text(text)
-                self._pending[member.uid] = member
-                self._keeping.registered(member.uid)
-            else:  # "leave"
-                if self._pending.pop(text, None) is None:
-                    self._leaving.add(text)
-                self._keeping.left(text)
-        admitted = []
-        for uid, member in list(self._pending.items()):
-            age = self._channel.beat_age(uid)
-            if age is not None and age < channel_keys.STALE:
-                admitted.append(member)
-                del self._pending[uid]
-            elif age is None or age > 10 * channel_keys.STALE:
-                del self._pending[uid]  # gone before it was admitted
-                self._keeping.left(uid)
-        current = {m.uid for m in self._members}
-        return [m for m in admitted if m.uid not in current]
+    def _drop_all(self, why_of: dict[str, str]) -> None:
+        """Drops each uid of ``why_of``, telling it why (blocking)."""
+        alive = self._fleet.alive() - set(why_of)
+        for uid, why in why_of.items():
+            self._keeping.dropped(uid, why, alive)
 
-    def _drop(self, uid: str, why: str) -> None:
-        """Drops ``uid``, telling it ``why`` (blocking)."""
-        alive = {*self._pending, *(m.uid for m in self._members)} - {uid}
-        self._keeping.dropped(uid, why, alive)
-
-    async def _reform(
-        self, members: list[Member], version: int, deadline: float, dropped: dict[str, str]
-    ) -> float | None:
+    async def _reform(self, members: list[Member], version: int, deadline: float) -> float | None:
         """Moves to a new epoch of ``members`` (rules 1, 4) and drops those that do not
         come. A try that failed gives the next one, and the round after, the recovery's
         bound from then, so the members that came are not dropped for the time it took:
         returns that later deadline, or None where every member came."""
         await self._leave_epoch(REFORM, version)
         lost: float | None = None
-        for _ in range(len(members) + 1):  # each try drops one member at least, or ends
+        for _ in range(len(members) + 2):  # each try drops a member at least, or ends
             self._epoch += 1
             epoch = self._epoch
             self._members = members
+            for member in members:
+                self._names[member.uid] = member.name
+            self._fleet.set_members(members)
             self._keeping.wrote_epoch(epoch, len(members) + 1)
             if not members:
-                await blocking(
-                    functools.partial(self._epoch_alone, epoch), bound(deadline), what="epoch"
+                await self._blocking(
+                    functools.partial(self._epoch_alone, epoch), bound(deadline), "epoch"
                 )
                 return lost
-            came = await blocking(
+            came = await self._blocking(
                 functools.partial(self._gather_check_ins, epoch, members, deadline),
                 bound(deadline) + CHECK_IN_SECONDS,
-                what="the check-ins",
+                "the check-ins",
             )
+            if came is None:  # another wrote this epoch's list: take the next one
+                continue
             missing = [m for m in members if m.uid not in came]
             if not missing:
-                self._channel.say_go(epoch, True)
+                await self._blocking(
+                    functools.partial(self._channel.say_go, epoch, True), _STEP_SECONDS, "go"
+                )
                 try:
-                    self._gang = await blocking(
-                        functools.partial(
-                            make_gang,
-                            self._channel,
-                            epoch,
-                            0,
-                            [self._me, *members],
-                            bound(deadline),
-                            math.inf if self._timeout is None else self._timeout,
-                        ),
-                        bound(deadline) + 2.0,
-                        what=f"making epoch {epoch}'s group",
+                    self._gang = await self._make_gang(epoch, members, deadline)
+                except (GangError, RuntimeError) as error:
+                    if isinstance(error, StoreTrouble):
+                        raise
+                    why = f"epoch {epoch}'s group could not be made: {one_line(error)}"
+                    missing = await self._blocking(
+                        functools.partial(self._fleet.silent_among, members), _STEP_SECONDS, "beats"
                     )
-                    await blocking(
-                        functools.partial(self._keeping.epoch_made, epoch), 5.0, what="tidying"
+                else:
+                    await self._blocking(
+                        functools.partial(self._keeping.epoch_made, epoch), _STEP_SECONDS, "tidying"
                     )
                     return lost
-                except (GangError, RuntimeError) as error:
-                    why = f"epoch {epoch}'s group could not be made: {one_line(error)}"
-                    missing = [m for m in members if not self._fresh(m)] or list(members)
             else:
-                self._channel.say_go(epoch, False)
+                await self._blocking(
+                    functools.partial(self._channel.say_go, epoch, False), _STEP_SECONDS, "go"
+                )
                 why = (
                     f"admitted to epoch {epoch} at version {version}, but did not come to "
                     f"make its group within {CHECK_IN_SECONDS:g} s (dead or stopped)"
                 )
             for member in missing:
-                dropped[member.name] = why
-                await blocking(functools.partial(self._drop, member.uid, why), 5.0, what="a drop")
+                self._unreported[member.name] = why
+            await self._blocking(
+                functools.partial(self._drop_all, {m.uid: why for m in missing}),
+                _STEP_SECONDS,
+                "drops",
+            )
             members = [m for m in members if m not in missing]
             deadline = max(deadline, self._recovery_bound(time.monotonic()))
             lost = deadline
         self._members = []
+        self._fleet.set_members([])
         return lost
+
+    async def _make_gang(self, epoch: int, members: list[Member], deadline: float) -> Gang:
+        """``epoch``'s gang, made on a thread; one made for a push that was cancelled
+        meanwhile is closed (``agang._weights.blocking`` rule 2)."""
+        everyone = [self._me, *members]
+        make = functools.partial(
+            self._factory,
+            self._channel.group_store(),
+            self._channel.group_prefix(epoch),
+            rank=0,
+            members=everyone,
+            name=gang_name(self._channel.name, self._channel.session, epoch),
+            timeout=bound(deadline),
+            op_timeout=self._timeout,
+        )
+        gang: Gang = await blocking(
+            make,
+            bound(deadline) + 2.0,
+            what=f"making epoch {epoch}'s group",
+            store=self._channel.address,
+            abandoned=lambda made: made.close_sync(),
+            store_op=False,
+        )
+        return gang
 
     def _epoch_alone(self, epoch: int) -> None:
         """``epoch`` has no subscriber: the publisher alone, and no group (blocking)."""
-        self._channel.set_members(epoch, [self._me.to_text()])
+        self._channel.set_members(epoch, [self._me])
         self._keeping.epoch_made(epoch)
 
-    def _fresh(self, member: Member) -> bool:
-        age = self._channel.beat_age(member.uid)
-        return age is not None and age < channel_keys.STALE
-
-    def _gather_check_ins(self, epoch: int, members: list[Member], deadline: float) -> set[str]:
-        """Writes the members of ``epoch`` and waits for their check-ins (blocking)."""
-        self._channel.set_members(epoch, [self._me.to_text(), *(m.to_text() for m in members)])
+    def _gather_check_ins(
+        self, epoch: int, members: list[Member], deadline: float
+    ) -> set[str] | None:
+        """Writes the members of ``epoch`` and waits for their check-ins (blocking);
+        None where another wrote the epoch's list first."""
+        if not self._channel.set_members(epoch, [self._me, *members]):
+            return None
         give_up_at = min(deadline, time.monotonic() + CHECK_IN_SECONDS)
         wanted = {m.uid for m in members}
         while True:
@@ -382,39 +536,50 @@ class WeightPublisher:
 
     # Rules 2, 3: the round and its recovery.
 
-    async def _round_with_recovery(
-        self, version: int, deadline: float, dropped: dict[str, str]
-    ) -> set[str]:
-        """The names of the subscribers that confirmed ``version`` (rule 3)."""
+    async def _round_with_recovery(self, version: int, deadline: float) -> set[str]:
+        """The uids of the subscribers that confirmed ``version`` (rule 3)."""
         delivered: set[str] = set()
         for attempt in range(2):
             if self._gang is None:
                 return delivered
             acked, failure = await self._round(version, deadline)
-            delivered |= {m.name for m in self._members if m.uid in acked}
+            delivered |= acked
             if failure is None:
                 return delivered
             failed_at = time.monotonic()
-            missing = [m for m in self._members if m.uid not in acked]
-            answers = await blocking(
+            recovery = self._recovery_bound(failed_at)
+            # The news first: a member that closed since the last beat is not blamed.
+            await self._blocking(self._fleet.look_now, bound(recovery), "reading the news")
+            seen = self._fleet.take()
+            self._unreported.update(seen.dropped)
+            self._taken += seen.joiners
+            kept = [m for m in self._members if m.uid not in seen.leaving]
+            for member in self._members:
+                if member.uid in seen.leaving:
+                    self._unreported[member.name] = "it closed (left the channel)"
+            missing = [m for m in kept if m.uid not in acked]
+            answers = await self._blocking(
                 functools.partial(self._channel.ask, [m.uid for m in missing]),
-                5.0,
-                what="asking the subscribers",
+                bound(recovery),
+                "asking the subscribers",
             )
             error = one_line(failure).rstrip(".")
-            kept = list(self._members)
+            why_of = {}
             for member in missing:
                 answer = answers.get(member.uid)
                 if answer is None or attempt == 1:
                     said = _NO_ANSWER if answer is None else f"failed twice; it says: {answer}"
                     why = f"{said}; version {version}'s round failed: {error}"
-                    dropped[member.name] = why
-                    await blocking(
-                        functools.partial(self._drop, member.uid, why), 5.0, what="a drop"
-                    )
+                    self._unreported[member.name] = why
+                    why_of[member.uid] = why
                     kept.remove(member)
-            recovery = self._recovery_bound(failed_at)
-            later = await self._reform(kept, version, recovery, dropped)
+            if why_of:
+                await self._blocking(
+                    functools.partial(self._drop_all, why_of), bound(recovery), "drops"
+                )
+            joiners = [j for j in self._taken if j.uid not in {m.uid for m in kept}]
+            later = await self._reform([*kept, *joiners], version, recovery)
+            self._taken = []
             deadline = recovery if later is None else later
         return delivered
 
@@ -443,12 +608,15 @@ class WeightPublisher:
             acks = []
         # The last issued first: the confirmations end last, and a handle that ended
         # before it is awaited costs no wake-up of the loop (one a push, not one an op).
+        # Cancelled here, the push's abandon lets them end, or closes the gang (rule 6).
+        self._in_flight = handles
         errors: dict[int, GangError] = {}
         for index in reversed(range(len(handles))):
             try:
                 await handles[index]
             except GangError as error:
                 errors[index] = error
+        self._in_flight = []
         if failure is None and errors:
             # The cause: the first in issue order that was not abandoned for another's.
             causes = [e for _, e in sorted(errors.items()) if not isinstance(e, GangBrokenError)]
@@ -466,33 +634,42 @@ class WeightPublisher:
             # On a thread of its own: a close waits (up to 5 s) for ops that c10d has not
             # ended, such as a broadcast to a peer behind a dead link, and the recovery
             # must not (it took 5.3 s of a cut-off push's recovery).
+            self._gang = None
+            self._abandoned.append(gang)
             start_daemon(gang.close_sync, name=f"agang: weights: close gang '{gang.name}'")
-            self._may_be_held = True  # its ops may go on holding the buckets
         return acked, failure
 
     def _renew_held(self) -> None:
-        """A new buffer for each bucket an op of a failed round still holds (the
-        buckets' rule 6), so that this round neither waits for that op nor fails. Only
-        a failed round leaves such ops: a push after good ones looks at nothing."""
-        if not self._may_be_held:
+        """A new buffer for each bucket an op of a failed or abandoned round still holds
+        (``Gang.holds``; the buckets' rule 6), so that this round neither waits for that
+        op nor fails. Only such rounds leave ops behind: a push after good ones looks at
+        nothing. The new buffers are this round's alone: the old gangs never see them."""
+        if not self._abandoned:
             return
-        self._may_be_held = False
         for index, wire in enumerate(self._buckets.wire):
-            if busy.is_busy(wire):
+            if any(gang.holds(wire) for gang in self._abandoned):
                 self._buckets.renew(index)
+        self._abandoned.clear()
 
     async def close(self) -> None:
         """Tells the subscribers that the channel closes (their ``receive`` then raises,
-        saying so) and lets go of the store. Idempotent."""
+        saying so) and lets go of the store. Idempotent; a store that is gone does not
+        make it fail (it is logged)."""
         if self._closed:
             return
         self._closed = True
-        await self._leave_epoch(CLOSE, self._last or 0)
-        self._stop_beat.set()
-        await blocking(self._say_closed, 5.0, what="closing the channel")
+        with anyio.CancelScope(shield=True):
+            await self._leave_epoch(CLOSE, self._last or 0)
+            self._fleet.stop()
+            if self._fleet.fenced_by is not None:
+                return  # the channel is another's: its keys are not this one's to tidy
+            try:
+                await self._blocking(self._say_closed, _STEP_SECONDS, "closing the channel")
+            except GangError as error:
+                log.info("agang: closing channel '%s': %s", self._channel.name, error)
 
     def _say_closed(self) -> None:
-        self._channel.say_closed()
+        self._channel.say_closed("closed")
         self._keeping.closing()
 
     def close_sync(self) -> None:

@@ -25,16 +25,22 @@ Rules:
    Its group failing, it looks at the store for what happened: a newer epoch
    that lists it (it goes on there), a drop (it registers again, to be admitted at a
    later push; a drop because another subscriber of its name replaced it ends it), or
-   the publisher gone (no beat for ``PUBLISHER_GONE`` s) or closed, or the store gone:
-   each ends the service with an error that says which, for ``receive`` to raise.
+   the publisher gone (closed, fenced, or seen silent: ``agang._weights.upstream``), or
+   the store gone for longer than the subscriber's timeout: each ends the service with
+   an error that says which, for ``receive`` to raise. What the publisher and the
+   store say comes from the subscriber's upstream thread, so a round never waits for
+   the store.
    The publisher deletes a dead epoch's keys (``agang._weights.channel`` rule 6): an
    epoch whose members are gone, or whose go is gone while a later epoch exists, was
    left behind (its go was said before the later epoch was written), and the service
    looks for the next one.
 4. Every wait is bounded: by the subscriber's timeout within a round, by
    ``PUBLISHER_GONE`` while the publisher does not beat, and by ``close``.
-5. A buffer that an op of a failed epoch still holds is replaced before the next
-   epoch's rounds (``agang._weights.buckets`` rule 6). A version held whole is never in
+6. Tied tensors (``agang._weights.plan`` rule 4) are copied into their aliases once a
+   version came whole, before it is ready (in place), or as ``receive`` copies it.
+5. A buffer that an op of a failed epoch still holds (``Gang.holds``, asked of that
+   epoch's gang) is replaced before the next epoch's rounds (``agang._weights.buckets``
+   rule 6). A version held whole is never in
    such a buffer: the round that failed had marked staging as being written. In place,
    the op may be one that writes the server's own tensor; it was the failed round's,
    whose bytes the server may already be reading anyway (in place is for servers that
@@ -44,25 +50,30 @@ Rules:
 from __future__ import annotations
 
 import asyncio
+import functools
+import math
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import torch
 
 from agang._backends.c10d.retry import one_line
-from agang._collective.process_group_gang import ProcessGroupGang
-from agang._engine import busy
 from agang._errors import GangError
+from agang._gang import Gang
+from agang._membership.gangs import GangFactory
+from agang._membership.member import Member
 from agang._runtime.future import Future
 from agang._runtime.threads import start_daemon
 from agang._weights.buckets import Buckets, copy_bytes
 from agang._weights.channel import Channel
-from agang._weights.epoch import CLOSE, DATA, REFORM, Member, make_gang
+from agang._weights.epoch import CLOSE, DATA, REFORM, gang_name
+from agang._weights.upstream import Upstream
 
-PUBLISHER_GONE = 3.0
+T = TypeVar("T")
+
 STOP_GRACE = 1.0
 _POLL = 0.02
 _IDLE_LOOK = 0.1
@@ -71,11 +82,21 @@ _IDLE_LOOK = 0.1
 class Service:
     """The subscriber ``me``'s rounds on ``channel`` into ``buckets`` (module rules)."""
 
-    def __init__(self, channel: Channel, buckets: Buckets, me: Member, timeout: float) -> None:
+    def __init__(
+        self,
+        channel: Channel,
+        buckets: Buckets,
+        me: Member,
+        timeout: float | None,
+        upstream: Upstream,
+        factory: GangFactory,
+    ) -> None:
         self.channel = channel
         self.buckets = buckets
         self.me = me
-        self.timeout = timeout
+        self.timeout = timeout  # a round's bound on this side, and a wait's (None: none)
+        self.upstream = upstream
+        self._factory = factory
         self.staging = threading.Lock()  # rule 2
         self._state = threading.Lock()
         self.ready: int | None = None  # the newest whole version in staging (or in place)
@@ -87,8 +108,10 @@ class Service:
         self._epoch = -1
         self._bucket0 = torch.zeros_like(buckets.wire[0])
         self._header = self._header_of(self._bucket0)
-        self._gang: ProcessGroupGang | None = None
-        self._closing: ProcessGroupGang | None = None  # a failed epoch's, to close
+        self._gang: Gang | None = None
+        self._closing: Gang | None = None  # a failed epoch's, to close
+        self._old: list[Gang] = []  # failed epochs' gangs, whose ops may hold buffers
+        self._closers: list[threading.Thread] = []  # the threads closing them
         self._drop_seen: str | None = None
         self._thread = start_daemon(self._run, name=f"agang: weights subscriber {me.name}")
 
@@ -129,6 +152,25 @@ class Service:
             return f"the store at {self.channel.address} went away ({one_line(lost).rstrip('.')})."
         return one_line(error)
 
+    def _try(self, fn: Callable[[], T], default: T) -> T:
+        """``fn()``, a store op, or ``default`` where the store failed: the upstream
+        thread connects again and says how long the store has been gone (rule 3)."""
+        try:
+            return fn()
+        except Exception:
+            return default
+
+    def _members(self, epoch: int) -> list[Member]:
+        """``epoch``'s members, none where they are unknown or the store failed."""
+        return self._try(functools.partial(self.channel.members, epoch), None) or []
+
+    def _check_in(self, epoch: int) -> bool:
+        self.channel.check_in(epoch, self.me.uid)
+        return True
+
+    def _deadline(self) -> float:
+        return time.monotonic() + (math.inf if self.timeout is None else self.timeout)
+
     async def _main(self) -> None:
         while not self._stopping.is_set():
             epoch = self._wait_for_epoch()
@@ -139,18 +181,9 @@ class Service:
                 return
 
     def _publisher_gone(self) -> str | None:
-        """Why the publisher is gone (rule 3), or None."""
-        if self.channel.closed():
-            return f"the publisher ({self.channel.publisher()}) closed the channel"
-        if not self.channel.current():
-            return "another publisher opened the channel since (the last one was restarted)"
-        age = self.channel.beat_age("publisher")
-        if age is not None and age > PUBLISHER_GONE:
-            return (
-                f"the publisher ({self.channel.publisher()}) went away: it has not beaten "
-                f"on the store at {self.channel.address} for {age:.1f} s (dead or stopped)"
-            )
-        return None
+        """Why the publisher can send no more (rule 3), or None: what the upstream
+        thread's last look found."""
+        return self.upstream.gone
 
     def _lost(self, why: str) -> GangError:
         return GangError(
@@ -161,11 +194,11 @@ class Service:
         """The first epoch past this one that lists this subscriber (rule 3)."""
         seen = self._epoch
         while not self._stopping.is_set():
-            newest = self.channel.epoch()
+            newest = self.upstream.newest
             while seen < newest:
                 seen += 1
-                members = self.channel.members(seen) or []
-                if any(line.split(" ", 1)[0] == self.me.uid for line in members):
+                members = self._members(seen)
+                if any(m.uid == self.me.uid for m in members):
                     self._epoch = seen
                     return seen
             self._epoch = max(self._epoch, seen)
@@ -178,17 +211,18 @@ class Service:
 
     async def _serve(self, epoch: int) -> int | None:
         """Serves ``epoch``'s rounds until it ends; the epoch to look for next (rule 3)."""
-        members = [Member.from_text(line) for line in self.channel.members(epoch) or []]
+        members = self._members(epoch)
         rank = next((i for i, m in enumerate(members) if m.uid == self.me.uid), None)
         if rank is None:  # the epoch is dead and its keys deleted already (rule 3)
             return epoch + 1
-        self.channel.check_in(epoch, self.me.uid)
+        if not self._try(functools.partial(self._check_in, epoch), False):
+            return await self._after_failure(epoch, "the store failed as it checked in")
         self._say(f"admitted to epoch {epoch} as rank {rank}; waiting for the go")
-        give_up_at = time.monotonic() + self.timeout
-        while (go := self.channel.go(epoch)) is None:
+        give_up_at = self._deadline()
+        while (go := self._try(lambda: self.channel.go(epoch), None)) is None:
             if self._stopping.is_set():
                 return None
-            if self.channel.epoch() > epoch:  # its go was said, and deleted since (rule 3)
+            if self.upstream.newest > epoch:  # its go was said, and deleted since (rule 3)
                 return epoch + 1
             if time.monotonic() > give_up_at:
                 return await self._after_failure(epoch, "no go to make its group")
@@ -196,18 +230,29 @@ class Service:
         if go != "go":
             return epoch + 1
         try:
-            self._gang = make_gang(self.channel, epoch, rank, members, self.timeout)
+            self._gang = self._factory(
+                self.channel.group_store(),
+                self.channel.group_prefix(epoch),
+                rank=rank,
+                members=members,
+                name=gang_name(self.channel.name, self.channel.session, epoch),
+                timeout=self.timeout or 3600.0,
+                op_timeout=None,
+            )
         except Exception as error:
             return await self._after_failure(
                 epoch, f"its group could not be made: {one_line(error)}"
             )
         self._close_old()  # on a thread of its own: this epoch's rounds do not wait for it
         self._renew_held()
+        self.upstream.member = True
         try:
             return await self._rounds(epoch)
         finally:
+            self.upstream.member = False
             gang, self._gang = self._gang, None
             if gang is not None:
+                self._old.append(gang)
                 await gang.close()
 
     async def _rounds(self, epoch: int) -> int | None:
@@ -239,7 +284,7 @@ class Service:
                 self._say(f"moving from epoch {epoch} to epoch {named}")
                 return int(named)
             if what == CLOSE:
-                raise self._lost(f"the publisher ({self.channel.publisher()}) closed the channel")
+                raise self._lost(self._why_closed())
             if what != DATA:
                 raise self._lost(f"a round of epoch {epoch} had an unknown header {what}")
             if self._stale(epoch):
@@ -250,7 +295,8 @@ class Service:
             with self.staging:
                 self.ready = None  # rule 2: staging is being written
                 handles = [
-                    gang.broadcast(wire, 0, timeout=self.timeout) for wire in buckets.wire[1:]
+                    gang.broadcast(wire, 0, timeout=self.timeout or math.inf)
+                    for wire in buckets.wire[1:]
                 ]  # posted first: the publisher sends them as soon as they are
                 copy_bytes(buckets.wire[0], self._bucket0)  # on this thread alone
                 # In place, each packed bucket is copied out as soon as it came, while
@@ -264,11 +310,13 @@ class Service:
                     return await self._after_failure(epoch, one_line(error))
                 if moved is not None:
                     return await self._after_failure(epoch, moved)
+                if buckets.in_place:
+                    buckets.tie()  # rule 6
                 # Whole now, whatever becomes of the confirmation (rule 2).
                 self.ready = int(version)
                 try:
                     ack = torch.tensor([version, epoch], dtype=torch.int64)
-                    confirming = gang.send(ack, 0, timeout=self.timeout)
+                    confirming = gang.send(ack, 0, timeout=self.timeout or math.inf)
                 except GangError as error:
                     return await self._after_failure(epoch, one_line(error))
             self._say(f"holds version {version} in epoch {epoch}")
@@ -292,18 +340,21 @@ class Service:
         which was delivered. One look at the store, only while a version waits."""
         if self.ready is None or self.ready == self.taken:
             return False
-        return self.channel.epoch() > epoch
+        return self.upstream.newest_now() > epoch
 
     def _renew_held(self) -> None:
         """New buffers for those an op of a failed epoch still holds (rule 5): c10d
         cannot cancel an op, and one behind a dead link went on for seconds after its
         group's abort; this epoch's rounds must neither wait for it nor fail on it."""
-        if busy.is_busy(self._bucket0):
+        old, self._old = self._old, []
+        if not old:
+            return
+        if any(gang.holds(self._bucket0) for gang in old):
             self._bucket0 = torch.zeros_like(self._bucket0)
             self._header = self._header_of(self._bucket0)
         with self.staging:
             for index, wire in enumerate(self.buckets.wire):
-                if busy.is_busy(wire):
+                if any(gang.holds(wire) for gang in old):
                     self.buckets.renew(index)
 
     def _header_of(self, bucket0: torch.Tensor) -> torch.Tensor:
@@ -320,7 +371,10 @@ class Service:
             return
         self._bucket0 = torch.zeros_like(self._bucket0)
         self._header = self._header_of(self._bucket0)
-        start_daemon(closing.close_sync, name=f"agang: weights: close gang '{closing.name}'")
+        self._old.append(closing)
+        self._closers.append(
+            start_daemon(closing.close_sync, name=f"agang: weights: close gang '{closing.name}'")
+        )
 
     async def _watch(
         self,
@@ -343,8 +397,10 @@ class Service:
                     await handle
                 if handle.done():
                     break
-                if self.channel.epoch() > epoch:
+                if self.upstream.newest > epoch:
                     return f"the publisher moved on from epoch {epoch}"
+                if self.upstream.gone is not None:
+                    return self.upstream.gone
                 if self._stopping.is_set():
                     return "closing"
             await handle
@@ -358,12 +414,12 @@ class Service:
         # may wait up to 2 s for the aborted ops' ends, which the others must not wait for.
         self._closing, self._gang = self._gang, None
         self._say(f"lost epoch {epoch}'s group ({error}); looking for the next epoch")
-        give_up_at = time.monotonic() + max(self.timeout, PUBLISHER_GONE + 1.0)
+        give_up_at = self._deadline()
         while not self._stopping.is_set():
-            newest = self.channel.epoch()
+            newest = self.upstream.newest
             for later in range(epoch + 1, newest + 1):
-                members = self.channel.members(later) or []
-                if any(line.split(" ", 1)[0] == self.me.uid for line in members):
+                members = self._members(later)
+                if any(m.uid == self.me.uid for m in members):
                     self._epoch = later - 1
                     return later
             if newest > epoch and self._register_again_if_dropped():
@@ -375,23 +431,34 @@ class Service:
             if time.monotonic() > give_up_at:
                 raise self._lost(
                     f"its group of epoch {epoch} failed ({error}), and the publisher "
-                    f"({self.channel.publisher()}) neither made a new epoch nor dropped it "
+                    f"({self._try(self.channel.publisher, 'unknown')}) neither made a new "
+                    f"epoch nor dropped it "
                     f"within {self.timeout:g} s"
                 )
+            if self.upstream.trouble is not None:  # the store's, not the publisher's
+                give_up_at = max(give_up_at, self._deadline())
             await asyncio.sleep(_POLL)
         return None
 
     def _register_again_if_dropped(self) -> bool:
         """Registers again after a drop not seen before (rule 3); True if it did."""
-        why = self.channel.dropped(self.me.uid)
+        why = self.upstream.dropped
         if why is None or why == self._drop_seen:
             return False
         self._drop_seen = why
         if why.startswith("replaced"):
             raise self._lost(f"the publisher dropped it: {why}")
         self._say(f"dropped ({why}); registered again")
-        self.channel.register(self.me.uid, self.me.name, self.me.where)
+        if not self._try(lambda: self.channel.register(self.me) >= 0, False):
+            self._drop_seen = None  # the store failed: register at the next look
+            return False
         return True
+
+    def _why_closed(self) -> str:
+        closed = self._try(self.channel.closed, None)
+        if closed is not None and closed.startswith("another publisher"):
+            return closed
+        return f"the publisher ({self._try(self.channel.publisher, 'unknown')}) closed the channel"
 
     def stop(self, seconds: float) -> None:
         """Ends the service: its waits end within a poll (``_IDLE_LOOK``), after the last
@@ -400,8 +467,11 @@ class Service:
         after ``receive`` returned used to close the group under the confirmation: the
         publisher's round then failed, though the version had come whole."""
         self._stopping.set()
+        give_up_at = time.monotonic() + seconds
         self._thread.join(min(seconds, STOP_GRACE))
         gang = self._gang
         if gang is not None:
             gang.close_sync()  # a wait on bucket 0 ends with the gang
-        self._thread.join(seconds)
+        self._thread.join(max(0.0, give_up_at - time.monotonic()))
+        for closer in self._closers:  # a failed epoch's gang, closed by now (its memory free)
+            closer.join(max(0.0, give_up_at - time.monotonic()))

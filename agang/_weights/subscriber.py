@@ -11,9 +11,14 @@ Rules:
    rounds write the user's tensors themselves (a request served during a push may read
    a mix of two versions: for servers that pause serving during an update), and
    ``receive`` only says which version they hold.
-3. A subscriber that can take no more versions (the publisher closed or went away, the
-   store went away, another subscriber of its name replaced it) makes ``receive``
-   raise ``GangError`` saying which.
+3. A subscriber that can take no more versions (the publisher closed, went away or
+   was replaced, the store went away for longer than its timeout, another subscriber
+   of its name replaced it) makes ``receive`` raise ``GangError`` saying which.
+4. *Cancellation.* A ``receive`` cancelled while it copies a version into the tensors
+   finishes the copy first (a copy takes milliseconds; half of one would leave the
+   tensors holding two versions), and the version it copied is not lost: until a
+   ``receive`` has returned it, the next one returns it at once (``version`` says what
+   the tensors hold all along).
 """
 
 from __future__ import annotations
@@ -22,25 +27,30 @@ import contextlib
 import functools
 import math
 import os
-import secrets
 import socket
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import anyio
+import anyio.lowlevel
 import torch
 
 from agang._errors import GangError, GangInitError
+from agang._membership import store as stores
+from agang._membership.gangs import GangFactory
+from agang._membership.member import Member
 from agang._runtime.threads import run_blocking
+from agang._setup.epoch_gang import GlooEpochGangs
 from agang._weights import channel as channel_keys
 from agang._weights import checks
-from agang._weights.blocking import beat, blocking, run_sync
+from agang._weights.blocking import blocking, run_sync
 from agang._weights.buckets import Buckets
 from agang._weights.channel import Channel
-from agang._weights.epoch import Member
 from agang._weights.plan import Plan
 from agang._weights.service import Service
+from agang._weights.upstream import Upstream
 
 _PLAN_POLL = 0.05
 _SEEN_POLL = 0.01
@@ -64,20 +74,29 @@ class WeightSubscriber:
         tensors: dict[str, torch.Tensor],
         plan: Plan,
         name: str,
-        timeout: float,
+        timeout: float | None,
         in_place: bool,
+        factory: GangFactory,
+        connect: Callable[[float], Any],
     ) -> None:
-        where = f"{socket.gethostname()}, pid {os.getpid()}"
-        self._me = Member(f"{os.getpid()}.{secrets.token_hex(4)}", name, where)
+        self._me = Member.me(name)
         self._channel = channel
         self._tensors = tensors
         self._buckets = Buckets(plan, tensors, publisher=False, in_place=in_place)
-        self._version: int | None = None
+        self._version: int | None = None  # what the tensors hold
+        self._returned: int | None = None  # what a receive returned last (rule 4)
         self._closed = False
-        self._stop_beat = _beat_for(channel, self._me.uid)
-        self._registration = channel.register(self._me.uid, name, where)  # before open returns
-        self._service = Service(channel, self._buckets, self._me, timeout)
-        self._responder = channel.serve_status(self._me.uid, lambda: self._service.status)
+        self._responder = channel.serve_status(self._me.uid, self._status)
+        self._upstream = Upstream(channel, self._me, timeout, connect, self._serve_again)
+        self._registration = channel.register(self._me)  # before open returns
+        self._service = Service(channel, self._buckets, self._me, timeout, self._upstream, factory)
+
+    def _status(self) -> str:
+        return self._service.status
+
+    def _serve_again(self) -> None:
+        """The store is reached again on a new connection: the status responder too."""
+        self._responder = self._channel.serve_status(self._me.uid, self._status)
 
     @classmethod
     async def open(
@@ -89,19 +108,24 @@ class WeightSubscriber:
         name: str | None = None,
         timeout: float | None = 60.0,  # noqa: ASYNC109  # the deadline of open and of a round
         in_place: bool = False,
+        secret: str | bytes | None = None,
     ) -> WeightSubscriber:
         """Joins ``channel`` on the ``agang store`` at ``store``; admitted at the next push.
 
         Args:
             tensors: Names to contiguous CPU tensors (a ``state_dict()``), the same names,
-                order, shapes and dtypes as the publisher's.
+                order, shapes and dtypes as the publisher's (tied where the publisher's
+                are, or not at all).
             store: The store's "HOST:PORT".
             channel: The channel's name.
             name: This subscriber's name in reports (None: "host:pid"). A subscriber that
                 opens with the name of an admitted one replaces it.
-            timeout: Seconds ``open`` waits for the store and the publisher's plan, and a
-                round may take on this side once it began (None: 60 s).
+            timeout: Seconds ``open`` waits for the store and the publisher's plan, a
+                round may take on this side once it began, and the store may be gone
+                before the subscriber gives up (None: 60 s; ``math.inf``: no bound,
+                ``open`` waiting for a publisher as long as it takes).
             in_place: Rounds write ``tensors`` themselves (no staging copy; rule 2).
+            secret: The channel's secret, as the publisher was given it (None: none).
 
         Raises:
             ValueError: ``tensors`` differ from the publisher's plan (the message names
@@ -113,18 +137,32 @@ class WeightSubscriber:
         host, port = checks.check_store(store)
         channel_name = checks.check_channel(channel)
         named = checks.check_name(name) or f"{socket.gethostname()}:{os.getpid()}"
-        seconds = checks.check_timeout(timeout) or 60.0
+        seconds = checks.check_deadline(timeout, default=60.0)
         in_place = checks.check_bool(in_place, name="in_place")
-        deadline = time.monotonic() + seconds
+        key = checks.check_secret(secret)
+        deadline = time.monotonic() + (math.inf if seconds is None else seconds)
+        connect_for = 60.0 if seconds is None else seconds
+        need = f"The weights channel '{channel_name}' needs"
+
+        def connect(until: float) -> Any:
+            return stores.connect(
+                host,
+                port,
+                until,
+                need=need,
+                who=f"subscriber '{named}'",
+                op_seconds=stores.OP_SECONDS,
+            )
 
         given_up = threading.Event()  # set when ``open`` is cancelled: its threads end
 
         def find() -> tuple[Channel, Plan]:
-            client = channel_keys.connect(host, port, deadline)
+            client = connect(time.monotonic() + connect_for)
             while True:
-                found = Channel.find(client, channel_name, store)
-                if found is not None:
-                    return found, Plan.from_text(found.plan_text())
+                found = Channel.find(client, channel_name, store, key)
+                text = None if found is None else found.plan_text()
+                if found is not None and text is not None:
+                    return found, Plan.from_text(text)
                 if time.monotonic() >= deadline or given_up.is_set():
                     raise GangInitError(
                         f"No publisher opened the channel '{channel_name}' on the store at "
@@ -133,7 +171,12 @@ class WeightSubscriber:
                 time.sleep(_PLAN_POLL)
 
         try:
-            found, theirs = await blocking(find, seconds + 2.0, what=f"the store at {store}")
+            found, theirs = await blocking(
+                find,
+                math.inf if seconds is None else seconds + 2.0,
+                what=f"finding the channel '{channel_name}'",
+                store=store,
+            )
         except BaseException:
             given_up.set()
             raise
@@ -144,12 +187,15 @@ class WeightSubscriber:
                 f"`tensors` do not match the plan of channel '{channel_name}' (published by "
                 f"{found.publisher()}): {difference}. Subscriber '{named}' was refused."
             )
-        subscriber = cls(found, checked, theirs, named, seconds, in_place)
+        subscriber = cls(
+            found, checked, theirs, named, seconds, in_place, GlooEpochGangs(host), connect
+        )
         try:
             await blocking(
                 functools.partial(subscriber._wait_until_seen, deadline, given_up),
-                seconds + 2.0,
-                what=f"the store at {store}",
+                2 * channel_keys.STALE + 2.0,
+                what="the publisher's sight of this subscriber",
+                store=store,
             )
         except BaseException:  # cancelled: nothing of it may stay behind
             given_up.set()
@@ -178,6 +224,7 @@ class WeightSubscriber:
         name: str | None = None,
         timeout: float | None = 60.0,
         in_place: bool = False,
+        secret: str | bytes | None = None,
     ) -> WeightSubscriber:
         """:meth:`open` for programs without an event loop."""
         return run_sync(  # type: ignore[no-any-return]
@@ -189,6 +236,7 @@ class WeightSubscriber:
                 name=name,
                 timeout=timeout,
                 in_place=in_place,
+                secret=secret,
             )
         )
 
@@ -225,14 +273,20 @@ class WeightSubscriber:
                 subscriber stands and when the publisher last beat).
             GangError: The subscriber can take no more versions (rule 3).
         """
-        seconds = checks.check_timeout(timeout)
+        seconds = checks.check_deadline(timeout)
         deadline = time.monotonic() + (math.inf if seconds is None else seconds)
         for _ in range(1_000_000):  # each pass waits for news, or ends
             if self._closed:
                 raise GangError(f"Subscriber '{self.name}' is closed.")
+            if self._version is not None and self._version != self._returned:
+                self._returned = self._version  # rule 4: copied, never returned yet
+                return self._version
             news = self._service.news()
-            taken = await self._take_if_new()
+            with anyio.CancelScope(shield=True):  # rule 4: a copy is never left half-done
+                taken = await self._take_if_new()
+            await anyio.lowlevel.checkpoint()  # a cancel now leaves it for the next receive
             if taken >= 0:
+                self._returned = taken
                 return taken
             if self._service.error is not None:
                 raise GangError(str(self._service.error)) from self._service.error
@@ -280,15 +334,19 @@ class WeightSubscriber:
         return ready
 
     def _timed_out(self, seconds: float | None) -> str:
-        try:
-            age = self._channel.beat_age("publisher")
-            beat = "never" if age is None else f"{age:.1f} s ago"
-        except Exception:
-            beat = f"unknown (the store at {self._channel.address} did not answer)"
+        upstream = self._upstream
+        if upstream.trouble is not None:
+            how = f"the store at {self._channel.address} is not reached ({upstream.trouble})"
+        else:
+            silent = upstream.silent_for()
+            how = (
+                "the publisher's beat was never seen"
+                if silent is None
+                else f"the publisher last beat {silent:.1f} s ago"
+            )
         return (
             f"Subscriber '{self.name}' received no version newer than {self._version} within "
-            f"{seconds:g} s; it is {self._service.status}; the publisher "
-            f"({self._channel.publisher()}) last beat {beat}."
+            f"{seconds:g} s; it is {self._service.status}; {how}."
         )
 
     async def close(self) -> None:
@@ -297,14 +355,15 @@ class WeightSubscriber:
         if self._closed:
             return
         self._closed = True
-        self._stop_beat.set()
-        await run_blocking(self._stop, name="weights: close", seconds=10.0)
+        self._upstream.stop()
+        with anyio.CancelScope(shield=True):
+            await run_blocking(self._stop, name="weights: close", seconds=10.0)
 
     def _stop(self) -> None:
         self._service.stop(5.0)
-        self._channel.stop_status(self._me.uid, self._responder)
         with contextlib.suppress(Exception):  # a store gone: the push finds out anyway
-            if self._channel.closed() or not self._channel.current():
+            self._channel.stop_status(self._me.uid, self._responder)
+            if self._channel.closed() is not None or not self._channel.current():
                 self._channel.forget(self._me.uid)  # no publisher reads a leave any more
             else:
                 self._channel.leave(self._me.uid)  # the next push leaves it out at once
@@ -313,10 +372,5 @@ class WeightSubscriber:
         """:meth:`close` for programs without an event loop."""
         if not self._closed:
             self._closed = True
-            self._stop_beat.set()
+            self._upstream.stop()
             self._stop()
-
-
-def _beat_for(channel: Channel, uid: str) -> threading.Event:
-    channel.beat(uid, 0)
-    return beat(lambda n: channel.beat(uid, n), uid)

@@ -19,13 +19,22 @@ pushes the versions read from stdin (``VERSION [TIMEOUT]``, one a line), printin
 
 from __future__ import annotations
 
+import os
+import sys
+import time
+
+# ``--clock-skew S`` (before anything reads the clock): this process's wall clock runs
+# S seconds off the others' (negative: behind), as on a host whose clock was never set.
+if "--clock-skew" in sys.argv:
+    _SKEW = float(sys.argv[sys.argv.index("--clock-skew") + 1])
+    _wall = time.time
+    time.time = lambda: _wall() + _SKEW
+
 import argparse
 import asyncio
 import contextlib
 import json
-import os
 import select
-import sys
 
 import torch
 
@@ -166,6 +175,7 @@ def main() -> None:
     parser.add_argument("--in-place", action="store_true")
     parser.add_argument("--on-stdin", action="store_true", help="open at each stdin line")
     parser.add_argument("--timeout", type=float, default=20.0)
+    parser.add_argument("--clock-skew", type=float, default=0.0, help="seconds (read above)")
     args = parser.parse_args()
     if args.role == "fork":
         fork(args)

@@ -12,8 +12,10 @@ import pytest
 import torch.distributed as dist
 
 from agang._backends.c10d import mailbox
-from agang._setup.c10d_log import quiet_c10d
-from agang._weights import channel as channel_keys
+from agang._backends.c10d.log import quiet_c10d
+from agang._membership import store as stores
+from agang._membership.member import Member
+from agang._setup.epoch_gang import GlooEpochGangs
 from agang._weights import housekeeping
 from agang._weights.channel import Channel
 from agang._weights.housekeeping import Housekeeping
@@ -24,7 +26,20 @@ def channel() -> Channel:
     store = dist.TCPStore(  # type: ignore[attr-defined]
         "127.0.0.1", 0, None, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10)
     )
-    return Channel.start(store, "c", "plan", "here", f"127.0.0.1:{store.port}")
+    channel, previous = Channel.start(store, "c", "plan", "here", f"127.0.0.1:{store.port}", None)
+    assert previous is None
+    return channel
+
+
+def _client(port: int) -> Any:
+    """A weights side's client of the store at ``port``."""
+    deadline = time.monotonic() + 10.0
+    waits = stores.OP_SECONDS
+    return stores.connect("127.0.0.1", port, deadline, need="A test needs", op_seconds=waits)
+
+
+def _keeping(channel: Channel) -> Housekeeping:
+    return Housekeeping(channel, GlooEpochGangs("127.0.0.1").rendezvous_keys)
 
 
 def _keys(channel: Channel) -> set[str]:
@@ -34,18 +49,20 @@ def _keys(channel: Channel) -> set[str]:
 
 def _epoch(channel: Channel, epoch: int, size: int) -> None:
     """What an epoch of ``size`` leaves: members, check-ins, go and Gloo's rendezvous."""
-    channel.set_members(epoch, [f"u{rank} n{rank} here" for rank in range(size)])
+    assert channel.set_members(
+        epoch, [Member(f"u{rank}", f"n{rank}", "here") for rank in range(size)]
+    )
     channel.check_in(epoch, "u1")
     channel.say_go(epoch, True)
-    group_store: Any = channel.group_store(epoch)
+    group_store: Any = dist.PrefixStore(channel.group_prefix(epoch), channel.store)  # type: ignore[attr-defined]
     for rank in range(size):
         group_store.set(f"0/{rank}", "address")
 
 
 def test_news_come_in_order_once_each(channel: Channel) -> None:
-    assert channel.register("a", "s0", "here, pid 1") == 1
+    assert channel.register(Member("a", "s0", "here, pid 1")) == 1
     channel.leave("a")
-    assert channel.register("b", "s1", "there, pid 2") == 3
+    assert channel.register(Member("b", "s1", "there, pid 2")) == 3
     assert channel.news() == [
         ("join", "a s0 here, pid 1"),
         ("leave", "a"),
@@ -58,7 +75,7 @@ def test_news_come_in_order_once_each(channel: Channel) -> None:
 def test_a_dead_epoch_goes_once_a_later_one_is_made_and_every_epoch_at_close(
     channel: Channel,
 ) -> None:
-    keeping = Housekeeping(channel)
+    keeping = _keeping(channel)
     for epoch, size in [(0, 2), (1, 3), (2, 2)]:
         _epoch(channel, epoch, size)
         keeping.wrote_epoch(epoch, size)
@@ -66,10 +83,11 @@ def test_a_dead_epoch_goes_once_a_later_one_is_made_and_every_epoch_at_close(
     assert not {k for k in _keys(channel) if k.startswith(("e/0/", "e/1/"))}
     assert {k for k in _keys(channel) if k.startswith("e/2/")} == {
         "e/2/members",
-        "e/2/in",
+        "e/2/checked-in",
         "e/2/go",
-        "e/2/pg/0/0",
-        "e/2/pg/0/1",
+        "e/2/seal",
+        "e/2/group/0/0",
+        "e/2/group/0/1",
     }
     keeping.closing()
     assert not {k for k in _keys(channel) if k.startswith("e/")}
@@ -80,7 +98,7 @@ def test_drops_are_kept_for_the_last_few_and_a_live_ones_beat_stays(
     channel: Channel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(housekeeping, "DROPS_KEPT", 2)
-    keeping = Housekeeping(channel)
+    keeping = _keeping(channel)
     for uid in ["a", "b", "c"]:
         channel.beat(uid, 0)
         mailbox.post(channel.mailbox_store(uid), [0], "weights_status", "key")
@@ -99,7 +117,7 @@ def test_drops_are_kept_for_the_last_few_and_a_live_ones_beat_stays(
 def test_a_registration_again_deletes_the_drop_it_read_and_a_leave_everything(
     channel: Channel,
 ) -> None:
-    keeping = Housekeeping(channel)
+    keeping = _keeping(channel)
     channel.beat("a", 0)
     keeping.dropped("a", "no answer", alive=set())
     keeping.registered("a")
@@ -123,28 +141,43 @@ def test_a_late_answer_to_a_status_question_is_deleted_once_it_comes(channel: Ch
     assert list(channel._late.values()) == ["u2"]
     (key2,) = channel._late
     channel.mailbox_store("u2").set(key2, "late\n")
-    Housekeeping(channel).closing()  # so does the publisher's close
+    _keeping(channel).closing()  # so does the publisher's close
     assert channel._late == {}
     assert not channel.mailbox_store("u2").check([key2])
 
 
 def test_a_channel_client_waits_for_an_op_past_a_network_blip(channel: Channel) -> None:
-    # Connecting tries for 2 s at a time; the client's ops then wait STORE_OP_SECONDS
-    # (channel rule 7): 2 s failed a server whose link had just come back.
+    # Connecting tries for 2 s at a time; the weights' clients' ops then wait OP_SECONDS
+    # (agang._membership.store rule 3): 2 s failed a server whose link had just come back.
     port = int(channel.address.rsplit(":", 1)[1])
-    client = channel_keys.connect("127.0.0.1", port, time.monotonic() + 10.0)
-    assert client.timeout == timedelta(seconds=channel_keys.STORE_OP_SECONDS)
-    assert channel_keys.STORE_OP_SECONDS >= 10 * 2.0
+    client = stores.connect(
+        "127.0.0.1",
+        port,
+        time.monotonic() + 10.0,
+        need="A test needs",
+        op_seconds=stores.OP_SECONDS,
+    )
+    assert client.timeout == timedelta(seconds=stores.OP_SECONDS)
+    assert stores.OP_SECONDS >= 10 * stores.ATTEMPT_SECONDS
 
 
 def test_an_epochs_group_waits_for_a_missing_member_by_its_own_timeout(channel: Channel) -> None:
     # Gloo's rendezvous waits on the channel's client with the group's timeout, not the
-    # client's STORE_OP_SECONDS (channel rule 7): a member that never comes still fails
-    # the group at once.
+    # client's OP_SECONDS (agang._membership.gangs rule 1): a member that never comes
+    # fails the epoch's gang at once.
     port = int(channel.address.rsplit(":", 1)[1])
-    client = channel_keys.connect("127.0.0.1", port, time.monotonic() + 10.0)
-    group_store = dist.PrefixStore("agang/weights/c/x/e/0/pg", client)  # type: ignore[attr-defined]
+    client = stores.connect(
+        "127.0.0.1",
+        port,
+        time.monotonic() + 10.0,
+        need="A test needs",
+        op_seconds=stores.OP_SECONDS,
+    )
+    members = [Member("p", "publisher", "here"), Member("s", "server", "there")]
     started = time.monotonic()
     with quiet_c10d(), pytest.raises(Exception, match="timeout"):
-        dist.ProcessGroupGloo(group_store, 0, 2, timedelta(seconds=1))  # type: ignore[attr-defined]
-    assert time.monotonic() - started < channel_keys.STORE_OP_SECONDS / 3
+        GlooEpochGangs("127.0.0.1")(
+            client, "agang/weights/c/x/e/0/group", rank=0, members=members, name="w",
+            timeout=1.0, op_timeout=None,
+        )  # fmt: skip
+    assert time.monotonic() - started < stores.OP_SECONDS / 3

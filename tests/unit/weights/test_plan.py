@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -154,11 +156,16 @@ def test_the_other_inputs_are_checked_naming_the_parameter() -> None:
         checks.check_channel("")
     with pytest.raises(TypeError, match="`channel` must be a str"):
         checks.check_channel(3)
-    with pytest.raises(ValueError, match="`timeout` must be a positive number"):
-        checks.check_timeout(0)
-    with pytest.raises(TypeError, match="`timeout` must be a positive number"):
-        checks.check_timeout("5")
-    assert checks.check_timeout(None) is None
+    # agang's one rule for a timeout (elastic gangs' too): None is the default,
+    # math.inf none, a number seconds.
+    with pytest.raises(ValueError, match="`timeout` must be a non-negative number"):
+        checks.check_deadline(-1)
+    with pytest.raises(TypeError, match="`timeout` must be a number of seconds or None"):
+        checks.check_deadline("5")
+    assert checks.check_deadline(None) is None
+    assert checks.check_deadline(None, default=60.0) == 60.0
+    assert checks.check_deadline(math.inf, default=60.0) is None
+    assert checks.check_deadline(0.5) == 0.5
     with pytest.raises(ValueError, match="`store` must be 'HOST:PORT'"):
         checks.check_store("localhost")
     assert checks.check_store("[::1]:29500") == ("::1", 29500)
