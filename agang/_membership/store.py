@@ -34,8 +34,8 @@ from typing import Any
 import torch.distributed as dist
 
 from agang._backends.c10d.log import quiet_c10d
-from agang._backends.c10d.retry import TransientSetupError, call_c10d, one_line
-from agang._errors import GangInitError
+from agang._backends.c10d.retry import TransientSetupError, call_c10d
+from agang._errors import GangInitError, one_line
 from agang._runtime import threads
 
 log = logging.getLogger("agang.membership")

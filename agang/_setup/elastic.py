@@ -73,6 +73,7 @@ from agang._backends.c10d import mailbox
 from agang._backends.c10d import world as c10d_world
 from agang._backends.c10d.retry import TransientSetupError
 from agang._errors import GangInitError
+from agang._membership import questions
 from agang._membership import store as stores
 from agang._membership.heartbeat import start_beat
 from agang._membership.member import Member
@@ -159,16 +160,11 @@ def forget_noticed() -> None:
 
 def ping(store: Any, world_ranks: list[int], seconds: float) -> set[int]:
     """The ``world_ranks`` whose responder (on ``store``, an elastic epoch's) answers
-    within ``seconds``: alive, and not stopped."""
-    key = mailbox.reply_key("pings")
-    mailbox.post(store, world_ranks, "ping", key)
-    alive: set[int] = set()
-    give_up_at = time.monotonic() + seconds
-    while time.monotonic() < give_up_at and len(alive) < len(world_ranks):
-        if store.check([key]):
-            alive = {int(line) for line in store.get(key).decode().split()}
-        time.sleep(mailbox.POLL_SECONDS)
-    return alive
+    within ``seconds``: alive, and not stopped (``agang._membership.questions``)."""
+    # An asker of its own: one kept across reforms would keep each reform's store
+    # connection (its late answers' store) open after the reform.
+    answers = questions.Asker().ask([(store, rank) for rank in world_ranks], "ping", seconds)
+    return {rank for rank, answer in zip(world_ranks, answers, strict=True) if answer}
 
 
 @dataclass(frozen=True)

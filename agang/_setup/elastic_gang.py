@@ -41,9 +41,9 @@ import torch
 import torch.distributed as dist
 
 from agang._backends.c10d import mailbox
-from agang._backends.c10d.retry import TransientSetupError, one_line
+from agang._backends.c10d.retry import TransientSetupError
 from agang._collective.process_group_gang import ProcessGroupGang
-from agang._errors import GangBrokenError, GangInitError
+from agang._errors import GangBrokenError, GangInitError, one_line
 from agang._policy import GangPolicy
 from agang._runtime.threads import run_blocking
 from agang._setup import elastic as setup

@@ -68,10 +68,9 @@ from agang._backends.c10d.retry import (
     TransientSetupError,
     call_c10d,
     is_address_in_use,
-    one_line,
     retrying,
 )
-from agang._errors import GangInitError
+from agang._errors import GangInitError, one_line
 from agang._runtime.threads import start_thread
 from agang._setup.env import WorldInfo
 from agang._setup.interface import Link, disagreement

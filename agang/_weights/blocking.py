@@ -24,8 +24,7 @@ from typing import Any, TypeVar
 import anyio
 import sniffio
 
-from agang._backends.c10d.retry import one_line
-from agang._errors import GangError
+from agang._errors import GangError, one_line
 from agang._runtime.future import Future
 from agang._runtime.threads import start_thread
 

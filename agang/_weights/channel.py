@@ -26,14 +26,11 @@ Rules:
    epoch's ``group/`` prefix.
 4. *Drops.* A subscriber the publisher drops gets its reason under ``dropped/<uid>``,
    and may register again.
-5. *Status (blame).* Each subscriber's mailbox responder
-   (``agang._backends.c10d.mailbox``) serves a queue under ``sub/<uid>/``, with no
-   traffic until asked: a ``weights_status`` letter asks where its side of the rounds
-   stands, and is answered under the key it names. No answer within ``ASK_SECONDS``:
-   dead, stopped, or cut off from the store. The asker deletes the answers it read,
-   and remembers the keys of the last ``LATE_KEPT`` questions that were not answered
-   in time: at each later question and at close it deletes those whose late answer
-   has come (a server stopped across a question answers when it wakes).
+5. *Status (blame).* Each subscriber answers questions (``agang._membership.questions``)
+   on a mailbox under ``sub/<uid>/``, with no traffic until asked: a
+   ``weights_status`` question asks where its side of the rounds stands. No answer
+   within ``ASK_SECONDS``: dead, stopped, or cut off from the store. Late answers are
+   deleted as they come (the questions' rule 3).
 6. *Nothing grows with the channel's age* (``agang._weights.housekeeping``): what
    stays is a session's handful of fixed keys (plan, publisher, beat, counts, epoch,
    closed), which its subscribers read to learn that the publisher closed or was
@@ -54,15 +51,13 @@ from __future__ import annotations
 import hashlib
 import logging
 import secrets
-import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
 
-from agang._backends.c10d import mailbox
+from agang._membership import questions
 from agang._membership import store as stores
 from agang._membership.heartbeat import Watch, write_beat
 from agang._membership.member import Member
@@ -80,24 +75,8 @@ DROPS_KEPT = 64
 #: The most news one look pops: a bound on the loop, far above a fleet's churn per beat.
 _NEWS_PER_LOOK = 100_000
 ASK_SECONDS = 0.3
-#: The most unanswered questions whose late answers are looked for (rule 5).
-LATE_KEPT = 64
 _ROOT = "agang/weights"
 _KIND = "weights_status"
-
-#: The status of each subscriber this process serves, by its responder's token (rule 5).
-_status_lock = threading.Lock()
-_status_of: dict[str, Callable[[], str]] = {}
-
-
-def _answer(responder: mailbox.Responder, key: str) -> None:
-    with _status_lock:
-        status = _status_of.get(responder.token)
-    if status is not None:
-        responder.reply(key, " ".join(status().split()))
-
-
-mailbox.register(_KIND, _answer)
 
 
 class Channel:
@@ -115,8 +94,7 @@ class Channel:
         self._seal = Seal(secret, f"weights channel '{channel}'")
         self.prefix = f"{_ROOT}/{channel}/{session}"
         self.roster = Roster(store, self.prefix)
-        # Rule 5: the reply key of each question not answered in time, and whose.
-        self._late: OrderedDict[str, str] = OrderedDict()
+        self._asker = questions.Asker()  # rule 5
 
     def rebind(self, store: Any) -> None:
         """Talks to the store through ``store`` from now on (a new connection)."""
@@ -374,54 +352,25 @@ class Channel:
         letters, which no one will read (a store cannot delete a queue: they are popped)."""
         self.store.delete_key(self._key(f"beat/{uid}"))
         self.forget_drop(uid)
-        mailbox.drain(self.mailbox_store(uid), 0, _NEWS_PER_LOOK)
+        questions.forget(self.mailbox_store(uid), 0)
 
     # Rule 5: status.
 
     def mailbox_store(self, uid: str) -> Any:
         return dist.PrefixStore(self._key(f"sub/{uid}"), self.store)  # type: ignore[attr-defined]
 
-    def serve_status(self, uid: str, status: Callable[[], str]) -> mailbox.Responder:
-        responder = mailbox.Responder(self.mailbox_store(uid), 0)
-        with _status_lock:
-            _status_of[responder.token] = status
-        return responder
-
-    def stop_status(self, uid: str, responder: mailbox.Responder) -> None:
-        with _status_lock:
-            _status_of.pop(responder.token, None)
-        mailbox.post(self.mailbox_store(uid), [0], "stop", responder.token)
+    def serve_status(self, uid: str, status: Callable[[], str]) -> questions.Served:
+        return questions.Served(self.mailbox_store(uid), 0, _KIND, status)
 
     def ask(self, uids: list[str], seconds: float = ASK_SECONDS) -> dict[str, str | None]:
         """Each of ``uids``' status, None for one that did not answer within ``seconds``."""
-        self.sweep_late_answers()
-        answers: dict[str, str | None] = dict.fromkeys(uids)
-        keys = {}
-        for uid in uids:
-            keys[uid] = mailbox.reply_key("weights")
-            mailbox.post(self.mailbox_store(uid), [0], _KIND, keys[uid])
-        give_up_at = time.monotonic() + seconds
-        while time.monotonic() < give_up_at and any(a is None for a in answers.values()):
-            for uid in uids:
-                if answers[uid] is None:
-                    answers[uid] = stores.read(self.mailbox_store(uid), keys[uid])
-            time.sleep(mailbox.POLL_SECONDS)
-        for uid in uids:  # rule 5: read, or too late to be
-            self.mailbox_store(uid).delete_key(keys[uid])
-            if answers[uid] is None:
-                self._late[keys[uid]] = uid
-        while len(self._late) > LATE_KEPT:
-            self._late.popitem(last=False)
-        return {uid: None if a is None else a.strip() for uid, a in answers.items()}
+        targets = [(self.mailbox_store(uid), 0) for uid in uids]
+        return dict(zip(uids, self._asker.ask(targets, _KIND, seconds), strict=True))
 
     def sweep_late_answers(self) -> None:
         """Deletes the late answers that have come to questions not answered in time
         (rule 5)."""
-        for key, uid in list(self._late.items()):
-            store = self.mailbox_store(uid)
-            if store.check([key]):
-                store.delete_key(key)
-                del self._late[key]
+        self._asker.sweep()
 
 
 def _digest(members: list[Member]) -> str:

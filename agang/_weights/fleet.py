@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import final
 
-from agang._backends.c10d.retry import one_line
+from agang._errors import one_line
 from agang._membership.heartbeat import Watch
 from agang._membership.member import Member
 from agang._runtime.threads import at_exit, start_daemon

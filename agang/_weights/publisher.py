@@ -66,8 +66,7 @@ from typing import Any
 import anyio
 import torch
 
-from agang._backends.c10d.retry import one_line
-from agang._errors import GangBrokenError, GangError
+from agang._errors import GangBrokenError, GangError, one_line
 from agang._gang import Gang
 from agang._handle import Handle
 from agang._membership import store as stores

@@ -60,8 +60,7 @@ from typing import Any, TypeVar
 import anyio
 import torch
 
-from agang._backends.c10d.retry import one_line
-from agang._errors import GangError
+from agang._errors import GangError, one_line
 from agang._gang import Gang
 from agang._membership.gangs import GangFactory
 from agang._membership.member import Member

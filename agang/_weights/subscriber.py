@@ -96,6 +96,7 @@ class WeightSubscriber:
 
     def _serve_again(self) -> None:
         """The store is reached again on a new connection: the status responder too."""
+        self._responder.stop()  # its connection is gone; a new one on the new connection
         self._responder = self._channel.serve_status(self._me.uid, self._status)
 
     @classmethod
@@ -362,7 +363,7 @@ class WeightSubscriber:
     def _stop(self) -> None:
         self._service.stop(5.0)
         with contextlib.suppress(Exception):  # a store gone: the push finds out anyway
-            self._channel.stop_status(self._me.uid, self._responder)
+            self._responder.stop()
             if self._channel.closed() is not None or not self._channel.current():
                 self._channel.forget(self._me.uid)  # no publisher reads a leave any more
             else:

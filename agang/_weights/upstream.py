@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable
 from typing import Any, final
 
-from agang._backends.c10d.retry import one_line
+from agang._errors import one_line
 from agang._membership.heartbeat import Watch
 from agang._membership.member import Member
 from agang._runtime.threads import at_exit, start_daemon

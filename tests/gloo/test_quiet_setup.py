@@ -18,8 +18,8 @@ import pytest
 from netutil import free_port, rank_env
 
 from agang._backends.c10d import log as c10d_log
-from agang._backends.c10d.retry import one_line
 from agang._cli.doctor.host import c10d_log_finding
+from agang._errors import one_line
 
 REPO = Path(__file__).resolve().parents[2]
 # A C++ frame as c10d prints it ("frame #3: ..."), or symbolized ("#3 c10::Error ...").

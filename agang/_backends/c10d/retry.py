@@ -202,15 +202,3 @@ def _before_sleep(
             on_retry(state.attempt_number, error, pause)
 
     return before_sleep
-
-
-def one_line(error: BaseException, limit: int = 200) -> str:
-    """``error``'s message as one short line: its first line, cut at ``limit`` characters
-    (c10d's messages can carry a C++ trace after the first line)."""
-    if not isinstance(error, BaseException):
-        raise TypeError(f"`error` must be an exception, but is {error!r} instead.")
-    if limit < 1:
-        raise ValueError(f"`limit` must be a positive int, but is {limit!r} instead.")
-    lines = str(error).strip().splitlines()
-    text = lines[0] if lines else type(error).__name__
-    return text if len(text) <= limit else text[: limit - 3] + "..."
