@@ -22,6 +22,7 @@ Rules:
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import OrderedDict
@@ -33,6 +34,8 @@ from agang._membership import store as stores
 
 #: The most unanswered questions whose late answers are looked for (rule 3).
 LATE_KEPT = 64
+#: The longest ``Served.stop`` waits for its responder to end.
+STOP_SECONDS = 2.0
 #: The most letters ``forget`` pops from a mailbox no one will read.
 _MOST_LETTERS = 100_000
 
@@ -114,12 +117,16 @@ class Served:
         with _answers_lock:
             _answers[kind][self._responder.token] = say
 
-    def stop(self) -> None:
-        """Stops answering, and ends the responder (its stop letter goes through the
-        store: a store gone leaves it to end with its connection)."""
+    def stop(self, seconds: float = STOP_SECONDS) -> None:
+        """Stops answering, and ends the responder, waiting ``seconds`` at most for it
+        (its stop letter goes through the store: a store gone leaves it to end with its
+        connection). The wait matters: a ``forget`` of the mailbox right after would pop
+        the stop letter before the responder read it, and leave it waiting for ever."""
         with _answers_lock:
             _answers.get(self._kind, {}).pop(self._responder.token, None)
         mailbox.post(self._store, [self._rank], "stop", self._responder.token)
+        with contextlib.suppress(TimeoutError):
+            self._responder.thread.wait(seconds)
 
 
 def forget(store: Any, rank: int) -> int:

@@ -10,7 +10,9 @@ Rules (every call may block: call them off the event loop):
    (an elastic reform) takes whichever list won, and a led one (the weights'
    publisher, the only writer) always wins. Every reader reads that one list.
 2. *The newest epoch* is one key that the decider sets once the list is written, so a
-   reader that finds the pointer finds the list.
+   reader that finds the pointer finds the list. It never goes back: a decider's step
+   that was given up on (a cancelled push's thread, say) and writes an older epoch late
+   leaves the newer one there.
 3. *Check-ins.* Each member says, under its epoch, that it read the list and is
    making the epoch's group (one line, its uid); the decider or the members learn who
    came from them, and who did not.
@@ -64,8 +66,14 @@ class Roster:
         return found[0].removeprefix("by ") if found else None
 
     def publish(self, epoch: int) -> None:
-        """Says that ``epoch`` is the newest (rule 2)."""
-        self.store.set(f"{self.prefix}/epoch", str(epoch))
+        """Says that ``epoch`` is the newest, unless a newer one is (rule 2)."""
+        key = f"{self.prefix}/epoch"
+        for _ in range(100):  # another decider may move it between the read and the set
+            current = stores.read(self.store, key)
+            if current is not None and int(current) >= epoch:
+                return
+            if self.store.compare_set(key, current or "", str(epoch)).decode() == str(epoch):
+                return
 
     def newest(self) -> int | None:
         """The newest epoch whose members were decided, or None before the first."""

@@ -69,11 +69,9 @@ import torch
 from agang._errors import GangBrokenError, GangError, one_line
 from agang._gang import Gang
 from agang._handle import Handle
-from agang._membership import store as stores
 from agang._membership.gangs import GangFactory
 from agang._membership.member import Member
 from agang._runtime.threads import start_daemon
-from agang._setup.epoch_gang import GlooEpochGangs
 from agang._weights import checks
 from agang._weights.blocking import StoreTrouble, blocking, bound, run_sync
 from agang._weights.buckets import Buckets
@@ -83,6 +81,7 @@ from agang._weights.fleet import Fleet
 from agang._weights.housekeeping import Housekeeping
 from agang._weights.plan import DEFAULT_BUCKET_BYTES, Plan
 from agang._weights.report import PushReport
+from agang._weights.site import Site
 
 log = logging.getLogger("agang.weights")
 
@@ -186,35 +185,40 @@ class WeightPublisher:
         seconds = checks.check_deadline(timeout)
         key = checks.check_secret(secret)
         plan = Plan.of(checked, bucket_bytes)
+        site = Site.of(store, host, port, name, "weights publisher")
+        return await cls._open(checked, plan, name, seconds, key, site)
+
+    @classmethod
+    async def _open(
+        cls,
+        tensors: dict[str, torch.Tensor],
+        plan: Plan,
+        channel: str,
+        seconds: float | None,
+        secret: bytes | None,
+        site: Site,
+    ) -> WeightPublisher:
+        """``open`` past its checks, on ``site`` (agang's tests give one of their own)."""
         me = Member.me("publisher")
         open_for = OPEN_SECONDS if seconds is None else seconds
         deadline = time.monotonic() + open_for
-        need = f"The weights channel '{name}' needs"
-
-        def connect(until: float) -> Any:
-            return stores.connect(
-                host,
-                port,
-                until,
-                need=need,
-                who="a weights publisher",
-                op_seconds=stores.OP_SECONDS,
-            )
 
         def start() -> tuple[Channel, str | None]:
-            return Channel.start(connect(deadline), name, plan.to_text(), me.where, store, key)
+            client = site.connect(deadline)
+            return Channel.start(client, channel, plan.to_text(), me.where, site.address, secret)
 
         opened, previous = await blocking(
-            start, open_for + 2.0, what=f"connecting to the store at {store}", store=store
-        )
+            start, open_for + 2.0, what=f"connecting to the store at {site.address}",
+            store=site.address,
+        )  # fmt: skip
         if previous is not None:
             await blocking(
                 functools.partial(opened.other(previous).fence_and_wait, me.where, deadline),
                 open_for + 2.0,
                 what="fencing the channel's last publisher",
-                store=store,
+                store=site.address,
             )
-        return cls(opened, plan, checked, seconds, GlooEpochGangs(host), me, connect)
+        return cls(opened, plan, tensors, seconds, site.factory, me, site.connect)
 
     @classmethod
     def open_sync(

@@ -38,11 +38,9 @@ import anyio.lowlevel
 import torch
 
 from agang._errors import GangError, GangInitError
-from agang._membership import store as stores
 from agang._membership.gangs import GangFactory
 from agang._membership.member import Member
 from agang._runtime.threads import run_blocking
-from agang._setup.epoch_gang import GlooEpochGangs
 from agang._weights import channel as channel_keys
 from agang._weights import checks
 from agang._weights.blocking import blocking, run_sync
@@ -50,6 +48,7 @@ from agang._weights.buckets import Buckets
 from agang._weights.channel import Channel
 from agang._weights.plan import Plan
 from agang._weights.service import Service
+from agang._weights.site import Site
 from agang._weights.upstream import Upstream
 
 _PLAN_POLL = 0.05
@@ -141,33 +140,36 @@ class WeightSubscriber:
         seconds = checks.check_deadline(timeout, default=60.0)
         in_place = checks.check_bool(in_place, name="in_place")
         key = checks.check_secret(secret)
+        site = Site.of(store, host, port, channel_name, f"subscriber '{named}'")
+        return await cls._open(checked, channel_name, named, seconds, in_place, key, site)
+
+    @classmethod
+    async def _open(
+        cls,
+        tensors: dict[str, torch.Tensor],
+        channel: str,
+        name: str,
+        seconds: float | None,
+        in_place: bool,
+        secret: bytes | None,
+        site: Site,
+    ) -> WeightSubscriber:
+        """``open`` past its checks, on ``site`` (agang's tests give one of their own)."""
         deadline = time.monotonic() + (math.inf if seconds is None else seconds)
         connect_for = 60.0 if seconds is None else seconds
-        need = f"The weights channel '{channel_name}' needs"
-
-        def connect(until: float) -> Any:
-            return stores.connect(
-                host,
-                port,
-                until,
-                need=need,
-                who=f"subscriber '{named}'",
-                op_seconds=stores.OP_SECONDS,
-            )
-
         given_up = threading.Event()  # set when ``open`` is cancelled: its threads end
 
         def find() -> tuple[Channel, Plan]:
-            client = connect(time.monotonic() + connect_for)
+            client = site.connect(time.monotonic() + connect_for)
             while True:
-                found = Channel.find(client, channel_name, store, key)
+                found = Channel.find(client, channel, site.address, secret)
                 text = None if found is None else found.plan_text()
                 if found is not None and text is not None:
                     return found, Plan.from_text(text)
                 if time.monotonic() >= deadline or given_up.is_set():
                     raise GangInitError(
-                        f"No publisher opened the channel '{channel_name}' on the store at "
-                        f"{store} within {seconds:g} s."
+                        f"No publisher opened the channel '{channel}' on the store at "
+                        f"{site.address} within {seconds:g} s."
                     )
                 time.sleep(_PLAN_POLL)
 
@@ -175,28 +177,28 @@ class WeightSubscriber:
             found, theirs = await blocking(
                 find,
                 math.inf if seconds is None else seconds + 2.0,
-                what=f"finding the channel '{channel_name}'",
-                store=store,
+                what=f"finding the channel '{channel}'",
+                store=site.address,
             )
         except BaseException:
             given_up.set()
             raise
-        mine = Plan.of(checked, theirs.bucket_bytes)
+        mine = Plan.of(tensors, theirs.bucket_bytes)
         difference = mine.difference(theirs)
         if difference is not None:
             raise ValueError(
-                f"`tensors` do not match the plan of channel '{channel_name}' (published by "
-                f"{found.publisher()}): {difference}. Subscriber '{named}' was refused."
+                f"`tensors` do not match the plan of channel '{channel}' (published by "
+                f"{found.publisher()}): {difference}. Subscriber '{name}' was refused."
             )
         subscriber = cls(
-            found, checked, theirs, named, seconds, in_place, GlooEpochGangs(host), connect
+            found, tensors, theirs, name, seconds, in_place, site.factory, site.connect
         )
         try:
             await blocking(
                 functools.partial(subscriber._wait_until_seen, deadline, given_up),
                 2 * channel_keys.STALE + 2.0,
                 what="the publisher's sight of this subscriber",
-                store=store,
+                store=site.address,
             )
         except BaseException:  # cancelled: nothing of it may stay behind
             given_up.set()
