@@ -34,6 +34,8 @@ if _typing.TYPE_CHECKING:
     from agang._gradient_sync import StepTimes as StepTimes
     from agang._handle import Coalesced as Coalesced
     from agang._handle import Handle as Handle
+    from agang._membership.deaths import report_death as report_death
+    from agang._membership.deaths import report_death_sync as report_death_sync
     from agang._parallel.gangs import Gangs as Gangs
     from agang._parallel.gangs import all_sum as all_sum
     from agang._parallel.gangs import broadcast_flag as broadcast_flag
@@ -74,6 +76,8 @@ _EXPORTS: dict[str, str] = {
     "StepTimes": "agang._gradient_sync",
     "Coalesced": "agang._handle",
     "Handle": "agang._handle",
+    "report_death": "agang._membership.deaths",
+    "report_death_sync": "agang._membership.deaths",
     "Gangs": "agang._parallel.gangs",
     "all_sum": "agang._parallel.gangs",
     "broadcast_flag": "agang._parallel.gangs",
@@ -107,6 +111,8 @@ __all__ = [
     "ProcessGroupGang",
     "ElasticGang",
     "Elastic",
+    "report_death",
+    "report_death_sync",
     "FakeGang",
     "Handle",
     "Coalesced",

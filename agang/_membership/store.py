@@ -46,6 +46,20 @@ ATTEMPT_SECONDS = 2.0
 OP_SECONDS = 30.0
 
 
+def parse_address(store: object, *, name: str) -> tuple[str, int]:
+    """``store`` ("HOST:PORT", an IPv6 host in brackets) as a host and a port; raises
+    naming the parameter ``name`` where it is not one."""
+    if not isinstance(store, str):
+        raise TypeError(
+            f"`{name}` must be a str 'HOST:PORT', but is of type `{type(store).__name__}`."
+        )
+    host, sep, port_text = store.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not sep or not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise ValueError(f"`{name}` must be 'HOST:PORT' (an agang store), but is {store!r}.")
+    return host, int(port_text)
+
+
 def address(host: str, port: int) -> str:
     """``HOST:PORT``, an IPv6 host in brackets."""
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

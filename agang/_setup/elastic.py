@@ -112,9 +112,11 @@ def _notice_joiner(responder: mailbox.Responder, uid: str) -> None:
 
 def _forget_in_child() -> None:
     # The notices were the parent's members'; a parent thread may have held the lock.
-    global _noticed_lock, _noticed
+    global _noticed_lock, _noticed, _dead_lock, _dead
     _noticed_lock = threading.Lock()
     _noticed = set()
+    _dead_lock = threading.Lock()
+    _dead = set()
 
 
 mailbox.register("ping", _answer_ping)
@@ -144,6 +146,22 @@ def watch_joiners(store: Any, alive: Callable[[], bool]) -> threading.Event:
             membership.look_at_joiners(store, waiting)
 
     return start_beat(look, JOINER_LOOK, name="elastic joiners' watch", at_once=False)
+
+
+_dead_lock = threading.Lock()
+_dead: set[str] = set()
+
+
+def say_dead(uids: set[str]) -> None:
+    """Members a death notice named (``agang._membership.deaths``): every later reform of
+    this process leaves them out without pinging them."""
+    with _dead_lock:
+        _dead.update(uids)
+
+
+def reported_dead() -> set[str]:
+    with _dead_lock:
+        return set(_dead)
 
 
 def noticed() -> set[str]:
@@ -361,6 +379,10 @@ def reform_membership(
     first_asked: list[float] = []
 
     def alive(indices: list[int]) -> set[int]:
+        # A member a death notice named is dead: asking it would only cost the wait.
+        indices = [i for i in indices if formed.members[i].uid not in reported_dead()]
+        if not indices:
+            return set()
         if made:
             return ping(old_epoch_store, indices, membership.PING_SECONDS)
         first_asked.append(time.monotonic())

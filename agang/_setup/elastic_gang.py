@@ -28,28 +28,38 @@ Rules:
    training loop's next op or step boundary fails, naming the store, rather than train
    on unaware; its ``reform()`` then finds whether the store still holds the job
    (:mod:`agang._setup.elastic`, rule 8).
+6. *Death notices* (:mod:`agang._membership.deaths`, ``agang.report_death``): each
+   member listens on its process's responder. A notice that names a member of this
+   epoch breaks the gang at once, naming the member and the watcher's why, so that every
+   op that waits on it fails now, not at its deadline; the next reform leaves it out
+   without pinging it. A notice that names this member itself is logged and ignored.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import time
 from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+from typing_extensions import override
 
 from agang._backends.c10d import mailbox
 from agang._backends.c10d.retry import TransientSetupError
 from agang._collective.process_group_gang import ProcessGroupGang
 from agang._errors import GangBrokenError, GangInitError, one_line
+from agang._membership import deaths
 from agang._policy import GangPolicy
 from agang._runtime.threads import run_blocking
 from agang._setup import elastic as setup
 from agang._setup import membership
 from agang._setup.env import WorldInfo
 from agang._validate import check_timeout
+
+log = logging.getLogger("agang.setup")
 
 #: A reform's deadline when ``reform()`` is given none (seconds).
 DEFAULT_REFORM_TIMEOUT = 60.0
@@ -101,6 +111,57 @@ class ElasticGang(ProcessGroupGang):
         mailbox.on_connection_lost(self._store_lost)
         # Membership rule 2: the joiners it hears of are watched from then on.
         setup.watch_joiners(formed.store, lambda: not self.closed)
+        self._listening = self._listen()
+
+    def _listen(self) -> deaths.Listening | None:
+        """Rule 6: this member hears death notices on its process's responder."""
+        responder = mailbox.current()
+        if responder is None:  # no store to answer on: nothing can reach it either
+            return None
+        prefix = membership.epoch_key(self._formed.epoch, "blame")
+        return deaths.Listening(
+            self._formed.store, prefix, responder.world_rank, self._member_gone, responder
+        )
+
+    def _member_gone(self, notice: deaths.Notice) -> None:
+        """A death notice (rule 6), on the responder's thread."""
+        me = self._formed.me
+        if notice.names(me.uid, me.where):
+            log.warning(
+                "agang: a death notice names this member (%s), which is alive: %s.",
+                me.where,
+                notice.describe(),
+            )
+            return
+        gone = [m for m in self._formed.members if notice.names(m.uid, m.where)]
+        if not gone:
+            return
+        setup.say_dead({m.uid for m in gone})
+        ranks = ", ".join(f"rank {self._formed.members.index(m)} ({m.where})" for m in gone)
+        cause = GangBrokenError(
+            f"Gang '{self.name}' (epoch {self.epoch}) lost {ranks}: {notice.describe()}. "
+            f"Call reform() to go on without it.",
+            None,
+        )
+        self._engine.break_gang(cause)
+
+    @override
+    async def close(self) -> None:
+        """Closes this epoch's gang (:meth:`agang.Gang.close`), and stops hearing death
+        notices for it."""
+        await super().close()
+        await run_blocking(self._stop_listening, name="stop listening", seconds=5.0)
+
+    @override
+    def close_sync(self) -> None:
+        """:meth:`close` for synchronous code."""
+        super().close_sync()
+        self._stop_listening()
+
+    def _stop_listening(self) -> None:
+        listening, self._listening = self._listening, None
+        if listening is not None:
+            listening.stop()
 
     def _another_member_reforms(self, responder: mailbox.Responder, text: str) -> None:
         """A member started the next epoch: ops pending here will never finish (rule 4).

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 
 import torch
 
+from agang._membership.store import parse_address
 from agang._validate import check_deadline as check_agang_deadline
 
 #: The dtypes of quantized tensors: their bytes are not all of their value (the scale and
@@ -165,15 +166,7 @@ def check_name(name: object) -> str | None:
 
 def check_store(store: object) -> tuple[str, int]:
     """``store`` (``"HOST:PORT"``, IPv6 in brackets) as a host and a port."""
-    if not isinstance(store, str):
-        raise TypeError(
-            f"`store` must be a str 'HOST:PORT', but is of type `{type(store).__name__}`."
-        )
-    host, sep, port_text = store.rpartition(":")
-    host = host.removeprefix("[").removesuffix("]")
-    if not sep or not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
-        raise ValueError(f"`store` must be 'HOST:PORT' (an agang store), but is {store!r}.")
-    return host, int(port_text)
+    return parse_address(store, name="store")
 
 
 def check_version(version: object, last: int | None) -> int:

@@ -20,6 +20,10 @@ Rules:
    the subscribers find it.
 5. What a push needs of the fleet it takes at once, under a lock, with no store op
    (``take``): a push that admits nobody new costs no store op at all.
+6. *Death notices* (``agang._membership.deaths``): a member a notice names is dropped,
+   with the notice's why, at the next push, or at once where a round is under way
+   (``on_dead`` then ends it, so that the push goes on without waiting for its
+   deadline); a registered subscriber it names is forgotten, and reported.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import final
 
 from agang._errors import one_line
+from agang._membership.deaths import Notice
 from agang._membership.heartbeat import Watch
 from agang._membership.member import Member
 from agang._runtime.threads import at_exit, start_daemon
@@ -58,6 +63,8 @@ class Sighting:
     silent: dict[str, float] = field(default_factory=dict)
     #: The subscribers the fleet dropped since the last take, by name, with why.
     dropped: dict[str, str] = field(default_factory=dict)
+    #: Members a death notice named, and its why (rule 6).
+    dead: dict[str, str] = field(default_factory=dict)
 
 
 @final
@@ -72,11 +79,17 @@ class Fleet:
     """
 
     def __init__(
-        self, channel: Channel, keeping: Housekeeping, reconnect: Callable[[], None]
+        self,
+        channel: Channel,
+        keeping: Housekeeping,
+        reconnect: Callable[[], None],
+        on_dead: Callable[[], None],
     ) -> None:
         self.channel = channel
         self._keeping = keeping
         self._reconnect = reconnect
+        self._on_dead = on_dead
+        self._dead: dict[str, str] = {}  # member uid -> a death notice's why (rule 6)
         self._lock = threading.Lock()
         self._watch = Watch(STALE)
         self._pending: dict[str, Member] = {}  # registered, not admitted
@@ -120,9 +133,11 @@ class Fleet:
                     if (silent := self._watch.silent_for(uid, now) or 0.0) >= MEMBER_SILENT
                 },
                 dropped=self._dropped,
+                dead=self._dead,
             )
             self._leaving.clear()
             self._dropped = {}
+            self._dead = {}
         return sighting
 
     def put_back(self, joiners: list[Member]) -> None:
@@ -145,6 +160,19 @@ class Fleet:
         ended = time.monotonic()
         silent = [m for m in members if watch.is_silent(m.uid, ended)]
         return silent or list(members)
+
+    def heard(self, notice: Notice) -> None:
+        """A death notice (rule 6), on the listener's thread."""
+        with self._lock:
+            members = [m for m in self._members.values() if notice.names(m.uid, m.where)]
+            pending = [m for m in self._pending.values() if notice.names(m.uid, m.where)]
+            for member in members:
+                self._dead[member.uid] = notice.describe()
+            for member in pending:
+                del self._pending[member.uid]
+                self._dropped[member.name] = notice.describe()
+        if members:
+            self._on_dead()
 
     def alive(self) -> set[str]:
         """The uids registered or admitted now."""

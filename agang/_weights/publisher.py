@@ -51,6 +51,9 @@ Rules:
    naming it, within its deadline and the recovery bound. The fleet connects again
    (and opens the session there again, on a store that was restarted), so a later
    push goes on once a store is back.
+8. *Death notices* (``agang.report_death``): a member a watcher reports dead is dropped
+   with the watcher's why, not asked; a round under way when the notice comes is ended
+   at once, and the push's recovery runs the round again without it.
 """
 
 from __future__ import annotations
@@ -69,9 +72,10 @@ import torch
 from agang._errors import GangBrokenError, GangError, one_line
 from agang._gang import Gang
 from agang._handle import Handle
+from agang._membership import deaths
 from agang._membership.gangs import GangFactory
 from agang._membership.member import Member
-from agang._runtime.threads import start_daemon
+from agang._runtime.threads import run_blocking, start_daemon
 from agang._weights import checks
 from agang._weights.blocking import StoreTrouble, blocking, bound, run_sync
 from agang._weights.buckets import Buckets
@@ -143,7 +147,11 @@ class WeightPublisher:
         self._last: int | None = None
         self._busy = False
         self._closed = False
-        self._fleet = Fleet(channel, self._keeping, self._reconnect)
+        self._fleet = Fleet(channel, self._keeping, self._reconnect, self._member_died)
+        # Death notices (rule 8) come to a mailbox of the publisher's own.
+        self._listening = deaths.Listening(
+            channel.store, f"{channel.prefix}/pub", 0, self._fleet.heard
+        )
 
     @classmethod
     async def open(
@@ -336,6 +344,14 @@ class WeightPublisher:
             self._abandoned.append(gang)
             await gang.close()
 
+    def _member_died(self) -> None:
+        """A death notice named a member (rule 8), on the listener's thread: a round
+        under way, which waits on it, is ended now (its gang closed on a thread), so
+        that the push drops it and goes on with the others without its deadline."""
+        gang = self._gang
+        if gang is not None and self._in_flight:
+            start_daemon(gang.close_sync, name=f"agang: weights: end round of '{gang.name}'")
+
     def _blocking(self, fn: Callable[[], Any], seconds: float, what: str) -> Any:
         return blocking(fn, seconds, what=what, store=self._channel.address)
 
@@ -369,7 +385,10 @@ class WeightPublisher:
         self._taken += seen.joiners
         gone: dict[str, str] = {}  # uid -> why, told to each
         for member in self._members:
-            if member.uid in seen.leaving:
+            if member.uid in seen.dead:  # rule 8
+                self._unreported[member.name] = seen.dead[member.uid]
+                gone[member.uid] = seen.dead[member.uid]
+            elif member.uid in seen.leaving:
                 self._unreported[member.name] = "it closed (left the channel)"
                 gone[member.uid] = ""
             elif member.uid in seen.silent:
@@ -556,10 +575,12 @@ class WeightPublisher:
             seen = self._fleet.take()
             self._unreported.update(seen.dropped)
             self._taken += seen.joiners
-            kept = [m for m in self._members if m.uid not in seen.leaving]
+            kept = [m for m in self._members if m.uid not in {*seen.leaving, *seen.dead}]
             for member in self._members:
                 if member.uid in seen.leaving:
                     self._unreported[member.name] = "it closed (left the channel)"
+                elif member.uid in seen.dead:  # rule 8: not asked, it is dead
+                    self._unreported[member.name] = seen.dead[member.uid]
             missing = [m for m in kept if m.uid not in acked]
             answers = await self._blocking(
                 functools.partial(self._channel.ask, [m.uid for m in missing]),
@@ -664,6 +685,7 @@ class WeightPublisher:
         with anyio.CancelScope(shield=True):
             await self._leave_epoch(CLOSE, self._last or 0)
             self._fleet.stop()
+            await run_blocking(self._listening.stop, name="weights: stop listening", seconds=5.0)
             if self._fleet.fenced_by is not None:
                 return  # the channel is another's: its keys are not this one's to tidy
             try:

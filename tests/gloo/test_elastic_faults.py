@@ -14,12 +14,14 @@ survivors' threads, fds or memory; and every survivor's event loop stays respons
 from __future__ import annotations
 
 import signal
+import socket
 import time
 from typing import Any
 
 import pytest
 from elasticrun import Cluster, Control, Worker
 
+import agang
 from agang._setup import elastic as elastic_setup
 from agang._setup import membership
 
@@ -506,3 +508,39 @@ def test_the_survivors_loops_stay_responsive_through_kills_and_stops(
         print(f"loop lag: p99 {each['lag_p99'] * 1e3:.1f} ms, max {each['lag_max'] * 1e3:.1f} ms")
     _assert_responsive(kills["stats"])
     _assert_responsive(stopped["stats"])
+
+
+# -- a death notice ----------------------------------------------------------------------
+
+
+def test_a_death_notice_fails_the_survivors_at_once_and_the_reform_leaves_the_member_out(
+    control: Control,
+) -> None:
+    """A rank stopped (SIGSTOP: its connections stay open, so Gloo sees nothing) while the
+    others wait on it in an all-reduce, with a 30 s deadline: a watcher reports it dead
+    (``agang.report_death``). The survivors' ops fail at once, saying the watcher's why,
+    not at their deadline; their reform leaves it out without pinging it."""
+    settings = {**SETTINGS, "op_timeout": 30.0}
+    with Cluster(control, 3, min_size=2, **settings) as cluster:
+        w0, w1, w2 = cluster.workers
+        cluster.kill(w1, signum=signal.SIGSTOP)
+        _issue([w0, w2])
+        reported_at = time.monotonic()
+        told = agang.report_death_sync(
+            f"127.0.0.1:{cluster.port}",
+            f"{socket.gethostname()}, pid {w1.pid}",
+            "stopped by the test",
+        )
+        failures = [worker.event("failed", timeout=20) for worker in (w0, w2)]
+        failed_in = time.monotonic() - reported_at
+        epochs = [_epoch(worker) for worker in (w0, w2)]
+        exact = _exact([w0, w2])
+    assert told >= 2  # every member of the epoch listens (the stopped one too)
+    for failure in failures:
+        assert failure["error"] == "GangBrokenError", failure
+        assert "reported dead by" in failure["message"], failure
+        assert "stopped by the test" in failure["message"], failure
+    assert failed_in < 30.0 / 10, failed_in  # the deadline was 30 s
+    assert [(e["what"], e["epoch"], e["size"]) for e in epochs] == [("epoch", 1, 2)] * 2
+    assert exact == [3, 3]
+    print(f"death notice: survivors failed {failed_in:.2f} s after it")

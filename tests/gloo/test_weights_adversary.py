@@ -20,6 +20,7 @@ import contextlib
 import math
 import os
 import signal
+import socket
 import subprocess
 import time
 from typing import TypeVar
@@ -27,7 +28,7 @@ from typing import TypeVar
 import anyio
 import pytest
 import torch
-from storeutil import Store
+from storeutil import Store, wait_until_stopped
 from weightfleet import START_SECONDS, serve
 from weightserver import model
 
@@ -387,4 +388,39 @@ async def test_no_deadline_is_math_inf(store: str) -> None:
         assert await server.receive(timeout=math.inf) == 2
     finally:
         await server.close()
+        await publisher.close()
+
+
+async def test_a_server_reported_dead_is_dropped_at_once_with_the_watchers_why(
+    store: str, started: list[subprocess.Popen[str]]
+) -> None:
+    """A server stopped (SIGSTOP) while a push with a 30 s deadline waits on it; a
+    watcher reports it dead by its host and pid (``agang.report_death``): the push ends
+    at once, dropping it with the watcher's why, and delivers to the other."""
+    weights = model(0)
+    publisher = await WeightPublisher.open(weights, store=store, channel="w", timeout=30)
+    try:
+        stopped = serve(started, store, "stopped")
+        live = serve(started, store, "live")
+        pid = stopped.opened()
+        live.opened()
+        report = await _push_model(publisher, weights, 1)
+        assert set(report.delivered) == {"stopped", "live"}, report
+        live.received(1)
+        os.kill(pid, signal.SIGSTOP)
+        wait_until_stopped(pid)
+
+        async def watcher() -> None:
+            await anyio.sleep(0.5)
+            who = f"{socket.gethostname()}, pid {pid}"
+            await agang.report_death(store, who, "stopped by the test")
+
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(watcher)
+            report = await _push_model(publisher, weights, 2)
+        assert report.delivered == ("live",), report
+        assert report.dropped["stopped"].endswith(": stopped by the test"), report
+        assert report.seconds < 30.0 / 10, report
+        live.received(2)
+    finally:
         await publisher.close()

@@ -52,6 +52,8 @@ AGANG_API = {
     "OpContext",
     "Elastic",
     "ElasticGang",
+    "report_death",
+    "report_death_sync",
     "WeightPublisher",
     "WeightSubscriber",
     "PushReport",

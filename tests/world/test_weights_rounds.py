@@ -18,11 +18,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import anyio
+import anyio.to_thread
 import pytest
 import torch
 import torch.distributed as dist
 
 from agang import GangError, PushReport
+from agang._membership import deaths
 from agang._weights import channel as channel_keys
 from agang._weights import fleet, publisher, upstream
 from agang._weights.plan import Plan
@@ -429,3 +431,51 @@ async def test_every_push_report_is_what_happened(channel: Channel) -> None:
     assert report.seconds > 0
     assert await c.receive(timeout=PATIENCE) == 2
     assert await a.receive(timeout=PATIENCE) == 2
+
+
+# -- death notices ------------------------------------------------------------------------
+
+
+async def test_a_death_notice_ends_the_round_that_waits_on_the_member_at_once(
+    channel: Channel,
+) -> None:
+    """A member stopped mid-round (its ops never come): without a notice the push waits
+    for its deadline (30 s here); a watcher's notice ends the round at once, and the
+    push drops the member with the watcher's why and delivers to the others."""
+    weights = model(0)
+    pub = await channel.publisher(weights, deadline=30.0)
+    stopped = await channel.subscriber(zeros(), "stopped")
+    alive = await channel.subscriber(zeros(), "alive")
+    assert (await pub.push(1)).delivered == ("alive", "stopped")
+    channel.epochs.stall(stopped._me.uid)
+    notice = deaths.Notice(stopped._me.uid, "the test stopped it", "the test")
+
+    async def report_soon() -> None:
+        await anyio.sleep(0.2)
+        told = await anyio.to_thread.run_sync(deaths.report, channel.store, notice)
+        assert told >= 1
+
+    write(weights, 2)
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(report_soon)
+        report = await pub.push(2)
+    assert report.delivered == ("alive",), report
+    assert report.dropped == {"stopped": "reported dead by the test: the test stopped it"}
+    assert report.seconds < 30.0 / 10, report
+    assert await alive.receive(timeout=PATIENCE) == 2
+
+
+async def test_a_death_notice_between_pushes_drops_the_member_at_the_next(
+    channel: Channel,
+) -> None:
+    pub = await channel.publisher(model(0), deadline=30.0)
+    gone = await channel.subscriber(zeros(), "gone")
+    await channel.subscriber(zeros(), "kept")
+    assert (await pub.push(1)).delivered == ("gone", "kept")
+    channel.epochs.stall(gone._me.uid)
+    notice = deaths.Notice(gone._me.uid, "exit code -9", "a launcher")
+    await anyio.to_thread.run_sync(deaths.report, channel.store, notice)
+    report = await pub.push(2)
+    assert report.delivered == ("kept",), report
+    assert report.dropped == {"gone": "reported dead by a launcher: exit code -9"}, report
+    assert report.seconds < 30.0 / 10, report

@@ -217,6 +217,12 @@ _responder: Responder | None = None
 _on_lost: Callable[[BaseException], None] | None = None
 
 
+def current() -> Responder | None:
+    """This process's responder (its world gang's, rule 1), or None while it has none."""
+    with _lock:
+        return _responder
+
+
 def on_connection_lost(callback: Callable[[BaseException], None] | None) -> None:
     """Makes the current responder call ``callback`` with the error, on its thread, when
     its store connection fails (rule 2): one callback, the last set; None for none. It
