@@ -34,6 +34,11 @@ _RAW_MARK = b"\x00agang-mac:"
 _MAC_CHARS = 32
 
 
+def is_sealed(value: str) -> bool:
+    """Whether a text record carries a seal (rule 2)."""
+    return _TEXT_MARK in value
+
+
 @final
 class Seal:
     """Seals and opens records with ``secret`` (rules 1, 2, 4)."""
@@ -54,14 +59,16 @@ class Seal:
             return text
         return f"{text}{_TEXT_MARK}{self.mac(key, text.encode())}"
 
-    def open(self, key: str, value: str | None) -> str | None:
-        """``value``'s text where its seal is valid (or there is no secret), else None."""
+    def open(self, key: str, value: str | None, *, quiet: bool = False) -> str | None:
+        """``value``'s text where its seal is valid (or there is no secret), else None
+        (logged once, unless ``quiet``)."""
         if value is None or self.secret is None:
             return value
         text, mark, mac = value.rpartition(_TEXT_MARK)
         if mark and hmac.compare_digest(mac, self.mac(key, text.encode())):
             return text
-        self.refused(key)
+        if not quiet:
+            self.refused(key)
         return None
 
     def refused(self, key: str) -> None:

@@ -57,12 +57,13 @@ from typing import Any
 
 import torch.distributed as dist
 
+from agang._errors import GangInitError
 from agang._membership import questions
 from agang._membership import store as stores
 from agang._membership.heartbeat import Watch, write_beat
 from agang._membership.member import Member
 from agang._membership.roster import Roster
-from agang._membership.seal import Seal, SealedStore
+from agang._membership.seal import Seal, SealedStore, is_sealed
 
 log = logging.getLogger("agang.weights")
 
@@ -166,11 +167,34 @@ class Channel:
 
     @classmethod
     def find(cls, store: Any, channel: str, address: str, secret: bytes | None) -> Channel | None:
-        """The channel's current session, or None before any publisher opened it."""
+        """The channel's current session, or None before any publisher opened it (or
+        while its holder key holds a record this side cannot open).
+
+        Raises:
+            GangInitError: The channel is sealed and this side has no secret (rule 7).
+        """
         probe = cls(store, channel, "", address, secret)
         key = cls.holder_key(channel)
-        session = probe._read(key)
+        raw = stores.read(store, key)
+        if raw is not None and secret is None and is_sealed(raw):
+            raise GangInitError(
+                f"The weights channel '{channel}' on the store at {address} is sealed with "
+                f"a secret: open it with the publisher's `secret`."
+            )
+        session = probe._verify(key, raw)
         return None if session is None else cls(store, channel, session, address, secret)
+
+    @classmethod
+    def secret_mismatch(cls, store: Any, channel: str, secret: bytes | None) -> str | None:
+        """Why ``secret`` cannot open the channel's holder record (rule 7), or None."""
+        raw = stores.read(store, cls.holder_key(channel))
+        if raw is None or secret is None:
+            return None
+        if Seal(secret, "").open(cls.holder_key(channel), raw, quiet=True) is not None:
+            return None
+        if not is_sealed(raw):
+            return "its publisher opened it without a secret, and this side has one"
+        return "it is sealed with another secret than this side's (or a stranger wrote its holder)"
 
     def reclaim(self) -> None:
         """With a secret, takes the holder key back from a record without a valid MAC

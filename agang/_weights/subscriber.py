@@ -167,6 +167,13 @@ class WeightSubscriber:
                 if found is not None and text is not None:
                     return found, Plan.from_text(text)
                 if time.monotonic() >= deadline or given_up.is_set():
+                    mismatch = Channel.secret_mismatch(client, channel, secret)
+                    if mismatch is not None:
+                        raise GangInitError(
+                            f"The weights channel '{channel}' on the store at {site.address} "
+                            f"could not be opened: {mismatch}. Give every side the "
+                            f"publisher's `secret`."
+                        )
                     raise GangInitError(
                         f"No publisher opened the channel '{channel}' on the store at "
                         f"{site.address} within {seconds:g} s."

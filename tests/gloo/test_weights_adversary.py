@@ -424,3 +424,100 @@ async def test_a_server_reported_dead_is_dropped_at_once_with_the_watchers_why(
         live.received(2)
     finally:
         await publisher.close()
+
+
+# -- a stranger on the store ----------------------------------------------------------------
+
+SECRET = "a secret of 16 bytes or more"
+
+
+def _forge_leave(publisher: WeightPublisher, uid: str) -> None:
+    """What a stranger who reaches the store can write: a 'leave' of a live server."""
+    channel = publisher._channel
+    channel.store.queue_push(f"{channel.prefix}/news", f"leave {uid}")
+    channel.store.add(f"{channel.prefix}/joined", 1)
+
+
+async def test_without_a_secret_a_forged_leave_strands_a_live_server(store: str) -> None:
+    """The store is open (``docs/guides/trust.md``): without a secret, a stranger's
+    'leave' is taken as the server's own. What a secret is for (the next test)."""
+    publisher = await WeightPublisher.open({"w": torch.zeros(4)}, store=store, channel="c")
+    server = await WeightSubscriber.open({"w": torch.zeros(4)}, store=store, channel="c", name="s")
+    try:
+        assert (await publisher.push(1)).delivered == ("s",)
+        _forge_leave(publisher, server._me.uid)
+        await anyio.sleep(0.5)  # the publisher reads the news at its next beat
+        report = await publisher.push(2)
+        assert report.dropped == {"s": "it closed (left the channel)"}, report
+    finally:
+        await server.close()
+        await publisher.close()
+
+
+async def test_with_a_secret_a_stranger_can_neither_publish_nor_strand_a_server(
+    store: str,
+) -> None:
+    """On f239306 a stranger with the store's address read the plan and served its own
+    weights to every new server, and a forged 'leave' stranded a live server while the
+    report said it closed. With a channel secret: the forged leave and drop are ignored,
+    a stranger's publisher (no secret) fences nobody and reaches no server, and the
+    holder key it overwrote is taken back, so a new server still finds the channel."""
+    weights = {"w": torch.zeros(4)}
+    publisher = await WeightPublisher.open(weights, store=store, channel="c", secret=SECRET)
+    server = await WeightSubscriber.open(
+        {"w": torch.zeros(4)}, store=store, channel="c", name="s", secret=SECRET
+    )
+    stranger: WeightPublisher | None = None
+    late: WeightSubscriber | None = None
+    try:
+        weights["w"].fill_(1)
+        assert (await publisher.push(1)).delivered == ("s",)
+        _forge_leave(publisher, server._me.uid)
+        channel = publisher._channel
+        channel.store.set(f"{channel.prefix}/dropped/{server._me.uid}", "replaced: by me")
+        await anyio.sleep(0.5)  # read (and ignored) at the next beat of each side
+        weights["w"].fill_(2)
+        report = await publisher.push(2)
+        assert report.delivered == ("s",), report
+        assert report.dropped == {}, report
+        assert await server.receive(timeout=10) == 2
+        # A stranger's publisher on the channel, without the secret.
+        stranger = await WeightPublisher.open(
+            {"w": torch.full((4,), 666.0)}, store=store, channel="c", timeout=5
+        )
+        assert (await stranger.push(666)).delivered == ()
+        weights["w"].fill_(3)
+        assert (await publisher.push(3)).delivered == ("s",)  # not fenced
+        assert await server.receive(timeout=10) == 3
+        assert torch.equal(server._tensors["w"], torch.full((4,), 3.0))
+        await anyio.sleep(0.5)  # a beat or two: the publisher takes its holder key back
+        late = await WeightSubscriber.open(
+            {"w": torch.zeros(4)}, store=store, channel="c", name="late", secret=SECRET
+        )
+        weights["w"].fill_(4)
+        assert set((await publisher.push(4)).delivered) == {"s", "late"}
+        assert await late.receive(timeout=10) == 4
+    finally:
+        for side in (late, server, stranger, publisher):
+            if side is not None:
+                await side.close()
+
+
+async def test_a_subscriber_without_the_channels_secret_is_told_so(store: str) -> None:
+    publisher = await WeightPublisher.open(
+        {"w": torch.zeros(4)}, store=store, channel="c", secret=SECRET
+    )
+    try:
+        with pytest.raises(agang.GangInitError, match="sealed with a secret"):
+            await WeightSubscriber.open({"w": torch.zeros(4)}, store=store, channel="c")
+        with pytest.raises(agang.GangInitError, match="another secret"):
+            await WeightSubscriber.open(
+                {"w": torch.zeros(4)}, store=store, channel="c", timeout=1,
+                secret="another secret, also long enough",
+            )  # fmt: skip
+        with pytest.raises(ValueError, match="`secret` must be at least 16 bytes"):
+            await WeightSubscriber.open(
+                {"w": torch.zeros(4)}, store=store, channel="c", secret="short"
+            )
+    finally:
+        await publisher.close()
