@@ -29,6 +29,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any, final
 
+import torch.distributed as dist
+
 from agang._backends.c10d import mailbox
 from agang._membership import store as stores
 
@@ -124,12 +126,30 @@ class Served:
         the stop letter before the responder read it, and leave it waiting for ever."""
         with _answers_lock:
             _answers.get(self._kind, {}).pop(self._responder.token, None)
-        mailbox.post(self._store, [self._rank], "stop", self._responder.token)
+        try:
+            mailbox.post(self._store, [self._rank], "stop", self._responder.token)
+        except Exception:  # the store is gone: the responder ends with its connection
+            return
         with contextlib.suppress(TimeoutError):
             self._responder.thread.wait(seconds)
 
 
 def forget(store: Any, rank: int) -> int:
     """Pops the letters left in ``rank``'s mailbox on ``store`` that no one will read
-    (its reader is gone for good); how many there were."""
-    return mailbox.drain(store, rank, _MOST_LETTERS)
+    (its reader is gone for good); how many there were. A stop letter is put back: the
+    responder it stops may not have read it yet (a loaded machine), and without it it
+    would wait for ever."""
+    stops = []
+    count = 0
+    for count in range(_MOST_LETTERS):  # noqa: B007  # the count is the result
+        try:
+            letter = store.queue_pop(mailbox.queue_name(rank), False)
+        except dist.QueueEmptyError:
+            break
+        if letter.startswith(b"stop "):
+            stops.append(letter)
+    else:
+        count = _MOST_LETTERS
+    for letter in stops:
+        store.queue_push(mailbox.queue_name(rank), letter)
+    return count - len(stops)

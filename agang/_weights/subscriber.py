@@ -95,7 +95,7 @@ class WeightSubscriber:
 
     def _serve_again(self) -> None:
         """The store is reached again on a new connection: the status responder too."""
-        self._responder.stop()  # its connection is gone; a new one on the new connection
+        self._responder.stop(seconds=0.0)  # its connection is gone, or going
         self._responder = self._channel.serve_status(self._me.uid, self._status)
 
     @classmethod

@@ -350,7 +350,11 @@ async def test_a_lost_store_fails_naming_it_and_the_channel_recovers(
             with anyio.move_on_after(10), contextlib.suppress(agang.GangError):
                 delivered = set((await publisher.push(version, timeout=2.0)).delivered)
             await anyio.sleep(0.3)
-        assert delivered == {"s", "late"}, "the channel did not recover once a store was back"
+        assert delivered == {"s", "late"}, (
+            f"the channel did not recover once a store was back: s is "
+            f"{server._service.status}; its store: {server._upstream.trouble}; its error: "
+            f"{server._service.error}"
+        )
         assert await server.receive(timeout=10) == version
         assert await late.receive(timeout=10) == version
     finally:

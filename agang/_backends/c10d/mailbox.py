@@ -91,6 +91,11 @@ _STOP = "stop"
 _tokens = itertools.count()
 
 
+def queue_name(world_rank: int) -> str:
+    """The store key of ``world_rank``'s mailbox queue."""
+    return _queue(world_rank)
+
+
 def _queue(world_rank: int) -> str:
     return f"{_PREFIX}/{world_rank}/queue"
 
