@@ -39,7 +39,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _common import add_out_argument, format_bytes, format_seconds, write_plots
 
-from agang._weights import channel as channel_keys
+from agang._membership import store as stores
 from agang._weights.publisher import WeightPublisher
 from agang._weights.subscriber import WeightSubscriber
 
@@ -91,8 +91,7 @@ def raw_round(group: Any, flat: torch.Tensor) -> None:
 
 
 async def serve(address: str, servers: int, rank: int, sizes: list[int], quick: bool) -> None:
-    host, port = address.rsplit(":", 1)
-    store = channel_keys.connect(host, int(port), time.monotonic() + 60)
+    store = connect(address)
     group = raw_group(store, servers, rank)
     for size in sizes:
         tensors = {k: torch.zeros_like(v) for k, v in model(size).items()}
@@ -117,6 +116,14 @@ async def serve(address: str, servers: int, rank: int, sizes: list[int], quick: 
             await subscriber.close()
 
 
+def connect(address: str) -> Any:
+    """A client of the bench's store, as the channel's sides make theirs."""
+    host, port = address.rsplit(":", 1)
+    deadline = time.monotonic() + 60
+    waits = stores.OP_SECONDS
+    return stores.connect(host, int(port), deadline, need="The bench needs", op_seconds=waits)
+
+
 def channel_of(servers: int, size: int, mode: str) -> str:
     return f"bench{servers}-{size}-{mode.replace(' ', '-')}"
 
@@ -127,8 +134,7 @@ async def publish(
     """For each size and mode: admits the servers, then times, turn by turn (so both
     see the same load), a raw round and a push; each server takes each version before
     the next raw round."""
-    host, port = address.rsplit(":", 1)
-    store = channel_keys.connect(host, int(port), time.monotonic() + 60)
+    store = connect(address)
     group = raw_group(store, servers, 0)
     rows = []
     for size in sizes:
