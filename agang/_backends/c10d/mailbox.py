@@ -26,8 +26,10 @@ Rules:
    mailbox knows none of their words.
 3. *Stopping.* A process stops its own responder with a stop letter naming it (a token
    of its own), so a stale stop never ends another responder. The rank hosting the
-   store, before it destroys the store, stops every rank's responder, so theirs end
-   quietly rather than on a dropped connection (which c10d logs at length).
+   store, before it destroys the store, stops every rank's responder, and waits (up to
+   ``BLAME_BOUND``) until each says it read the stop, so theirs end quietly rather than
+   on a dropped connection (which c10d logs at length): a rank that finishes its init
+   a moment after the host closed starts its responder on a store still there.
 4. Keys live in the world's store (the default group's, or an elastic epoch's:
    ``World.store_override``), under the prefix agang gives each init, so a store that
    outlives inits (torchrun's agent's) never mixes them.
@@ -88,6 +90,8 @@ _NOTICE_CHARS = 3000
 POLL_SECONDS = 0.005
 _PREFIX = "agang/blame"
 _STOP = "stop"
+#: How many responders read the store host's stop letter (rule 3).
+_STOPPED = f"{_PREFIX}/stopped"
 _tokens = itertools.count()
 
 
@@ -180,6 +184,8 @@ class Responder:
         try:
             kind, _, text = letter.decode().partition(" ")
             if kind == _STOP:
+                if text == "*":  # rule 3: the store's host waits for this before it goes
+                    self._client.add(_STOPPED, 1)
                 return text in ("*", self.token)
             handler = _handlers.get(kind)
             if handler is not None:
@@ -303,6 +309,12 @@ def unserve(
         for rank in range(size):
             if rank != responder.world_rank:
                 store.queue_push(_queue(rank), f"{_STOP} *")
+        # Rule 3: the others' responders say they read it, or the store would go from
+        # under a rank still finishing its init (its responder's read then fails, and
+        # c10d logs the dropped connection at length).
+        give_up_at = time.monotonic() + BLAME_BOUND
+        while size > 1 and store.add(_STOPPED, 0) < size - 1 and time.monotonic() < give_up_at:
+            time.sleep(POLL_SECONDS)
 
     try:
         start_thread(stop, name="stop blame responder").wait(BLAME_BOUND)
