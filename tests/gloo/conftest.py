@@ -29,3 +29,18 @@ def started() -> Iterator[list[subprocess.Popen[str]]]:
 def store(started: list[subprocess.Popen[str]]) -> str:
     server = Store(started, "--port", "0", "--quiet")
     return server.out.next(START_SECONDS).split()[-1]
+
+
+@pytest.fixture(scope="module")
+def module_store() -> Iterator[str]:
+    """One ``agang store`` for a module's tests (each opens its channels anew: a
+    publisher takes a channel whose last one closed at once), ended by its pid: a store
+    process costs its torch import, over a second here, at every test otherwise."""
+    processes: list[subprocess.Popen[str]] = []
+    server = Store(processes, "--port", "0", "--quiet")
+    try:
+        yield server.out.next(START_SECONDS).split()[-1]
+    finally:
+        for process in processes:
+            process.kill()
+            process.wait(timeout=30)

@@ -28,6 +28,12 @@ from agang._weights.publisher import CANCEL_GRACE
 
 pytestmark = [pytest.mark.gloo, pytest.mark.anyio, pytest.mark.timeout(120)]
 
+
+@pytest.fixture
+def store(module_store: str) -> str:
+    return module_store  # one store for the module (``tests/gloo/conftest.py``)
+
+
 T = TypeVar("T")
 
 BIG = 4 << 20  # floats of 'big': 16 MiB, a round that lasts past the cancel
@@ -53,7 +59,7 @@ async def test_a_cancelled_push_never_tears_a_version(store: str, in_place: bool
     returned the cancelled version holding a mix of it and the next (2 of 2 runs).
     Now a server either never sees the cancelled version or holds it whole, and the
     next push delivers normally. The cancel lands at several points of the round."""
-    size = 16 << 20  # 64 MiB: a round lasts tens of ms here
+    size = 4 << 20  # 16 MiB: a round lasts about ten ms here
     weights = {"w": torch.zeros(size)}
     publisher = await WeightPublisher.open(weights, store=store, channel="c", timeout=20)
     server = await WeightSubscriber.open(
