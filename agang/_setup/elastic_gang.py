@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 import time
 from typing import Any, Protocol
 
@@ -57,12 +56,15 @@ from agang._runtime.threads import run_blocking
 from agang._setup import elastic as setup
 from agang._setup import membership
 from agang._setup.env import WorldInfo
-from agang._validate import check_timeout
+from agang._validate import check_deadline
 
 log = logging.getLogger("agang.setup")
 
 #: A reform's deadline when ``reform()`` is given none (seconds).
 DEFAULT_REFORM_TIMEOUT = 60.0
+#: What "no deadline" stands for in a reform's waits (c10d's timeouts are timedeltas):
+#: 30 days, as the backstop behind an op with no deadline.
+NO_DEADLINE_SECONDS = 30 * 86400.0
 #: How long after the deadline a reform's step is given up on (seconds).
 _STEP_MARGIN = 2.0
 
@@ -214,16 +216,18 @@ class ElasticGang(ProcessGroupGang):
         Call it on every member.
 
         Args:
-            timeout: The reform's deadline in seconds (None: 60 s).
+            timeout: The reform's deadline in seconds (None: 60 s; ``math.inf``: none,
+                waiting for ``min_size`` members as long as it takes).
 
         Raises:
             GangInitError: Fewer than ``min_size`` members came within the deadline (the
                 message names who is missing), or no group could be made in time, or
                 the store did not answer, or no longer holds the job (restarted empty).
         """
-        seconds = check_timeout(timeout, name="timeout")
-        seconds = DEFAULT_REFORM_TIMEOUT if seconds is None or math.isinf(seconds) else seconds
-        deadline = time.monotonic() + seconds
+        # agang's one rule for a timeout (the weights' too): None is the default, and
+        # math.inf none, which c10d's timedeltas take as NO_DEADLINE_SECONDS.
+        seconds = check_deadline(timeout, name="timeout", default=DEFAULT_REFORM_TIMEOUT)
+        deadline = time.monotonic() + (NO_DEADLINE_SECONDS if seconds is None else seconds)
         setup.forget_noticed()  # rule 3: the joiners still waiting say so again
         formed = await self._blocking(
             lambda: setup.reform_membership(self._formed, self._elastic, deadline), deadline

@@ -29,7 +29,7 @@ import anyio
 import pytest
 import torch
 from storeutil import Store, wait_until_stopped
-from weightfleet import START_SECONDS, serve
+from weightfleet import START_SECONDS, push_model, serve
 from weightserver import model
 
 import agang
@@ -60,15 +60,6 @@ async def _report_or_error(
         return await publisher.push(version, **kwargs)
     except agang.GangError as error:
         return error
-
-
-async def _push_model(
-    publisher: WeightPublisher, weights: dict[str, torch.Tensor], version: int
-) -> PushReport:
-    """Pushes ``weightserver.model(version)``, written into the publisher's ``weights``."""
-    for name, value in model(version).items():
-        weights[name].copy_(value)
-    return await publisher.push(version)
 
 
 # -- membership ------------------------------------------------------------------------
@@ -213,7 +204,7 @@ async def test_a_server_whose_clock_is_off_is_admitted(
         server.opened()
         report: PushReport | None = None
         for version in range(1, 6):
-            report = await _push_model(publisher, weights, version)
+            report = await push_model(publisher, weights, version)
             if "skewed" in report.delivered:
                 break
             await anyio.sleep(0.3)
@@ -221,7 +212,7 @@ async def test_a_server_whose_clock_is_off_is_admitted(
         assert "skewed" in report.delivered, report
         server.received(version)
         await anyio.sleep(1.5)  # a server ahead gave up on the publisher at once here
-        report = await _push_model(publisher, weights, version + 1)
+        report = await push_model(publisher, weights, version + 1)
         assert report.delivered == ("skewed",), report
         server.received(version + 1)
     finally:
@@ -243,7 +234,7 @@ async def test_a_server_paused_before_its_first_push_is_admitted_when_it_comes_b
         os.kill(pid, signal.SIGSTOP)
         try:
             await anyio.sleep(16.0)
-            report = await _push_model(publisher, weights, 1)
+            report = await push_model(publisher, weights, 1)
             assert "sleeper" not in report.delivered, report
         finally:
             os.kill(pid, signal.SIGCONT)
@@ -252,7 +243,7 @@ async def test_a_server_paused_before_its_first_push_is_admitted_when_it_comes_b
         version = 1
         while not delivered and time.monotonic() < give_up_at:
             version += 1
-            delivered = "sleeper" in (await _push_model(publisher, weights, version)).delivered
+            delivered = "sleeper" in (await push_model(publisher, weights, version)).delivered
             await anyio.sleep(0.3)
         assert delivered, "the paused server was never admitted after SIGCONT"
         server.received(version)
@@ -286,7 +277,7 @@ async def test_a_stalled_store_blames_the_store_and_bounds_the_push(
     doomed = serve(started, address, "doomed")
     doomed.opened()
     try:
-        report = await _push_model(publisher, weights, 1)
+        report = await push_model(publisher, weights, 1)
         assert set(report.delivered) == {"live", "doomed"}, report
         assert await live.receive(timeout=10) == 1
         process.process.send_signal(signal.SIGSTOP)
@@ -414,7 +405,7 @@ async def test_a_server_reported_dead_is_dropped_at_once_with_the_watchers_why(
         live = serve(started, store, "live")
         pid = stopped.opened()
         live.opened()
-        report = await _push_model(publisher, weights, 1)
+        report = await push_model(publisher, weights, 1)
         assert set(report.delivered) == {"stopped", "live"}, report
         live.received(1)
         os.kill(pid, signal.SIGSTOP)
@@ -427,7 +418,7 @@ async def test_a_server_reported_dead_is_dropped_at_once_with_the_watchers_why(
 
         async with anyio.create_task_group() as tasks:
             tasks.start_soon(watcher)
-            report = await _push_model(publisher, weights, 2)
+            report = await push_model(publisher, weights, 2)
         assert report.delivered == ("live",), report
         assert report.dropped["stopped"].endswith(": stopped by the test"), report
         assert report.seconds < 30.0 / 10, report

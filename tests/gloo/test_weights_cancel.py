@@ -20,10 +20,10 @@ import anyio
 import pytest
 import torch
 from storeutil import wait_until_stopped
-from weightfleet import serve
+from weightfleet import push_model, serve
 from weightserver import model
 
-from agang import PushReport, WeightPublisher, WeightSubscriber
+from agang import WeightPublisher, WeightSubscriber
 from agang._weights.publisher import CANCEL_GRACE
 
 pytestmark = [pytest.mark.gloo, pytest.mark.anyio, pytest.mark.timeout(120)]
@@ -162,12 +162,14 @@ async def test_a_push_cancelled_while_a_server_is_stopped_aborts_in_time_and_tea
     try:
         server = serve(started, store, "sleeper", "--big", str(BIG))
         pid = server.opened()
-        assert (await _push_model(publisher, weights, 1)).delivered == ("sleeper",)
+        assert (await push_model(publisher, weights, 1, big=BIG)).delivered == ("sleeper",)
         server.received(1)
         os.kill(pid, signal.SIGSTOP)
         wait_until_stopped(pid)
         began = time.monotonic()
-        assert await _cancelled_after(0.3, lambda: _push_model(publisher, weights, 2)) is None
+        assert (
+            await _cancelled_after(0.3, lambda: push_model(publisher, weights, 2, big=BIG)) is None
+        )
         took = time.monotonic() - began
         for name, value in model(3, big=BIG).items():  # the trainer's next step
             weights[name].copy_(value)
@@ -178,18 +180,11 @@ async def test_a_push_cancelled_while_a_server_is_stopped_aborts_in_time_and_tea
         version = 3
         while not delivered and time.monotonic() < give_up_at:
             version += 1
-            delivered = "sleeper" in (await _push_model(publisher, weights, version)).delivered
+            delivered = (
+                "sleeper" in (await push_model(publisher, weights, version, big=BIG)).delivered
+            )
             await anyio.sleep(0.3)
         assert delivered
         server.received(version)  # every version it said it took was exact, till this
     finally:
         await publisher.close()
-
-
-async def _push_model(
-    publisher: WeightPublisher, weights: dict[str, torch.Tensor], version: int
-) -> PushReport:
-    """Pushes ``weightserver.model(version)``, written into the publisher's ``weights``."""
-    for name, value in model(version, big=BIG).items():
-        weights[name].copy_(value)
-    return await publisher.push(version)

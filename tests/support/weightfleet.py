@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import anyio
+import torch
 from storeutil import SUPPORT, Spawned
 from weightserver import model
 
@@ -86,6 +87,16 @@ def serve(
     env: Mapping[str, str] | None = None,
 ) -> Server:
     return Server(started, "serve", store, "w", name, *extra, via=via, env=env)
+
+
+async def push_model(
+    publisher: WeightPublisher, weights: dict[str, torch.Tensor], version: int, **shape: int
+) -> PushReport:
+    """Pushes ``weightserver.model(version, **shape)``, written into the publisher's
+    ``weights`` (the tensors it opened with) first, as a trainer's step would."""
+    for name, value in model(version, **shape).items():
+        weights[name].copy_(value)
+    return await publisher.push(version)
 
 
 async def push(publisher: WeightPublisher, version: int, **kwargs: Any) -> PushReport:
