@@ -27,9 +27,10 @@ Rules:
 3. *Stopping.* A process stops its own responder with a stop letter naming it (a token
    of its own), so a stale stop never ends another responder. The rank hosting the
    store, before it destroys the store, stops every rank's responder, and waits (up to
-   ``BLAME_BOUND``) until each says it read the stop, so theirs end quietly rather than
-   on a dropped connection (which c10d logs at length): a rank that finishes its init
-   a moment after the host closed starts its responder on a store still there.
+   ``BLAME_BOUND``) until each says it ended (for that stop or its own process's), so
+   theirs end quietly rather than on a dropped connection (which c10d logs at length):
+   a rank that finishes its init a moment after the host closed starts its responder on
+   a store still there.
 4. Keys live in the world's store (the default group's, or an elastic epoch's:
    ``World.store_override``), under the prefix agang gives each init, so a store that
    outlives inits (torchrun's agent's) never mixes them.
@@ -184,9 +185,10 @@ class Responder:
         try:
             kind, _, text = letter.decode().partition(" ")
             if kind == _STOP:
-                if text == "*":  # rule 3: the store's host waits for this before it goes
+                ends = text in ("*", self.token)
+                if ends:  # rule 3: the store's host waits for every responder to end
                     self._client.add(_STOPPED, 1)
-                return text in ("*", self.token)
+                return ends
             handler = _handlers.get(kind)
             if handler is not None:
                 handler(self, text)
@@ -309,15 +311,20 @@ def unserve(
         for rank in range(size):
             if rank != responder.world_rank:
                 store.queue_push(_queue(rank), f"{_STOP} *")
-        # Rule 3: the others' responders say they read it, or the store would go from
-        # under a rank still finishing its init (its responder's read then fails, and
-        # c10d logs the dropped connection at length).
+        # Rule 3: every rank's responder (this one's too) says it ended, or the store
+        # would go from under a rank still finishing its init (its responder's read then
+        # fails, and c10d logs the dropped connection at length). A responder its own
+        # process stopped says so too, so closing together costs no wait.
         give_up_at = time.monotonic() + BLAME_BOUND
-        while size > 1 and store.add(_STOPPED, 0) < size - 1 and time.monotonic() < give_up_at:
+        while size > 1 and store.add(_STOPPED, 0) < size and time.monotonic() < give_up_at:
             time.sleep(POLL_SECONDS)
+        del store  # the host's store must not outlive its close in this thread
 
     try:
-        start_thread(stop, name="stop blame responder").wait(BLAME_BOUND)
+        # Longer than the thread's own bound: a thread still holding the store after the
+        # close would keep its port taken, and an init at once after on the same port
+        # would fail with "in use".
+        start_thread(stop, name="stop blame responder").wait(2 * BLAME_BOUND)
         responder.thread.wait(BLAME_BOUND)
     except Exception:
         log.debug("agang: the blame responder did not stop in time.", exc_info=True)
