@@ -132,7 +132,12 @@ def drain(store: Any, world_rank: int, most: int) -> int:
 class Responder:
     """The thread that empties this process's mailbox (rules 1 to 3)."""
 
-    def __init__(self, store: Any, world_rank: int) -> None:
+    def __init__(self, store: Any, world_rank: int, *, says_ended: bool = False) -> None:
+        """``says_ended``: count this responder's end under the store's ``_STOPPED``
+        key (rule 3), for the world's responder where rank 0 hosts the store and waits
+        for it; the memberships' own mailboxes and an elastic epoch's have no such
+        host, and leave no key behind."""
+        self._says_ended = says_ended
         self.token = f"{os.getpid()}.{next(_tokens)}"
         #: The rank whose mailbox this is, in the world of the store.
         self.world_rank = world_rank
@@ -186,7 +191,7 @@ class Responder:
             kind, _, text = letter.decode().partition(" ")
             if kind == _STOP:
                 ends = text in ("*", self.token)
-                if ends:  # rule 3: the store's host waits for every responder to end
+                if ends and self._says_ended:  # rule 3: the store host waits for these
                     self._client.add(_STOPPED, 1)
                 return ends
             handler = _handlers.get(kind)
@@ -276,7 +281,10 @@ def serve(group_name: str, rank: int, progress: ProgressOf) -> None:
     with _lock:
         if _responder is None:
             try:
-                _responder = Responder(store, dist.get_rank())
+                # Rule 3's count is for a world whose rank 0 hosts the store; an elastic
+                # epoch's store outlives its members, and nobody waits on it there.
+                hosted = c10d_world.current().store_override is None
+                _responder = Responder(store, dist.get_rank(), says_ended=hosted)
             except Exception:
                 log.debug("agang: peers cannot ask this rank (no store clone).", exc_info=True)
                 return
