@@ -174,6 +174,11 @@ class Fleet:
         if members:
             self._on_dead()
 
+    def any_dead(self, members: list[Member]) -> bool:
+        """Whether a death notice named one of ``members`` since the last sighting."""
+        with self._lock:
+            return any(m.uid in self._dead for m in members)
+
     def alive(self) -> set[str]:
         """The uids registered or admitted now."""
         with self._lock:

@@ -634,6 +634,10 @@ class WeightPublisher:
         # before it is awaited costs no wake-up of the loop (one a push, not one an op).
         # Cancelled here, the push's abandon lets them end, or closes the gang (rule 6).
         self._in_flight = handles
+        if self._fleet.any_dead(self._members):
+            # A notice heard after this push's sighting, before its ops were in flight:
+            # ``_member_died`` found none to end then, so this round ends here (rule 8).
+            self._member_died()
         errors: dict[int, GangError] = {}
         for index in reversed(range(len(handles))):
             try:
