@@ -45,9 +45,9 @@ class Channel:
 
     def __init__(self, latency: float = 0.0) -> None:
         # A TCPStore, as in production. With two threads blocked in a HashStore's
-        # queue_pop, a push to one's queue wakes neither until its timeout (30 of 30
-        # tries, torch 2.13): a stop letter went unread and a close took 2 s; and its
-        # instant letters hid a race of death notices that a TCPStore showed.
+        # queue_pop, a push to one's queue wakes neither until its timeout (torch
+        # 2.13): a stop letter went unread and a close took 2 s; and its instant
+        # letters hid a race of death notices that a TCPStore showed.
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         self.epochs = FakeEpochs(latency)
         self.site = Site("in-process store", lambda _: self.store, self.epochs)
