@@ -78,7 +78,7 @@ def test_service_starts_sums_and_stops() -> None:
 
         procs.append(_start(1, 2, master_port, port1))
         for port in (port0, port1):
-            health = _poll(port, lambda body: body["status"] != "starting", 20.0, "ready")
+            health = _poll(port, lambda body: body["status"] != "starting", 60.0, "ready")
             assert health["status"] == "ready", health
 
         assert _get(port0, "/sum?value=1.5") == {"value": 1.5, "sum": 2.5, "world_size": 2}
