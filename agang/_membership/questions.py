@@ -29,8 +29,6 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any, final
 
-import torch.distributed as dist
-
 from agang._backends.c10d import mailbox
 from agang._membership import store as stores
 
@@ -136,20 +134,6 @@ class Served:
 
 def forget(store: Any, rank: int) -> int:
     """Pops the letters left in ``rank``'s mailbox on ``store`` that no one will read
-    (its reader is gone for good); how many there were. A stop letter is put back: the
-    responder it stops may not have read it yet (a loaded machine), and without it it
-    would wait for ever."""
-    stops = []
-    count = 0
-    for count in range(_MOST_LETTERS):  # noqa: B007  # the count is the result
-        try:
-            letter = store.queue_pop(mailbox.queue_name(rank), False)
-        except dist.QueueEmptyError:
-            break
-        if letter.startswith(b"stop "):
-            stops.append(letter)
-    else:
-        count = _MOST_LETTERS
-    for letter in stops:
-        store.queue_push(mailbox.queue_name(rank), letter)
-    return count - len(stops)
+    (its reader is gone for good); how many there were. Stop letters stay (the
+    mailbox's rule 3)."""
+    return mailbox.drain(store, rank, _MOST_LETTERS)

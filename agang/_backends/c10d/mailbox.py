@@ -96,11 +96,6 @@ _STOPPED = f"{_PREFIX}/stopped"
 _tokens = itertools.count()
 
 
-def queue_name(world_rank: int) -> str:
-    """The store key of ``world_rank``'s mailbox queue."""
-    return _queue(world_rank)
-
-
 def _queue(world_rank: int) -> str:
     return f"{_PREFIX}/{world_rank}/queue"
 
@@ -119,13 +114,22 @@ def post(store: Any, world_ranks: list[int], kind: str, text: str) -> None:
 
 def drain(store: Any, world_rank: int, most: int) -> int:
     """Pops the letters left in ``world_rank``'s mailbox on ``store`` (at most ``most``)
-    that nobody will read (its reader is gone for good); how many there were."""
-    for count in range(most):
+    that nobody will read (its reader is gone for good); how many there were. A stop
+    letter is put back (rule 3): the responder it stops may not have read it yet (a
+    loaded machine), and without it would wait for ever."""
+    stops = []
+    count = most
+    for popped in range(most):
         try:
-            store.queue_pop(_queue(world_rank), False)
+            letter = store.queue_pop(_queue(world_rank), False)
         except dist.QueueEmptyError:
-            return count
-    return most
+            count = popped
+            break
+        if letter.startswith(f"{_STOP} ".encode()):
+            stops.append(letter)
+    for letter in stops:
+        store.queue_push(_queue(world_rank), letter)
+    return count - len(stops)
 
 
 @final
