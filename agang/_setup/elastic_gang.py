@@ -47,6 +47,7 @@ import torch.distributed as dist
 from typing_extensions import override
 
 from agang._backends.c10d import mailbox
+from agang._backends.c10d.backend import backstop_for
 from agang._backends.c10d.retry import TransientSetupError
 from agang._collective.process_group_gang import ProcessGroupGang
 from agang._errors import GangBrokenError, GangInitError, one_line
@@ -62,9 +63,6 @@ log = logging.getLogger("agang.setup")
 
 #: A reform's deadline when ``reform()`` is given none (seconds).
 DEFAULT_REFORM_TIMEOUT = 60.0
-#: What "no deadline" stands for in a reform's waits (c10d's timeouts are timedeltas):
-#: 30 days, as the backstop behind an op with no deadline.
-NO_DEADLINE_SECONDS = 30 * 86400.0
 #: How long after the deadline a reform's step is given up on (seconds).
 _STEP_MARGIN = 2.0
 
@@ -225,9 +223,10 @@ class ElasticGang(ProcessGroupGang):
                 the store did not answer, or no longer holds the job (restarted empty).
         """
         # agang's one rule for a timeout (the weights' too): None is the default, and
-        # math.inf none, which c10d's timedeltas take as NO_DEADLINE_SECONDS.
+        # math.inf none, which c10d's timedeltas take as the backstop behind an op with
+        # no deadline.
         seconds = check_deadline(timeout, name="timeout", default=DEFAULT_REFORM_TIMEOUT)
-        deadline = time.monotonic() + (NO_DEADLINE_SECONDS if seconds is None else seconds)
+        deadline = time.monotonic() + (backstop_for(None) if seconds is None else seconds)
         setup.forget_noticed()  # rule 3: the joiners still waiting say so again
         formed = await self._blocking(
             lambda: setup.reform_membership(self._formed, self._elastic, deadline), deadline

@@ -10,6 +10,7 @@ ends every process it started.
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -158,7 +159,9 @@ async def _train() -> dict[str, Any]:
         try:
             # At a step boundary, the ranks agree on whether anyone waits to join.
             if await agang.broadcast_flag(gang, gang.waiting_to_join() > 0):
-                gang = await gang.reform(timeout=30)
+                # Every member is here: no deadline (math.inf) costs nothing, and its
+                # groups take c10d's backstop behind an op with no deadline.
+                gang = await gang.reform(timeout=math.inf)
                 report["epochs"][gang.epoch] = {"rank": gang.rank, "size": gang.size}
                 print(f"EPOCH {gang.epoch} ", flush=True)
                 continue  # a new epoch starts at the top, as a joiner's first step does
