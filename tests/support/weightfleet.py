@@ -90,19 +90,24 @@ def serve(
 
 
 async def push_model(
-    publisher: WeightPublisher, weights: dict[str, torch.Tensor], version: int, **shape: int
+    publisher: WeightPublisher,
+    weights: dict[str, torch.Tensor],
+    version: int,
+    *,
+    timeout: float | None = None,  # noqa: ASYNC109  # the push's own deadline
+    **shape: int,
 ) -> PushReport:
     """Pushes ``weightserver.model(version, **shape)``, written into the publisher's
     ``weights`` (the tensors it opened with) first, as a trainer's step would."""
     for name, value in model(version, **shape).items():
         weights[name].copy_(value)
-    return await publisher.push(version)
+    return await publisher.push(version, timeout=timeout)
 
 
 async def push(publisher: WeightPublisher, version: int, **kwargs: Any) -> PushReport:
-    for name, value in model(version).items():
-        publisher._buckets._tensors[list(model(0)).index(name)].copy_(value)
-    return await publisher.push(version, **kwargs)
+    """:func:`push_model` into the tensors a publisher of ``open_publisher`` opened with."""
+    weights = dict(zip(model(0), publisher._buckets._tensors, strict=True))
+    return await push_model(publisher, weights, version, **kwargs)
 
 
 async def open_publisher(store: str, deadline: float = 20.0) -> WeightPublisher:
