@@ -1,20 +1,31 @@
-"""The package as an index would get it.
+"""The package as an index would get it, and the README's tested-versions table.
 
 ``.ci/check_dist.py`` checks the sdist and the wheel that CI builds; here its checks run on
 planted archives (one as the build makes it, and ones with a part missing or a part too
 many), so a checker that quietly stopped seeing is itself caught, without a build.
+
+The README's table lists only what has been run. Its rows must cover every Python version
+the classifiers claim and the floors of ``pyproject.toml``, each row must say what backs
+it, and in CI (``AGANG_CI=1``, set by ``.ci/run``) the running Python, torch and OS must be
+those of the row that CI backs.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import io
+import os
+import platform
+import re
+import sys
 import tarfile
+import tomllib
 import zipfile
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -107,3 +118,86 @@ def test_the_sdist_check_catches_a_planted_fault(
 ) -> None:
     problems = check_dist.check_sdist(plant_sdist(tmp_path / "a.tar.gz", **planted))
     assert problem in problems, problems
+
+
+# The README's tested-versions table.
+
+
+def version_table(readme: str | None = None) -> list[dict[str, str]]:
+    """The rows of the README's "Tested versions" table, by column name."""
+    text = readme if readme is not None else (ROOT / "README.md").read_text(encoding="utf-8")
+    section = text.split("\n## Tested versions\n", 1)[1].split("\n## ", 1)[0]
+    lines = [line for line in section.splitlines() if line.startswith("|")]
+    cells = [[cell.strip() for cell in line.strip("|").split("|")] for line in lines]
+    header, rows = cells[0], cells[2:]
+    assert header == ["Python", "torch", "OS and device", "backed by"], header
+    return [dict(zip(header, row, strict=True)) for row in rows]
+
+
+def ci_row() -> dict[str, str]:
+    [row] = [row for row in version_table() if row["backed by"].startswith("CI:")]
+    return row
+
+
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+
+
+def test_every_python_the_classifiers_claim_has_a_row() -> None:
+    prefix = "Programming Language :: Python :: "
+    claimed = {
+        c[len(prefix) :] for c in PYPROJECT["classifiers"] if re.match(prefix + r"3\.\d+$", c)
+    }
+    listed = {v for row in version_table() for v in row["Python"].split(", ")}
+    assert claimed, PYPROJECT["classifiers"]
+    assert claimed <= listed, f"classifiers claim {sorted(claimed - listed)}: give them a row"
+
+
+def test_the_floors_of_pyproject_are_rows() -> None:
+    python_floor = PYPROJECT["requires-python"].removeprefix(">=")
+    [torch_floor] = [
+        d.removeprefix("torch>=") for d in PYPROJECT["dependencies"] if d.startswith("torch>=")
+    ]
+    rows = version_table()
+    assert any(python_floor in row["Python"].split(", ") for row in rows), python_floor
+    assert any(row["torch"].startswith(torch_floor + ",") for row in rows), torch_floor
+
+
+def test_every_row_says_what_backs_it() -> None:
+    for row in version_table():
+        backing = row["backed by"]
+        # CI's own runs, or a run by hand with its date, or an honest "untested".
+        assert backing.startswith("CI:") or re.search(r"\b20\d\d-\d\d-\d\d\b", backing), row
+        if not backing.startswith("CI:"):
+            assert "not CI" in backing or "untested" in backing, row
+
+
+def test_the_table_parser_reads_a_planted_table() -> None:
+    readme = (
+        "x\n## Tested versions\n\nwords\n\n| Python | torch | OS and device | backed by |\n"
+        "| --- | --- | --- | --- |\n| 3.11 | 2.13.0, CPU build | Linux | CI: each run |\n\n"
+        "more words\n\n## Next\n| a | b |\n"
+    )
+    assert version_table(readme) == [
+        {
+            "Python": "3.11",
+            "torch": "2.13.0, CPU build",
+            "OS and device": "Linux",
+            "backed by": "CI: each run",
+        }
+    ]
+
+
+@pytest.mark.skipif(
+    os.environ.get("AGANG_CI") != "1",
+    reason="only CI's own run (AGANG_CI=1, set by .ci/run) must be the README's CI row",
+)
+def test_this_ci_run_is_the_ci_row() -> None:
+    row = ci_row()
+    python = f"{sys.version_info.major}.{sys.version_info.minor}"
+    torch_version, _, build = torch.__version__.partition("+")
+    assert python in row["Python"].split(", "), (python, row)
+    assert row["torch"].startswith(torch_version + ","), (torch.__version__, row)
+    assert ("CPU build" in row["torch"]) == (build == "cpu"), (torch.__version__, row)
+    release = platform.freedesktop_os_release()
+    system = f"{platform.system()} ({release['ID'].capitalize()} {release.get('VERSION_ID', '')})"
+    assert row["OS and device"].startswith(system), (system, row)
