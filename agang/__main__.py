@@ -117,8 +117,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         errors, exits: at parsing, or when the store cannot listen where it is told).
 
     Example:
-        >>> main(["doctor", "--json"])
-        0
+        <!-- not-run: runs agang doctor's probes of this machine and its network -->
+        ```python
+        main(["doctor", "--json"])
+        # 0
+        ```
     """
     parser = _parser()
     arguments = parser.parse_args(argv)

@@ -84,7 +84,23 @@ class Gang(ABC):
             A handle whose ``await`` returns ``tensor``.
 
         Example:
-            >>> await gang.all_reduce(grad, ReduceOp.MEAN)
+            ```python
+            import asyncio
+
+            import torch
+
+            from agang import ReduceOp
+            from agang.testing import FakeWorld
+
+
+            async def step(gang):
+                grad = torch.full((2,), float(gang.rank))
+                await gang.all_reduce(grad, ReduceOp.MEAN)  # grad now holds the mean
+                return grad.tolist()
+
+
+            assert asyncio.run(FakeWorld(2).run(step)) == [[0.5, 0.5], [0.5, 0.5]]
+            ```
         """
 
     @abstractmethod
@@ -108,9 +124,24 @@ class Gang(ABC):
             the scope has ended: it waits for all of the scope's all-reduces at once.
 
         Example:
-            >>> with gang.coalesce() as batch:
-            ...     handles = [gang.all_reduce(g) for g in grads]
-            >>> await batch  # or await each handle
+            ```python
+            import asyncio
+
+            import torch
+
+            from agang.testing import FakeWorld
+
+
+            async def step(gang):
+                grads = [torch.ones(2), torch.ones(3)]
+                with gang.coalesce() as batch:  # one flat all-reduce when the block ends
+                    handles = [gang.all_reduce(g) for g in grads]
+                await batch  # or await each handle
+                return [g.tolist() for g in grads]
+
+
+            assert asyncio.run(FakeWorld(2).run(step))[0] == [[2.0, 2.0], [2.0, 2.0, 2.0]]
+            ```
         """
 
     @overload
@@ -165,7 +196,23 @@ class Gang(ABC):
             A handle whose ``await`` returns ``tensors`` as a list, or a list of handles.
 
         Example:
-            >>> await gang.all_reduce_bucketed(grads, ReduceOp.MEAN, bucket_bytes=2**24)
+            ```python
+            import asyncio
+
+            import torch
+
+            from agang import ReduceOp
+            from agang.testing import FakeWorld
+
+
+            async def step(gang):
+                grads = [torch.full((1000,), float(gang.rank)) for _ in range(8)]
+                await gang.all_reduce_bucketed(grads, ReduceOp.MEAN, bucket_bytes=2**14)
+                return grads[-1][0].item()
+
+
+            assert asyncio.run(FakeWorld(2).run(step)) == [0.5, 0.5]
+            ```
         """
 
     @abstractmethod
@@ -189,8 +236,25 @@ class Gang(ABC):
             The lane's gang.
 
         Example:
-            >>> grads = await gang.lane("grads")
-            >>> metrics = await gang.lane("metrics")
+            ```python
+            import asyncio
+
+            import torch
+
+            from agang.testing import FakeWorld
+
+
+            async def step(gang):
+                grads = await gang.lane("grads")  # every rank, in the same order
+                metrics = await gang.lane("metrics")
+                loss, count = torch.ones(1), torch.ones(1)
+                # Two tasks may issue concurrently, each on its own lane.
+                await asyncio.gather(grads.all_reduce(loss), metrics.all_reduce(count))
+                return (loss + count).item()
+
+
+            assert asyncio.run(FakeWorld(2).run(step)) == [4.0, 4.0]
+            ```
         """
 
     @abstractmethod
@@ -212,9 +276,28 @@ class Gang(ABC):
             GangBrokenError: The gang is broken, or breaks while waiting.
 
         Example:
-            >>> for grad in grads:
-            ...     await gang.wait_for_room(grad.nbytes)
-            ...     handles.append(gang.all_reduce(grad))
+            ```python
+            import asyncio
+
+            import torch
+
+            import agang
+            from agang.testing import FakeWorld
+
+
+            async def step(gang):
+                grads, handles = [torch.ones(4) for _ in range(100)], []
+                for grad in grads:
+                    await gang.wait_for_room(grad.nbytes)  # the gang holds at most 8 ops
+                    handles.append(gang.all_reduce(grad))
+                for handle in handles:
+                    await handle
+                return grads[-1][0].item()
+
+
+            world = FakeWorld(2, limits=agang.InFlightLimits(max_ops=8))
+            assert asyncio.run(world.run(step)) == [2.0, 2.0]
+            ```
         """
 
     @abstractmethod
@@ -235,8 +318,26 @@ class Gang(ABC):
         is never modified.
 
         Example:
-            >>> shard = await gang.reduce_scatter(torch.empty(4), grads.view(gang.size, 4))
-            >>> shard = await gang.reduce_scatter(torch.empty(4), grads)  # grads: [size * 4]
+            ```python
+            import asyncio
+
+            import torch
+
+            from agang.testing import FakeWorld
+
+
+            async def step(gang):
+                grads = torch.arange(gang.size * 4.0)  # concatenated: [size * 4]
+                shard = await gang.reduce_scatter(torch.empty(4), grads)
+                stacked = grads.view(gang.size, 4)
+                same = await gang.reduce_scatter(torch.empty(4), stacked)
+                assert torch.equal(shard, same)
+                return shard.tolist()
+
+
+            shards = asyncio.run(FakeWorld(2).run(step))
+            assert shards == [[0.0, 2.0, 4.0, 6.0], [8.0, 10.0, 12.0, 14.0]]
+            ```
         """
 
     @abstractmethod
@@ -277,10 +378,27 @@ class Gang(ABC):
             ``output.split(output_split_sizes)[r]`` (uneven).
 
         Example:
-            >>> out = await gang.all_gather(torch.empty(gang.size, 4), x)  # x: [4]
-            >>> out = await gang.all_gather(torch.empty(gang.size * 4), x)
-            >>> sizes = [1, 2, 3]  # rank r's x has sizes[r] rows of 4
-            >>> out = await gang.all_gather(torch.empty(6, 4), x, output_split_sizes=sizes)
+            ```python
+            import asyncio
+
+            import torch
+
+            from agang.testing import FakeWorld
+
+
+            async def step(gang):
+                x = torch.full((4,), float(gang.rank))
+                # Stacked: row r is rank r's x; or concatenated.
+                out = await gang.all_gather(torch.empty(gang.size, 4), x)
+                flat = await gang.all_gather(torch.empty(gang.size * 4), x)
+                sizes = [1, 2]  # uneven: rank r sends sizes[r] rows of 4
+                rows = torch.full((sizes[gang.rank], 4), float(gang.rank))
+                uneven = await gang.all_gather(torch.empty(3, 4), rows, output_split_sizes=sizes)
+                return out[:, 0].tolist(), flat.numel(), uneven[:, 0].tolist()
+
+
+            assert asyncio.run(FakeWorld(2).run(step))[0] == ([0.0, 1.0], 8, [0.0, 1.0, 1.0])
+            ```
         """
 
     @abstractmethod
@@ -294,7 +412,22 @@ class Gang(ABC):
         """Gathers every rank's ``input`` into ``outputs[rank]``, one tensor per rank.
 
         Example:
-            >>> outs = await gang.all_gather_to_list([torch.empty(4) for _ in range(n)], x)
+            ```python
+            import asyncio
+
+            import torch
+
+            from agang.testing import FakeWorld
+
+
+            async def step(gang):
+                x = torch.full((4,), float(gang.rank))
+                outs = await gang.all_gather_to_list([torch.empty(4) for _ in range(gang.size)], x)
+                return [out[0].item() for out in outs]
+
+
+            assert asyncio.run(FakeWorld(3).run(step)) == [[0.0, 1.0, 2.0]] * 3
+            ```
         """
 
     @abstractmethod
@@ -351,16 +484,34 @@ class Gang(ABC):
                 so some ranks would get rows already overwritten, with no error.
 
         Example:
-            >>> await gang.all_to_all(torch.empty(n * 2), tokens)
-            >>> counts = torch.tensor(tokens_per_expert)  # rows this rank sends to each
-            >>> received = await gang.all_to_all(torch.empty_like(counts), counts)
-            >>> out = torch.empty(int(received.sum()), hidden)
-            >>> await gang.all_to_all(
-            ...     out,
-            ...     tokens,
-            ...     output_split_sizes=received.tolist(),
-            ...     input_split_sizes=counts.tolist(),
-            ... )
+            ```python
+            import asyncio
+
+            import torch
+
+            from agang.testing import FakeWorld
+
+
+            async def step(gang):
+                tokens = torch.full((gang.size * 2,), float(gang.rank))  # 2 for each rank
+                even = await gang.all_to_all(torch.empty(gang.size * 2), tokens)
+
+                # Uneven: first the counts, then the rows (as a mixture of experts sends tokens).
+                counts = torch.tensor([gang.rank + 1] * gang.size)  # rows this rank sends to each
+                rows = torch.ones(int(counts.sum()), 8)
+                received = await gang.all_to_all(torch.empty_like(counts), counts)
+                out = torch.empty(int(received.sum()), 8)
+                await gang.all_to_all(
+                    out,
+                    rows,
+                    output_split_sizes=received.tolist(),
+                    input_split_sizes=counts.tolist(),
+                )
+                return even.tolist(), out.shape[0]
+
+
+            assert asyncio.run(FakeWorld(2).run(step)) == [([0.0, 0.0, 1.0, 1.0], 3)] * 2
+            ```
         """
 
     @abstractmethod
@@ -370,7 +521,23 @@ class Gang(ABC):
         """Sends ``tensor`` to ``destination_rank``, which must :meth:`recv` it.
 
         Example:
-            >>> await gang.send(activations, destination_rank=gang.rank + 1)
+            ```python
+            import asyncio
+
+            import torch
+
+            from agang.testing import FakeWorld
+
+
+            async def step(gang):
+                if gang.rank == 0:
+                    await gang.send(torch.ones(8), destination_rank=1)
+                    return None
+                return (await gang.recv(torch.empty(8), source_rank=0)).sum().item()
+
+
+            assert asyncio.run(FakeWorld(2).run(step)) == [None, 8.0]
+            ```
         """
 
     @abstractmethod
@@ -380,7 +547,23 @@ class Gang(ABC):
         """Receives into ``tensor`` what ``source_rank`` sends.
 
         Example:
-            >>> x = await gang.recv(torch.empty(8), source_rank=gang.rank - 1)
+            ```python
+            import asyncio
+
+            import torch
+
+            from agang.testing import FakeWorld
+
+
+            async def step(gang):
+                if gang.rank == 0:
+                    await gang.send(torch.ones(8), destination_rank=1)
+                    return None
+                return (await gang.recv(torch.empty(8), source_rank=0)).sum().item()
+
+
+            assert asyncio.run(FakeWorld(2).run(step)) == [None, 8.0]
+            ```
         """
 
     @abstractmethod
@@ -419,8 +602,24 @@ class Gang(ABC):
                 (sends may share memory: one tensor may go to several peers).
 
         Example:
-            >>> after, before = (gang.rank + 1) % gang.size, (gang.rank - 1) % gang.size
-            >>> [x] = await gang.exchange([(mine, after)], [(torch.empty(8), before)])
+            ```python
+            import asyncio
+
+            import torch
+
+            from agang.testing import FakeWorld
+
+
+            async def step(gang):
+                after, before = (gang.rank + 1) % gang.size, (gang.rank - 1) % gang.size
+                mine = torch.full((8,), float(gang.rank))
+                # A ring step: send to the next rank, receive from the one before.
+                [x] = await gang.exchange([(mine, after)], [(torch.empty(8), before)])
+                return x[0].item()
+
+
+            assert asyncio.run(FakeWorld(3).run(step)) == [2.0, 0.0, 1.0]
+            ```
         """
 
     @abstractmethod
@@ -430,7 +629,22 @@ class Gang(ABC):
         """Copies ``tensor`` of ``source_rank`` into ``tensor`` on every other rank.
 
         Example:
-            >>> await gang.broadcast(weights, source_rank=0)
+            ```python
+            import asyncio
+
+            import torch
+
+            from agang.testing import FakeWorld
+
+
+            async def step(gang):
+                weights = torch.full((3,), float(gang.rank))
+                await gang.broadcast(weights, source_rank=0)
+                return weights.tolist()
+
+
+            assert asyncio.run(FakeWorld(2).run(step)) == [[0.0, 0.0, 0.0]] * 2
+            ```
         """
 
     @abstractmethod
@@ -449,7 +663,23 @@ class Gang(ABC):
         leaves partial reductions there): pass a copy to keep them.
 
         Example:
-            >>> loss = await gang.reduce(loss, destination_rank=0, op=ReduceOp.MEAN)
+            ```python
+            import asyncio
+
+            import torch
+
+            from agang import ReduceOp
+            from agang.testing import FakeWorld
+
+
+            async def step(gang):
+                loss = torch.tensor([float(gang.rank)])
+                loss = await gang.reduce(loss, destination_rank=0, op=ReduceOp.MEAN)
+                return loss.item() if gang.rank == 0 else None
+
+
+            assert asyncio.run(FakeWorld(2).run(step)) == [0.5, None]
+            ```
         """
 
     @abstractmethod
@@ -470,8 +700,23 @@ class Gang(ABC):
         never modified.
 
         Example:
-            >>> rows = torch.empty(gang.size, 4) if gang.rank == 0 else None
-            >>> rows = await gang.gather(rows, metrics, destination_rank=0)
+            ```python
+            import asyncio
+
+            import torch
+
+            from agang.testing import FakeWorld
+
+
+            async def step(gang):
+                metrics = torch.full((4,), float(gang.rank))
+                rows = torch.empty(gang.size, 4) if gang.rank == 0 else None
+                rows = await gang.gather(rows, metrics, destination_rank=0)
+                return None if rows is None else rows[:, 0].tolist()
+
+
+            assert asyncio.run(FakeWorld(2).run(step)) == [[0.0, 1.0], None]
+            ```
         """
 
     @abstractmethod
@@ -490,8 +735,24 @@ class Gang(ABC):
         other ranks it must be None. ``await`` returns ``output`` on every rank.
 
         Example:
-            >>> shards = batch.view(gang.size, -1) if gang.rank == 0 else None
-            >>> shard = await gang.scatter(torch.empty(batch.numel() // gang.size), shards, 0)
+            ```python
+            import asyncio
+
+            import torch
+
+            from agang.testing import FakeWorld
+
+
+            async def step(gang):
+                batch = torch.arange(8.0)
+                shards = batch.view(gang.size, -1) if gang.rank == 0 else None
+                shard = await gang.scatter(torch.empty(batch.numel() // gang.size), shards, 0)
+                return shard.tolist()
+
+
+            shards = asyncio.run(FakeWorld(2).run(step))
+            assert shards == [[0.0, 1.0, 2.0, 3.0], [4.0, 5.0, 6.0, 7.0]]
+            ```
         """
 
     @abstractmethod
@@ -526,7 +787,20 @@ class Gang(ABC):
                 ``await`` then raises ``ValueError`` naming it, and the gang stays usable.
 
         Example:
-            >>> config = (await gang.broadcast_objects([config]))[0]
+            ```python
+            import asyncio
+
+            from agang.testing import FakeWorld
+
+
+            async def step(gang):
+                config = {"lr": 0.1} if gang.rank == 0 else None
+                config = (await gang.broadcast_objects([config]))[0]
+                return config
+
+
+            assert asyncio.run(FakeWorld(2).run(step)) == [{"lr": 0.1}, {"lr": 0.1}]
+            ```
         """
 
     @abstractmethod
@@ -546,7 +820,18 @@ class Gang(ABC):
                 ``ValueError`` naming every such rank, and the gang stays usable.
 
         Example:
-            >>> hosts = await gang.all_gather_objects(socket.gethostname())
+            ```python
+            import asyncio
+
+            from agang.testing import FakeWorld
+
+
+            async def step(gang):
+                return await gang.all_gather_objects(f"host{gang.rank}")
+
+
+            assert asyncio.run(FakeWorld(2).run(step)) == [["host0", "host1"]] * 2
+            ```
         """
 
     @abstractmethod
@@ -554,7 +839,18 @@ class Gang(ABC):
         """Completes once every rank has reached it.
 
         Example:
-            >>> await gang.barrier()
+            ```python
+            import asyncio
+
+            from agang.testing import FakeWorld
+
+
+            async def step(gang):
+                await gang.barrier()  # every rank is here
+
+
+            asyncio.run(FakeWorld(2).run(step))
+            ```
         """
 
     @abstractmethod
@@ -569,7 +865,19 @@ class Gang(ABC):
             The new gang, or None on ranks that are not in ``ranks``.
 
         Example:
-            >>> pair = await gang.create_gang([0, 1])
+            ```python
+            import asyncio
+
+            from agang.testing import FakeWorld
+
+
+            async def step(gang):
+                pair = await gang.create_gang([0, 1])  # every rank calls it; rank 2 gets None
+                return None if pair is None else pair.size
+
+
+            assert asyncio.run(FakeWorld(3).run(step)) == [2, 2, None]
+            ```
         """
 
     @abstractmethod
@@ -600,8 +908,24 @@ class Gang(ABC):
         that used the tensor has ended. Closed gangs answer too.
 
         Example:
-            >>> if gang.holds(buffer):
-            ...     buffer = torch.empty_like(buffer)  # the old op keeps the old one
+            ```python
+            import asyncio
+
+            import torch
+
+            from agang.testing import FakeWorld
+
+
+            async def step(gang):
+                buffer = torch.ones(4)
+                handle = gang.all_reduce(buffer)
+                if gang.holds(buffer):
+                    buffer = torch.empty_like(buffer)  # the old op keeps the old one
+                return (await handle).tolist()
+
+
+            assert asyncio.run(FakeWorld(2).run(step)) == [[2.0] * 4] * 2
+            ```
         """
 
     def _stream_order(self) -> StreamOrder | None:

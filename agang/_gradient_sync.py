@@ -154,13 +154,16 @@ class GradientSync:
         timeout: Seconds before each bucket's deadline; None for the gang's default.
 
     Example:
-        >>> sync = agang.GradientSync(model, gang)
-        >>> await sync.ready()                  # parameters equal on every rank
-        >>> for batch in data:
-        ...     loss = model(batch).sum()
-        ...     loss.backward()                 # buckets are all-reduced meanwhile
-        ...     await sync.wait()               # gradients are averaged
-        ...     optimizer.step(); optimizer.zero_grad()
+        <!-- not-run: a training loop: the model, data and optimizer are yours -->
+        ```python
+        sync = agang.GradientSync(model, gang)
+        await sync.ready()                  # parameters equal on every rank
+        for batch in data:
+            loss = model(batch).sum()
+            loss.backward()                 # buckets are all-reduced meanwhile
+            await sync.wait()               # gradients are averaged
+            optimizer.step(); optimizer.zero_grad()
+        ```
     """
 
     def __init__(
@@ -313,8 +316,11 @@ class GradientSync:
         without a gradient (rule 4), as DDP with ``find_unused_parameters=True`` does.
 
         Example:
-            >>> with sync.no_sync():
-            ...     model(micro_batch).sum().backward()
+            <!-- not-run: a fragment of a training loop with gradient accumulation -->
+            ```python
+            with sync.no_sync():
+                model(micro_batch).sum().backward()
+            ```
         """
         self._synchronising = False
         try:

@@ -65,9 +65,24 @@ class Handle(Future[T]):
     work placed between the call and the ``await`` overlaps the communication.
 
     Example:
-        >>> handle = gang.all_reduce(grad)
-        >>> loss = compute_something_else()
-        >>> grad = await handle
+        ```python
+        import asyncio
+
+        import torch
+
+        from agang.testing import FakeWorld
+
+
+        async def step(gang):
+            grad = torch.ones(2)
+            handle = gang.all_reduce(grad)  # issued: it runs while this rank goes on
+            other = sum(range(1000))  # other work here overlaps the communication
+            grad = await handle
+            return grad.tolist(), other
+
+
+        assert asyncio.run(FakeWorld(2).run(step))[0] == ([2.0, 2.0], 499500)
+        ```
     """
 
     __slots__ = ("_collective", "_hold", "_owner", "issued_at", "num_bytes", "op", "seq", "timeout")
@@ -199,7 +214,10 @@ class Handle(Future[T]):
             GangError: The op failed; see :meth:`result`.
 
         Example:
-            >>> out = gang.all_reduce(t).wait()
+            <!-- not-run: wait() blocks: for a gang of init_sync, in a launched world -->
+            ```python
+            out = gang.all_reduce(t).wait()
+            ```
         """
         seconds = check_timeout(timeout)
         self._check_not_held()
@@ -300,10 +318,25 @@ class Coalesced:
     instead costs one wake-up for the whole scope.
 
     Example:
-        >>> with gang.coalesce() as batch:
-        ...     for grad in grads:
-        ...         gang.all_reduce(grad)
-        >>> await batch  # every grad reduced, in place
+        ```python
+        import asyncio
+
+        import torch
+
+        from agang.testing import FakeWorld
+
+
+        async def step(gang):
+            grads = [torch.ones(2), torch.ones(3)]
+            with gang.coalesce() as batch:
+                for grad in grads:
+                    gang.all_reduce(grad)
+            await batch  # every grad reduced, in place
+            return [grad[0].item() for grad in grads]
+
+
+        assert asyncio.run(FakeWorld(2).run(step)) == [[2.0, 2.0]] * 2
+        ```
     """
 
     def __init__(self) -> None:

@@ -52,7 +52,10 @@ class InFlightLimits:
             allowed on an event loop's thread, which it would stop).
 
     Example:
-        >>> gang = await agang.init(limits=agang.InFlightLimits(max_ops=64))
+        <!-- not-run: agang.init joins the world a launcher (torchrun) set up -->
+        ```python
+        gang = await agang.init(limits=agang.InFlightLimits(max_ops=64))
+        ```
     """
 
     max_ops: int = 1024

@@ -38,8 +38,22 @@ class FakeGang(CollectiveGang):
             not read.
 
     Example:
-        >>> gang = agang.FakeGang(rank=0, size=4)
-        >>> await gang.all_reduce(torch.ones(2))  # tensor([4., 4.])
+        ```python
+        import asyncio
+
+        import torch
+
+        import agang
+
+        gang = agang.FakeGang(rank=0, size=4)  # assumes every rank holds the same data
+
+
+        async def main():
+            return await gang.all_reduce(torch.ones(2))
+
+
+        assert asyncio.run(main()).tolist() == [4.0, 4.0]
+        ```
     """
 
     def __init__(

@@ -182,7 +182,10 @@ async def report_death(
         ValueError: An argument is invalid (the message names it).
 
     Example:
-        >>> await agang.report_death("10.0.0.1:29500", "node7, pid 4242", "OOM-killed")
+        <!-- not-run: needs the agang store of a running job -->
+        ```python
+        await agang.report_death("10.0.0.1:29500", "node7, pid 4242", "OOM-killed")
+        ```
     """
     host, port = stores.parse_address(store, name="store")
     notice = Notice(_one_line(who, "who", 300), _one_line(why, "why", 1000), Member.here())

@@ -69,9 +69,30 @@ class Gangs:
             (rank 0 of the root must coordinate every gang, as in fairseq2).
 
     Example:
-        >>> gangs = await agang.create_parallel_gangs(root, tp_size=2)
-        >>> with gangs:
-        ...     await train()  # calls agang.current_gangs() to find its gangs
+        ```python
+        import asyncio
+
+        import torch
+
+        import agang
+        from agang.testing import FakeWorld
+
+
+        async def train():
+            tp = agang.current_gangs().tp  # found by the code that needs it
+            return (await tp.all_reduce(torch.ones(1))).item()
+
+
+        async def step(root):
+            gangs = await agang.create_parallel_gangs(root, tp_size=2)
+            with gangs:
+                result = await train()
+            await gangs.close()
+            return result
+
+
+        assert asyncio.run(FakeWorld(4).run(step)) == [2.0] * 4
+        ```
     """
 
     root: Gang
@@ -168,9 +189,12 @@ class Gangs:
                 one rank without ``dp``.
 
         Example:
-            >>> mesh = init_device_mesh("cuda", (4, 2), mesh_dim_names=("dp", "tp"))
-            >>> gangs = agang.Gangs.from_device_mesh(mesh, dp="dp", tp="tp")
-            >>> await gangs.tp.all_reduce(partial_activations)
+            <!-- not-run: needs a DeviceMesh of 8 GPUs -->
+            ```python
+            mesh = init_device_mesh("cuda", (4, 2), mesh_dim_names=("dp", "tp"))
+            gangs = agang.Gangs.from_device_mesh(mesh, dp="dp", tp="tp")
+            await gangs.tp.all_reduce(partial_activations)
+            ```
         """
         from agang._parallel.mesh import gangs_from_device_mesh  # imports torch's DeviceMesh
 
@@ -203,8 +227,11 @@ class Gangs:
                 as ``create_parallel_gangs`` lays them out.
 
         Example:
-            >>> mesh = gangs.device_mesh(("dp", "tp"))
-            >>> weight = distribute_tensor(weight, mesh, [Replicate(), Shard(0)])
+            <!-- not-run: needs a DeviceMesh of several processes -->
+            ```python
+            mesh = gangs.device_mesh(("dp", "tp"))
+            weight = distribute_tensor(weight, mesh, [Replicate(), Shard(0)])
+            ```
         """
         from agang._parallel.mesh import device_mesh_of  # imports torch's DeviceMesh
 
@@ -214,7 +241,21 @@ class Gangs:
         """Closes every gang, the sub-gangs before the root.
 
         Example:
-            >>> await gangs.close()
+            ```python
+            import asyncio
+
+            import agang
+            from agang.testing import FakeWorld
+
+
+            async def step(root):
+                gangs = await agang.create_parallel_gangs(root, tp_size=2)
+                await gangs.close()  # the sub-gangs, then the root gang
+                return root.closed
+
+
+            assert asyncio.run(FakeWorld(4).run(step)) == [True] * 4
+            ```
         """
         distinct: list[Gang] = []
         for gang in (self.rdp, self.sdp, self.tp, self.pp, self.dp, self.root):
@@ -235,8 +276,22 @@ def current_gangs() -> Gangs:
             :meth:`contextvars.ContextVar.get` raises for an unset variable).
 
     Example:
-        >>> with gangs:
-        ...     assert agang.current_gangs() is gangs
+        ```python
+        import asyncio
+
+        import agang
+        from agang.testing import FakeWorld
+
+
+        async def step(root):
+            gangs = await agang.create_parallel_gangs(root, tp_size=2)
+            with gangs:
+                assert agang.current_gangs() is gangs
+            await gangs.close()
+
+
+        asyncio.run(FakeWorld(4).run(step))
+        ```
     """
     stack = _current.get()
     if not stack:
@@ -277,7 +332,20 @@ async def broadcast_flag(
         ValueError: ``source_rank`` is not a rank of ``gang``.
 
     Example:
-        >>> stop = await agang.broadcast_flag(gang, gang.rank == 0 and converged())
+        ```python
+        import asyncio
+
+        import agang
+        from agang.testing import FakeWorld
+
+
+        async def step(gang):
+            converged = gang.rank == 0  # only rank 0's value counts
+            return await agang.broadcast_flag(gang, gang.rank == 0 and converged)
+
+
+        assert asyncio.run(FakeWorld(2).run(step)) == [True, True]
+        ```
     """
     check_gang(gang, name="gang")
     if not isinstance(flag, bool):
@@ -331,7 +399,20 @@ async def all_sum(
         ValueError: ``value`` is an int outside the int64 range.
 
     Example:
-        >>> num_tokens = await agang.all_sum(gangs.dp, len(batch_tokens))
+        ```python
+        import asyncio
+
+        import agang
+        from agang.testing import FakeWorld
+
+
+        async def step(gang):
+            batch_tokens = list(range(gang.rank + 1))  # rank r has r + 1 tokens
+            return await agang.all_sum(gang, len(batch_tokens))
+
+
+        assert asyncio.run(FakeWorld(2).run(step)) == [3, 3]
+        ```
     """
     check_gang(gang, name="gang")
     if isinstance(value, bool) or not isinstance(value, int | float):

@@ -147,9 +147,12 @@ async def create_parallel_gangs(root: Gang, *, tp_size: int = 1, pp_size: int = 
         GangInitError: Creating a sub-gang failed.
 
     Example:
-        >>> root = await agang.init()
-        >>> gangs = await agang.create_parallel_gangs(root, tp_size=8)
-        >>> await gangs.tp.all_reduce(partial_activations)
+        <!-- not-run: needs a launched world of 8+ ranks (tp_size=8) -->
+        ```python
+        root = await agang.init()
+        gangs = await agang.create_parallel_gangs(root, tp_size=8)
+        await gangs.tp.all_reduce(partial_activations)
+        ```
     """
     check_gang(root, name="root")
     check_positive_int(tp_size, name="tp_size")
@@ -203,8 +206,11 @@ async def create_fsdp_gangs(gangs: Gangs, intra_node_size: int | None = None) ->
         GangInitError: Creating a sub-gang failed.
 
     Example:
-        >>> gangs = await agang.create_fsdp_gangs(gangs, intra_node_size=8)
-        >>> await gangs.sdp.reduce_scatter(grad_shard, grads)
+        <!-- not-run: needs a world of 16+ ranks on several nodes -->
+        ```python
+        gangs = await agang.create_fsdp_gangs(gangs, intra_node_size=8)
+        await gangs.sdp.reduce_scatter(grad_shard, grads)
+        ```
     """
     if not isinstance(gangs, Gangs):
         raise TypeError(

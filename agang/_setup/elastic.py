@@ -199,7 +199,10 @@ class Elastic:
             ``waiting_to_join()`` does not count them while the gang is at ``max_size``.
 
     Example:
-        >>> gang = await agang.init(elastic=agang.Elastic(min_size=2), timeout=60)
+        <!-- not-run: an elastic init joins a launched world that may change -->
+        ```python
+        gang = await agang.init(elastic=agang.Elastic(min_size=2), timeout=60)
+        ```
     """
 
     min_size: int = 1

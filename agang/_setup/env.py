@@ -47,9 +47,12 @@ class WorldInfo:
     """Where this process sits in its job, and where the rendezvous store lives.
 
     Example:
-        >>> world = WorldInfo(rank=0, world_size=2, local_rank=0, master_addr="127.0.0.1",
-        ...                   master_port=29500)
-        >>> gang = await agang.init(world=world)
+        <!-- not-run: agang.init joins the world a launcher (torchrun) set up -->
+        ```python
+        world = WorldInfo(rank=0, world_size=2, local_rank=0, master_addr="127.0.0.1",
+                          master_port=29500)
+        gang = await agang.init(world=world)
+        ```
     """
 
     rank: int

@@ -426,8 +426,11 @@ async def init(
         ValueError: An argument is invalid; the message names it.
 
     Example:
-        >>> gang = await agang.init(timeout=60)
-        >>> await gang.all_reduce(torch.ones(1))
+        <!-- not-run: agang.init joins the world a launcher (torchrun) set up -->
+        ```python
+        gang = await agang.init(timeout=60)
+        await gang.all_reduce(torch.ones(1))
+        ```
     """
     plan, handle = _start(
         backend=backend,
@@ -488,8 +491,11 @@ def init_sync(
     """:func:`init` for programs without an event loop; blocks at most ``timeout`` seconds.
 
     Example:
-        >>> gang = agang.init_sync()
-        >>> gang.all_reduce(torch.ones(1)).wait()
+        <!-- not-run: agang.init joins the world a launcher (torchrun) set up -->
+        ```python
+        gang = agang.init_sync()
+        gang.all_reduce(torch.ones(1)).wait()
+        ```
     """
     plan, handle = _start(
         backend=backend,

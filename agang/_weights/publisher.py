@@ -113,9 +113,12 @@ class WeightPublisher:
     are at each push. Open it with :meth:`open`.
 
     Example:
-        >>> publisher = await agang.WeightPublisher.open(model.state_dict(),
-        ...     store="10.0.0.1:29500", channel="policy")
-        >>> report = await publisher.push(step)
+        <!-- not-run: needs an agang store and subscribers on other machines -->
+        ```python
+        publisher = await agang.WeightPublisher.open(model.state_dict(),
+            store="10.0.0.1:29500", channel="policy")
+        report = await publisher.push(step)
+        ```
     """
 
     def __init__(

@@ -62,9 +62,12 @@ class WeightSubscriber:
     Open it with :meth:`open`.
 
     Example:
-        >>> subscriber = await agang.WeightSubscriber.open(model.state_dict(),
-        ...     store="10.0.0.1:29500", channel="policy")
-        >>> version = await subscriber.receive()   # model now holds it
+        <!-- not-run: needs an agang store and a publisher on another machine -->
+        ```python
+        subscriber = await agang.WeightSubscriber.open(model.state_dict(),
+            store="10.0.0.1:29500", channel="policy")
+        version = await subscriber.receive()   # model now holds it
+        ```
     """
 
     def __init__(

@@ -170,9 +170,12 @@ def run_world(
         WorldRunError: A rank failed or the deadline passed; lists each rank's traceback.
 
     Example:
-        >>> async def total(gang):
-        ...     return (await gang.all_reduce(torch.ones(1))).item()
-        >>> run_world(total, 2)  # [2.0, 2.0]
+        <!-- not-run: run_world spawns processes: the function must be importable by name -->
+        ```python
+        async def total(gang):
+            return (await gang.all_reduce(torch.ones(1))).item()
+        run_world(total, 2)  # [2.0, 2.0]
+        ```
     """
     check_positive_int(world_size, name="world_size")
     if async_backend not in ASYNC_BACKENDS:

@@ -98,8 +98,11 @@ def quiet_c10d(env: Mapping[str, str] | None = None) -> Iterator[None]:
     unless ``env`` (``os.environ`` by default) asks for c10d's output (rule 2).
 
     Example:
-        >>> with quiet_c10d():
-        ...     store = dist.TCPStore(host, port, is_master=False)
+        <!-- not-run: needs a rendezvous store listening at host:port -->
+        ```python
+        with quiet_c10d():
+            store = dist.TCPStore(host, port, is_master=False)
+        ```
     """
     env = os.environ if env is None else env
     flag = None if c10d_output_wanted(env) else _log_level_flag()

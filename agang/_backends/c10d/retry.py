@@ -136,9 +136,12 @@ class RetryPolicy:
         sleep: The function that waits; tests pass one that returns at once.
 
     Example:
-        >>> from tenacity import stop_after_attempt, wait_fixed
-        >>> policy = agang.RetryPolicy(stop=stop_after_attempt(5), wait=wait_fixed(0.5))
-        >>> gang = await agang.init(retry=policy)
+        <!-- not-run: agang.init joins the world a launcher (torchrun) set up -->
+        ```python
+        from tenacity import stop_after_attempt, wait_fixed
+        policy = agang.RetryPolicy(stop=stop_after_attempt(5), wait=wait_fixed(0.5))
+        gang = await agang.init(retry=policy)
+        ```
     """
 
     stop: stop_base = field(default_factory=lambda: tenacity.stop_never)
@@ -178,9 +181,12 @@ def retrying(
             error and the seconds until the next one (to say so in one line).
 
     Example:
-        >>> for attempt in retrying(RetryPolicy(), deadline):
-        ...     with attempt:
-        ...         group = call_c10d(dist.new_group, ranks)
+        <!-- not-run: an internal helper, inside a c10d world of processes -->
+        ```python
+        for attempt in retrying(RetryPolicy(), deadline):
+            with attempt:
+                group = call_c10d(dist.new_group, ranks)
+        ```
     """
     return tenacity.Retrying(
         stop=policy.stop | _StopAtDeadline(deadline),

@@ -55,8 +55,11 @@ def diagnose(env: Mapping[str, str], facts: HostFacts, network: NetworkProbe) ->
         The findings, launcher first, then backends, then network.
 
     Example:
-        >>> findings = diagnose(os.environ, probe_host_facts(), SocketProbe(timeout=1.0))
-        >>> print(render(findings), end="")
+        <!-- not-run: probes this machine and its network -->
+        ```python
+        findings = diagnose(os.environ, probe_host_facts(), SocketProbe(timeout=1.0))
+        print(render(findings), end="")
+        ```
     """
     world: WorldInfo | None = None
     findings = [_launcher_finding(env)]

@@ -48,11 +48,24 @@ class SimulatedNccl:
             aborts its communicator on that rank; None to use the timeout agang sets
             (far behind its own deadlines).
 
-    Example::
+    Example:
+        ```python
+        import asyncio
 
-        with SimulatedNccl(2) as sim:
-            gangs = sim.gangs()
-            results = await asyncio.gather(*(g.all_reduce(torch.ones(4)) for g in gangs))
+        import torch
+
+        from agang.testing import SimulatedNccl
+
+
+        async def main():
+            with SimulatedNccl(2) as sim:
+                gangs = sim.gangs()  # one ProcessGroupGang per simulated rank
+                results = await asyncio.gather(*(g.all_reduce(torch.ones(4)) for g in gangs))
+            return [result.tolist() for result in results]
+
+
+        assert asyncio.run(main()) == [[2.0] * 4] * 2
+        ```
     """
 
     def __init__(self, size: int, *, watchdog_timeout: float | None = None) -> None:

@@ -70,10 +70,21 @@ class FakeWorld:
             it; None reads ``AGANG_CHECK_ORDER``.
 
     Example:
-        >>> world = FakeWorld(4)
-        >>> async def step(gang):
-        ...     return (await gang.all_reduce(torch.ones(1))).item()
-        >>> await world.run(step)  # [4.0, 4.0, 4.0, 4.0]
+        ```python
+        import asyncio
+
+        import torch
+
+        from agang.testing import FakeWorld
+
+
+        async def step(gang):
+            return (await gang.all_reduce(torch.ones(1))).item()
+
+
+        world = FakeWorld(4)
+        assert asyncio.run(world.run(step)) == [4.0, 4.0, 4.0, 4.0]
+        ```
     """
 
     def __init__(
