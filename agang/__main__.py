@@ -1,6 +1,6 @@
 """The ``agang`` command (or ``python -m agang``): ``doctor``, ``selfcheck`` and ``store``.
 
-Each command's modules load inside its branch of :func:`main`, so that ``agang --help``
+Each command's modules load inside its branch of ``main``, so that ``agang --help``
 and ``agang --version`` load no torch (``agang/__init__.py`` is lazy too).
 
 Exit status: 0 when the doctor found no problem (warnings allowed), every self-check

@@ -1,14 +1,14 @@
 """The Gang interface: a set of ranks that run collectives together, awaitably.
 
 Every collective is a plain method that checks its input, issues the op at once, and
-returns a :class:`~agang.Handle`. All ranks of a gang must issue its collectives in the
+returns a [`Handle`][agang.Handle]. All ranks of a gang must issue its collectives in the
 same order (one gang is one ordering domain).
 
 Timeouts, as everywhere in agang: ``timeout=None`` means the default (for an op, the
 gang's ``op_timeout``), ``math.inf`` means no deadline, and a number is seconds from
-issue. When a deadline passes the handle raises :class:`~agang.GangTimeoutError`; with
+issue. When a deadline passes the handle raises [`GangTimeoutError`][agang.GangTimeoutError]; with
 the default policy (``on_timeout="abort"``) the gang is then broken: every later call
-raises :class:`~agang.GangBrokenError` at once.
+raises [`GangBrokenError`][agang.GangBrokenError] at once.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from agang._handle import Coalesced, Handle
 from agang._reduce_op import ReduceOp
 from agang._statistics import GangStatistics
 
-#: One send or receive of :meth:`Gang.exchange`: a tensor, and the peer's rank.
+#: One send or receive of [`Gang.exchange`][agang.Gang.exchange]: a tensor, and the peer's rank.
 Transfer = tuple[torch.Tensor, int]
 #: The formats of the object collectives: ``"safe"`` (plain data only) or ``"pickle"``.
 Serializer = Literal["safe", "pickle"]
@@ -35,8 +35,9 @@ Serializer = Literal["safe", "pickle"]
 class Gang(ABC):
     """A set of ranks that run collectives together.
 
-    Implementations: the process-group gang returned by :func:`agang.init`,
-    :class:`agang.FakeGang`, and the gangs of :class:`agang.testing.FakeWorld`.
+    Implementations: the process-group gang returned by [`agang.init`][agang.init],
+    [`agang.FakeGang`][agang.FakeGang], and the gangs of
+    [`agang.testing.FakeWorld`][agang.testing.FakeWorld].
     """
 
     @property
@@ -67,7 +68,7 @@ class Gang(ABC):
     @property
     @abstractmethod
     def closed(self) -> bool:
-        """True once :meth:`close` has been called."""
+        """True once [`close`][agang.Gang.close] has been called."""
 
     @abstractmethod
     def all_reduce(
@@ -120,7 +121,7 @@ class Gang(ABC):
         scope raises ``RuntimeError`` (it could never finish); await after the block.
 
         Returns:
-            A context manager whose value, a :class:`agang.Coalesced`, is awaitable once
+            A context manager whose value, a [`agang.Coalesced`][agang.Coalesced], is awaitable once
             the scope has ended: it waits for all of the scope's all-reduces at once.
 
         Example:
@@ -262,11 +263,11 @@ class Gang(ABC):
         """Waits until the in-flight bounds leave room for one more op of ``num_bytes``.
 
         Back-pressure for a task that issues in a loop: past the bounds
-        (:class:`agang.InFlightLimits`), a call still returns its handle at once and its op
-        waits in the gang's queue, so a producer that never awaits would grow that queue
-        without limit. Awaiting this before each call keeps what the gang holds within
-        the bounds instead. It is advice, not a reservation: another task may take the
-        room first. Always a checkpoint, even when there is room already.
+        ([`agang.InFlightLimits`][agang.InFlightLimits]), a call still returns its handle at once
+        and its op waits in the gang's queue, so a producer that never awaits would grow that queue
+        without limit. Awaiting this before each call keeps what the gang holds within the bounds
+        instead. It is advice, not a reservation: another task may take the room first. Always a
+        checkpoint, even when there is room already.
 
         Args:
             num_bytes: The size of the op about to be issued (its tensors' bytes).
@@ -461,12 +462,12 @@ class Gang(ABC):
         "Received data size doesn't match expected size"); NCCL does not define it. So
         agree on the sizes first when they come from data (an MoE router: all-to-all
         the per-expert counts, then the tokens). A peer that never calls is what any
-        collective's deadline catches: :class:`agang.GangTimeoutError`. The order
-        check compares the dtype, the shape past the first dimension, and whether
-        split sizes were given (pass them on every rank or on none), and with split
-        sizes it checks every pair of ranks too: sizes that disagree fail the op on
-        every rank with :class:`agang.CollectiveMismatchError` naming the pairs,
-        before any row moves.
+        collective's deadline catches: [`agang.GangTimeoutError`][agang.GangTimeoutError].
+        The order check compares the dtype, the shape past the first dimension, and
+        whether split sizes were given (pass them on every rank or on none), and with
+        split sizes it checks every pair of ranks too: sizes that disagree fail the op
+        on every rank with [`agang.CollectiveMismatchError`][agang.CollectiveMismatchError]
+        naming the pairs, before any row moves.
 
         Args:
             output: Receives the blocks, in rank order.
@@ -518,7 +519,7 @@ class Gang(ABC):
     def send(
         self, tensor: torch.Tensor, destination_rank: int, *, timeout: float | None = None
     ) -> Handle[None]:
-        """Sends ``tensor`` to ``destination_rank``, which must :meth:`recv` it.
+        """Sends ``tensor`` to ``destination_rank``, which must [`recv`][agang.Gang.recv] it.
 
         Example:
             ```python
@@ -580,9 +581,9 @@ class Gang(ABC):
 
         The order of sends against receives does not matter, so a ring or a two-way
         pipeline step cannot deadlock; between one pair of ranks in one direction, the
-        sends match the peer's receives in order (with those of :meth:`send` and
-        :meth:`recv` too), and a matched pair must agree on shape and dtype. Only the
-        ranks named take part. Like :meth:`send`, it is not order-checked. On NCCL, if
+        sends match the peer's receives in order (with those of [`send`][agang.Gang.send] and
+        [`recv`][agang.Gang.recv] too), and a matched pair must agree on shape and dtype. Only the
+        ranks named take part. Like [`send`][agang.Gang.send], it is not order-checked. On NCCL, if
         this is the first op on the gang's communicator, every rank of the gang must
         take part in it (torch's rule for ``batch_isend_irecv``); an op on the gang
         first (a barrier) lifts that.
@@ -808,7 +809,7 @@ class Gang(ABC):
         self, obj: Any, *, timeout: float | None = None, serializer: Serializer = "safe"
     ) -> Handle[list[Any]]:
         """Gathers one object from every rank; ``serializer`` as for
-        :meth:`broadcast_objects`.
+        [`broadcast_objects`][agang.Gang.broadcast_objects].
 
         Returns:
             A handle whose ``await`` returns a list with rank r's object at index r,
@@ -882,7 +883,7 @@ class Gang(ABC):
 
     @abstractmethod
     async def close(self) -> None:
-        """Releases the gang; pending waiters get :class:`~agang.GangClosedError`.
+        """Releases the gang; pending waiters get [`GangClosedError`][agang.GangClosedError].
 
         Idempotent. Closing a gang also closes the sub-gangs made from it. With work
         still running, close aborts the gang's communicator. On NCCL that abort returns
@@ -894,14 +895,14 @@ class Gang(ABC):
 
     @abstractmethod
     def close_sync(self) -> None:
-        """:meth:`close` for synchronous code."""
+        """[`close`][agang.Gang.close] for synchronous code."""
 
     @abstractmethod
     def holds(self, tensor: torch.Tensor) -> bool:
         """Whether an op of this gang may still read or write ``tensor``'s memory.
 
         True while an op that was given the tensor has not ended, including one that a
-        deadline, a cancelled wait, a failure or :meth:`close` abandoned: c10d cannot
+        deadline, a cancelled wait, a failure or [`close`][agang.Gang.close] abandoned: c10d cannot
         cancel an op, and one behind a dead link can go on for seconds after its
         communicator's abort. Such a tensor is busy (another op refuses it); a caller
         that must go on without waiting for it uses other memory. False once every op
@@ -947,7 +948,7 @@ class Gang(ABC):
         return 0
 
     async def reform(self, timeout: float | None = None) -> Gang:  # noqa: ASYNC109
-        """An elastic gang's next epoch (:meth:`agang.ElasticGang.reform`).
+        """An elastic gang's next epoch ([`agang.ElasticGang.reform`][agang.ElasticGang.reform]).
 
         Raises:
             GangError: This gang is not elastic (made without ``elastic=``).

@@ -106,7 +106,7 @@ class StepTimes:
 
     Attributes:
         buckets: Each bucket's all-reduce, in issue order.
-        wait_started: When :meth:`GradientSync.wait` was called.
+        wait_started: When [`GradientSync.wait`][agang.GradientSync.wait] was called.
         wait_finished: When it returned.
         exposed: Seconds ``wait`` blocked for communication that backward did not hide.
         communication: Seconds from the first bucket's issue to the last one's finish.
@@ -294,7 +294,7 @@ class GradientSync:
         self._install_parameters()
 
     def ready_sync(self, timeout: float | None = None) -> None:
-        """:meth:`ready` for synchronous code."""
+        """[`ready`][agang.GradientSync.ready] for synchronous code."""
         self._ready.wait(timeout)
         self._install_parameters()
 
@@ -342,7 +342,8 @@ class GradientSync:
         self._end_step(handles, started)
 
     def wait_sync(self, timeout: float | None = None) -> None:
-        """:meth:`wait` for synchronous code; ``timeout`` bounds each bucket's wait."""
+        """[`wait`][agang.GradientSync.wait] for synchronous code; ``timeout`` bounds each
+        bucket's wait."""
         started = time.monotonic()
         handles = self._finish_step()
         for handle in handles:

@@ -1,13 +1,14 @@
 """What a gang's call returns: a handle, issued already, complete when awaited.
 
 A handle is one op as the user issued it: an all-reduce, a broadcast, a whole
-``all_reduce_bucketed`` call. It is a :class:`~agang._runtime.future.Future` (finished once, by
+``all_reduce_bucketed`` call. It is a ``agang._runtime.future.Future`` (finished once, by
 any thread; waiting never changes the op) with the op's metadata, and it tells the
 engine that issued it (its *owner*) when a waiter starts and when one resumes.
 
-Every result type a call returns lives here: :class:`Handle`; :class:`Coalesced`, what a
-``coalesce()`` scope issued; :func:`all_of`, one handle over several backend ops (a
-bucketed all-reduce, a scope); :func:`failed_handle`, for an op that could not be issued.
+Every result type a call returns lives here: [`Handle`][agang.Handle];
+[`Coalesced`][agang.Coalesced], what a ``coalesce()`` scope issued; ``all_of``, one handle
+over several backend ops (a bucketed all-reduce, a scope); ``failed_handle``, for an op
+that could not be issued.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ class HandleOwner(Protocol):
     #: The gang's policy; its ``wait_mode`` decides how an ``await`` waits.
     policy: GangPolicy
 
-    #: Whether a waiter learns of the op's end by asking (:meth:`settle`, :meth:`park_for`).
+    #: Whether a waiter learns of the op's end by asking (``settle``, ``park_for``).
     polls: bool
 
     def waiting(self) -> None:
@@ -48,7 +49,7 @@ class HandleOwner(Protocol):
 
     async def settle(self, handle: Handle[Any]) -> None:
         """Learns of ``handle``'s end on the awaiting task's loop, within a budget, once
-        :meth:`learn` found the op running."""
+        ``learn`` found the op running."""
 
     def park_for(self, handle: Handle[Any]) -> None:
         """A plain thread is about to block on ``handle``: have its end reported."""
@@ -59,7 +60,7 @@ class HandleOwner(Protocol):
 
 @final
 class Handle(Future[T]):
-    """An issued collective. ``await`` it (or call :meth:`wait`) for its output.
+    """An issued collective. ``await`` it (or call [`wait`][agang.Handle.wait]) for its output.
 
     The op was handed to the backend when the gang's method returned this handle, so
     work placed between the call and the ``await`` overlaps the communication.
@@ -127,7 +128,7 @@ class Handle(Future[T]):
         self._collective = collective
         #: Bytes this rank sends or receives (the size of its tensors).
         self.num_bytes = num_bytes
-        #: The deadline in seconds from :attr:`issued_at`, or None for none.
+        #: The deadline in seconds from ``issued_at``, or None for none.
         self.timeout = timeout
         #: ``time.monotonic()`` when the op was issued.
         self.issued_at = time.monotonic()
@@ -211,7 +212,7 @@ class Handle(Future[T]):
 
         Raises:
             TimeoutError: ``timeout`` passed before the op finished.
-            GangError: The op failed; see :meth:`result`.
+            GangError: The op failed; see ``result``.
 
         Example:
             <!-- not-run: wait() blocks: for a gang of init_sync, in a launched world -->
@@ -314,8 +315,8 @@ HELD = (
 class Coalesced:
     """What a ``coalesce()`` scope issued: await it for all its tensors at once.
 
-    Each held all-reduce also has its own handle (:attr:`handles`); awaiting this object
-    instead costs one wake-up for the whole scope.
+    Each held all-reduce also has its own handle ([`handles`][agang.Coalesced.handles]); awaiting
+    this object instead costs one wake-up for the whole scope.
 
     Example:
         ```python

@@ -1,6 +1,6 @@
 """A gang of one process that plays every rank as a copy of itself (fairseq2's FakeGang).
 
-It runs anywhere with no network, and is what :func:`agang.init` returns for a world of
+It runs anywhere with no network, and is what [`agang.init`][agang.init] returns for a world of
 size 1. The simulation is its backend's (``agang._backends.fake``).
 """
 
@@ -89,8 +89,8 @@ class FakeGang(CollectiveGang):
         timeout: float | None = None,
         serializer: Serializer = "safe",
     ) -> Handle[list[Any]]:
-        """:meth:`agang.Gang.broadcast_objects`: every rank of a fake gang is a copy of
-        the source, so each gets its own ``objects`` back (round-tripped)."""
+        """[`agang.Gang.broadcast_objects`][agang.Gang.broadcast_objects]: every rank of a fake gang
+        is a copy of the source, so each gets its own ``objects`` back (round-tripped)."""
         # The source is a copy of this rank, so this rank's objects are the source's; as
         # a receiver it would get no bytes (broadcast is a no-op here) and fail to unpickle.
         check_rank(source_rank, self.size, name="source_rank")

@@ -210,7 +210,7 @@ async def report_death(
 
 
 def report_death_sync(store: str, who: str, why: str, *, timeout: float | None = 10.0) -> int:
-    """:func:`report_death` for programs without an event loop."""
+    """[`report_death`][agang.report_death] for programs without an event loop."""
     return anyio.run(functools.partial(report_death, store, who, why, timeout=timeout))
 
 

@@ -122,9 +122,9 @@ async def create_parallel_gangs(root: Gang, *, tp_size: int = 1, pp_size: int = 
         pp: [0, 4] [1, 5] [2, 6] [3, 7]
 
     Give hosts consecutive ranks, so that tensor-parallel gangs stay within a host. A
-    dimension of size 1 is a :class:`agang.FakeGang` of size 1, one as large as ``root``
+    dimension of size 1 is a [`agang.FakeGang`][agang.FakeGang] of size 1, one as large as ``root``
     is ``root`` itself. ``rdp`` is a size-1 fake gang and ``sdp`` is ``dp``; see
-    :func:`create_fsdp_gangs` for hybrid sharding.
+    [`create_fsdp_gangs`][agang.create_fsdp_gangs] for hybrid sharding.
 
     The new gangs are sub-gangs of ``root``: closing ``root`` closes them. If the call
     fails or is cancelled part way, the gangs made so far stay open until ``root`` is
@@ -132,7 +132,7 @@ async def create_parallel_gangs(root: Gang, *, tp_size: int = 1, pp_size: int = 
     go on using it.
 
     Args:
-        root: The gang to split, usually the one :func:`agang.init` returned.
+        root: The gang to split, usually the one [`agang.init`][agang.init] returned.
         tp_size: The size of tensor-parallel gangs.
         pp_size: The size of pipeline-parallel gangs (the number of stages).
 
@@ -192,14 +192,15 @@ async def create_fsdp_gangs(gangs: Gangs, intra_node_size: int | None = None) ->
     (``sdp`` a fake gang, ``rdp`` is ``dp``).
 
     Args:
-        gangs: The gangs to extend, as :func:`create_parallel_gangs` returned them.
+        gangs: The gangs to extend, as [`create_parallel_gangs`][agang.create_parallel_gangs]
+            returned them.
         intra_node_size: The size of sharded gangs, or None to shard over all of ``dp``.
 
     Returns:
         New gangs with ``rdp`` and ``sdp`` set; the other fields are those of ``gangs``.
 
     Raises:
-        TypeError: ``gangs`` is not a :class:`Gangs`.
+        TypeError: ``gangs`` is not a [`Gangs`][agang.Gangs].
         ValueError: ``intra_node_size`` is not a positive int, or is not a factor of
             ``gangs.dp.size``.
         GangClosedError: ``gangs.dp`` is closed.

@@ -161,3 +161,15 @@ def test_the_markers_are_recognised() -> None:
     for block in ALL_BLOCKS:
         if block.marker.startswith("<!--"):
             assert _NOT_RUN.match(block.marker) or _RUN_SLOW.match(block.marker), block.name
+
+
+_ROLE = re.compile(r":(?:py:)?(?:func|class|meth|attr|exc|mod|data|obj|const):`")
+
+
+@pytest.mark.parametrize("path", SOURCE_FILES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_a_docstring_cross_reference_is_markdown(path: Path) -> None:
+    # A Sphinx role shows as literal text on the site. A name of the reference is a link,
+    # [`init`][agang.init] (mkdocs build --strict fails if it does not resolve); any other
+    # name, a private one included, is plain ``code``.
+    match = _ROLE.search(path.read_text(encoding="utf-8"))
+    assert not match, f"{path}: a Sphinx role {match.group()!r}; write [`name`][agang.name]"

@@ -34,13 +34,13 @@ class SimulatedNccl:
       without blocking (a raw barrier's ``wait()`` blocks), ``is_completed()`` never
       raises, errors are in ``exception()``; ``abort()`` makes pending kernels exit.
     - ``abort()`` (and ``shutdown()``) of a group blocks until the rank's device has
-      reached the group's pending kernels, as NCCL's does: behind the rank's own long
-      kernel (:meth:`stall`) it waits for the device to get past it; behind a peer that
-      never comes it does not wait.
+      reached the group's pending kernels, as NCCL's does: behind the rank's own long kernel
+      ([`stall`][agang.testing.SimulatedNccl.stall]) it waits for the device to get past it; behind
+      a peer that never comes it does not wait.
 
     Tensors are CPU tensors: the gangs' device is ``cpu``. All ranks run in this process,
     typically as tasks of one event loop. Lanes and sub-gangs are not simulated: call
-    :meth:`gangs` again for another communicator over the same ranks.
+    [`gangs`][agang.testing.SimulatedNccl.gangs] again for another communicator over the same ranks.
 
     Args:
         size: The number of ranks.
@@ -111,8 +111,9 @@ class SimulatedNccl:
 
     def pause(self, rank: int) -> None:
         """Stops ``rank``'s device: none of its kernels runs (its peers' collectives
-        with it wait) until :meth:`resume`. An abort on ``rank`` itself with kernels
-        pending waits for the resume too (its device never reaches them before)."""
+        with it wait) until [`resume`][agang.testing.SimulatedNccl.resume]. An abort on ``rank``
+        itself with kernels pending waits for the resume too (its device never reaches them before).
+        """
         self._device.pause(self._check_rank(rank))
 
     def resume(self, rank: int) -> None:
