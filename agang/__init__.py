@@ -1,9 +1,12 @@
 """agang: awaitable, deadline-guarded collectives for PyTorch.
 
 Example:
-    >>> import agang, torch
-    >>> gang = await agang.init()
-    >>> total = await gang.all_reduce(torch.ones(1))
+    <!-- not-run: agang.init joins the world a launcher (torchrun) set up -->
+    ```python
+    import agang, torch
+    gang = await agang.init()
+    total = await gang.all_reduce(torch.ones(1))
+    ```
 
 Importing agang is cheap: each public name's module (and torch with it) loads on the
 name's first use (PEP 562's module ``__getattr__``), so ``agang --help`` and code that

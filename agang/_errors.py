@@ -62,7 +62,7 @@ class GangInitError(GangError):
 
 
 class GangClosedError(GangError):
-    """The gang was closed: by :meth:`Gang.close`, or while this op was pending."""
+    """The gang was closed: by [`Gang.close`][agang.Gang.close], or while this op was pending."""
 
 
 class GangInheritedError(GangError):
@@ -71,7 +71,7 @@ class GangInheritedError(GangError):
     A child made by ``os.fork()`` inherits the parent's gangs, but their communicator's
     connections belong to the parent: every use in the child (an op, a lane, a sub-gang)
     raises this at once, without touching the communicator. ``close()`` in the child
-    only marks the gang closed there. Call :func:`agang.init` in the child for a gang of
+    only marks the gang closed there. Call [`agang.init`][agang.init] in the child for a gang of
     its own.
     """
 
@@ -80,7 +80,7 @@ class GangBrokenError(GangError):
     """An earlier failure left the gang's communicator unusable.
 
     Raised at once, with no c10d call, by every op issued after the failure. The first
-    failure is attached as ``__cause__`` and as :attr:`first_cause`.
+    failure is attached as ``__cause__`` and as [`first_cause`][agang.GangBrokenError.first_cause].
     """
 
     def __init__(self, message: str, first_cause: BaseException | None) -> None:
@@ -103,7 +103,7 @@ class CollectiveError(GangError):
 class GangTimeoutError(CollectiveError, TimeoutError):
     """A collective missed its deadline.
 
-    It is both a :class:`GangError` and the builtin :class:`TimeoutError`.
+    It is both a [`GangError`][agang.GangError] and the builtin ``TimeoutError``.
 
     Attributes:
         context: Where the op ran (its ``timeout`` is the deadline that passed).

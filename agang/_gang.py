@@ -1,14 +1,14 @@
 """The Gang interface: a set of ranks that run collectives together, awaitably.
 
 Every collective is a plain method that checks its input, issues the op at once, and
-returns a :class:`~agang.Handle`. All ranks of a gang must issue its collectives in the
+returns a [`Handle`][agang.Handle]. All ranks of a gang must issue its collectives in the
 same order (one gang is one ordering domain).
 
 Timeouts, as everywhere in agang: ``timeout=None`` means the default (for an op, the
 gang's ``op_timeout``), ``math.inf`` means no deadline, and a number is seconds from
-issue. When a deadline passes the handle raises :class:`~agang.GangTimeoutError`; with
+issue. When a deadline passes the handle raises [`GangTimeoutError`][agang.GangTimeoutError]; with
 the default policy (``on_timeout="abort"``) the gang is then broken: every later call
-raises :class:`~agang.GangBrokenError` at once.
+raises [`GangBrokenError`][agang.GangBrokenError] at once.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from agang._handle import Coalesced, Handle
 from agang._reduce_op import ReduceOp
 from agang._statistics import GangStatistics
 
-#: One send or receive of :meth:`Gang.exchange`: a tensor, and the peer's rank.
+#: One send or receive of [`Gang.exchange`][agang.Gang.exchange]: a tensor, and the peer's rank.
 Transfer = tuple[torch.Tensor, int]
 #: The formats of the object collectives: ``"safe"`` (plain data only) or ``"pickle"``.
 Serializer = Literal["safe", "pickle"]
@@ -35,8 +35,9 @@ Serializer = Literal["safe", "pickle"]
 class Gang(ABC):
     """A set of ranks that run collectives together.
 
-    Implementations: the process-group gang returned by :func:`agang.init`,
-    :class:`agang.FakeGang`, and the gangs of :class:`agang.testing.FakeWorld`.
+    Implementations: the process-group gang returned by [`agang.init`][agang.init],
+    [`agang.FakeGang`][agang.FakeGang], and the gangs of
+    [`agang.testing.FakeWorld`][agang.testing.FakeWorld].
     """
 
     @property
@@ -67,7 +68,7 @@ class Gang(ABC):
     @property
     @abstractmethod
     def closed(self) -> bool:
-        """True once :meth:`close` has been called."""
+        """True once [`close`][agang.Gang.close] has been called."""
 
     @abstractmethod
     def all_reduce(
@@ -84,7 +85,23 @@ class Gang(ABC):
             A handle whose ``await`` returns ``tensor``.
 
         Example:
-            >>> await gang.all_reduce(grad, ReduceOp.MEAN)
+            ```python
+            import asyncio
+
+            import torch
+
+            from agang import ReduceOp
+            from agang.testing import FakeWorld
+
+
+            async def step(gang):
+                grad = torch.full((2,), float(gang.rank))
+                await gang.all_reduce(grad, ReduceOp.MEAN)  # grad now holds the mean
+                return grad.tolist()
+
+
+            assert asyncio.run(FakeWorld(2).run(step)) == [[0.5, 0.5], [0.5, 0.5]]
+            ```
         """
 
     @abstractmethod
@@ -104,13 +121,28 @@ class Gang(ABC):
         scope raises ``RuntimeError`` (it could never finish); await after the block.
 
         Returns:
-            A context manager whose value, a :class:`agang.Coalesced`, is awaitable once
+            A context manager whose value, a [`agang.Coalesced`][agang.Coalesced], is awaitable once
             the scope has ended: it waits for all of the scope's all-reduces at once.
 
         Example:
-            >>> with gang.coalesce() as batch:
-            ...     handles = [gang.all_reduce(g) for g in grads]
-            >>> await batch  # or await each handle
+            ```python
+            import asyncio
+
+            import torch
+
+            from agang.testing import FakeWorld
+
+
+            async def step(gang):
+                grads = [torch.ones(2), torch.ones(3)]
+                with gang.coalesce() as batch:  # one flat all-reduce when the block ends
+                    handles = [gang.all_reduce(g) for g in grads]
+                await batch  # or await each handle
+                return [g.tolist() for g in grads]
+
+
+            assert asyncio.run(FakeWorld(2).run(step))[0] == [[2.0, 2.0], [2.0, 2.0, 2.0]]
+            ```
         """
 
     @overload
@@ -165,7 +197,23 @@ class Gang(ABC):
             A handle whose ``await`` returns ``tensors`` as a list, or a list of handles.
 
         Example:
-            >>> await gang.all_reduce_bucketed(grads, ReduceOp.MEAN, bucket_bytes=2**24)
+            ```python
+            import asyncio
+
+            import torch
+
+            from agang import ReduceOp
+            from agang.testing import FakeWorld
+
+
+            async def step(gang):
+                grads = [torch.full((1000,), float(gang.rank)) for _ in range(8)]
+                await gang.all_reduce_bucketed(grads, ReduceOp.MEAN, bucket_bytes=2**14)
+                return grads[-1][0].item()
+
+
+            assert asyncio.run(FakeWorld(2).run(step)) == [0.5, 0.5]
+            ```
         """
 
     @abstractmethod
@@ -189,8 +237,25 @@ class Gang(ABC):
             The lane's gang.
 
         Example:
-            >>> grads = await gang.lane("grads")
-            >>> metrics = await gang.lane("metrics")
+            ```python
+            import asyncio
+
+            import torch
+
+            from agang.testing import FakeWorld
+
+
+            async def step(gang):
+                grads = await gang.lane("grads")  # every rank, in the same order
+                metrics = await gang.lane("metrics")
+                loss, count = torch.ones(1), torch.ones(1)
+                # Two tasks may issue concurrently, each on its own lane.
+                await asyncio.gather(grads.all_reduce(loss), metrics.all_reduce(count))
+                return (loss + count).item()
+
+
+            assert asyncio.run(FakeWorld(2).run(step)) == [4.0, 4.0]
+            ```
         """
 
     @abstractmethod
@@ -198,11 +263,11 @@ class Gang(ABC):
         """Waits until the in-flight bounds leave room for one more op of ``num_bytes``.
 
         Back-pressure for a task that issues in a loop: past the bounds
-        (:class:`agang.InFlightLimits`), a call still returns its handle at once and its op
-        waits in the gang's queue, so a producer that never awaits would grow that queue
-        without limit. Awaiting this before each call keeps what the gang holds within
-        the bounds instead. It is advice, not a reservation: another task may take the
-        room first. Always a checkpoint, even when there is room already.
+        ([`agang.InFlightLimits`][agang.InFlightLimits]), a call still returns its handle at once
+        and its op waits in the gang's queue, so a producer that never awaits would grow that queue
+        without limit. Awaiting this before each call keeps what the gang holds within the bounds
+        instead. It is advice, not a reservation: another task may take the room first. Always a
+        checkpoint, even when there is room already.
 
         Args:
             num_bytes: The size of the op about to be issued (its tensors' bytes).
@@ -212,9 +277,28 @@ class Gang(ABC):
             GangBrokenError: The gang is broken, or breaks while waiting.
 
         Example:
-            >>> for grad in grads:
-            ...     await gang.wait_for_room(grad.nbytes)
-            ...     handles.append(gang.all_reduce(grad))
+            ```python
+            import asyncio
+
+            import torch
+
+            import agang
+            from agang.testing import FakeWorld
+
+
+            async def step(gang):
+                grads, handles = [torch.ones(4) for _ in range(100)], []
+                for grad in grads:
+                    await gang.wait_for_room(grad.nbytes)  # the gang holds at most 8 ops
+                    handles.append(gang.all_reduce(grad))
+                for handle in handles:
+                    await handle
+                return grads[-1][0].item()
+
+
+            world = FakeWorld(2, limits=agang.InFlightLimits(max_ops=8))
+            assert asyncio.run(world.run(step)) == [2.0, 2.0]
+            ```
         """
 
     @abstractmethod
@@ -235,8 +319,26 @@ class Gang(ABC):
         is never modified.
 
         Example:
-            >>> shard = await gang.reduce_scatter(torch.empty(4), grads.view(gang.size, 4))
-            >>> shard = await gang.reduce_scatter(torch.empty(4), grads)  # grads: [size * 4]
+            ```python
+            import asyncio
+
+            import torch
+
+            from agang.testing import FakeWorld
+
+
+            async def step(gang):
+                grads = torch.arange(gang.size * 4.0)  # concatenated: [size * 4]
+                shard = await gang.reduce_scatter(torch.empty(4), grads)
+                stacked = grads.view(gang.size, 4)
+                same = await gang.reduce_scatter(torch.empty(4), stacked)
+                assert torch.equal(shard, same)
+                return shard.tolist()
+
+
+            shards = asyncio.run(FakeWorld(2).run(step))
+            assert shards == [[0.0, 2.0, 4.0, 6.0], [8.0, 10.0, 12.0, 14.0]]
+            ```
         """
 
     @abstractmethod
@@ -277,10 +379,27 @@ class Gang(ABC):
             ``output.split(output_split_sizes)[r]`` (uneven).
 
         Example:
-            >>> out = await gang.all_gather(torch.empty(gang.size, 4), x)  # x: [4]
-            >>> out = await gang.all_gather(torch.empty(gang.size * 4), x)
-            >>> sizes = [1, 2, 3]  # rank r's x has sizes[r] rows of 4
-            >>> out = await gang.all_gather(torch.empty(6, 4), x, output_split_sizes=sizes)
+            ```python
+            import asyncio
+
+            import torch
+
+            from agang.testing import FakeWorld
+
+
+            async def step(gang):
+                x = torch.full((4,), float(gang.rank))
+                # Stacked: row r is rank r's x; or concatenated.
+                out = await gang.all_gather(torch.empty(gang.size, 4), x)
+                flat = await gang.all_gather(torch.empty(gang.size * 4), x)
+                sizes = [1, 2]  # uneven: rank r sends sizes[r] rows of 4
+                rows = torch.full((sizes[gang.rank], 4), float(gang.rank))
+                uneven = await gang.all_gather(torch.empty(3, 4), rows, output_split_sizes=sizes)
+                return out[:, 0].tolist(), flat.numel(), uneven[:, 0].tolist()
+
+
+            assert asyncio.run(FakeWorld(2).run(step))[0] == ([0.0, 1.0], 8, [0.0, 1.0, 1.0])
+            ```
         """
 
     @abstractmethod
@@ -294,7 +413,22 @@ class Gang(ABC):
         """Gathers every rank's ``input`` into ``outputs[rank]``, one tensor per rank.
 
         Example:
-            >>> outs = await gang.all_gather_to_list([torch.empty(4) for _ in range(n)], x)
+            ```python
+            import asyncio
+
+            import torch
+
+            from agang.testing import FakeWorld
+
+
+            async def step(gang):
+                x = torch.full((4,), float(gang.rank))
+                outs = await gang.all_gather_to_list([torch.empty(4) for _ in range(gang.size)], x)
+                return [out[0].item() for out in outs]
+
+
+            assert asyncio.run(FakeWorld(3).run(step)) == [[0.0, 1.0, 2.0]] * 3
+            ```
         """
 
     @abstractmethod
@@ -328,12 +462,12 @@ class Gang(ABC):
         "Received data size doesn't match expected size"); NCCL does not define it. So
         agree on the sizes first when they come from data (an MoE router: all-to-all
         the per-expert counts, then the tokens). A peer that never calls is what any
-        collective's deadline catches: :class:`agang.GangTimeoutError`. The order
-        check compares the dtype, the shape past the first dimension, and whether
-        split sizes were given (pass them on every rank or on none), and with split
-        sizes it checks every pair of ranks too: sizes that disagree fail the op on
-        every rank with :class:`agang.CollectiveMismatchError` naming the pairs,
-        before any row moves.
+        collective's deadline catches: [`agang.GangTimeoutError`][agang.GangTimeoutError].
+        The order check compares the dtype, the shape past the first dimension, and
+        whether split sizes were given (pass them on every rank or on none), and with
+        split sizes it checks every pair of ranks too: sizes that disagree fail the op
+        on every rank with [`agang.CollectiveMismatchError`][agang.CollectiveMismatchError]
+        naming the pairs, before any row moves.
 
         Args:
             output: Receives the blocks, in rank order.
@@ -351,26 +485,60 @@ class Gang(ABC):
                 so some ranks would get rows already overwritten, with no error.
 
         Example:
-            >>> await gang.all_to_all(torch.empty(n * 2), tokens)
-            >>> counts = torch.tensor(tokens_per_expert)  # rows this rank sends to each
-            >>> received = await gang.all_to_all(torch.empty_like(counts), counts)
-            >>> out = torch.empty(int(received.sum()), hidden)
-            >>> await gang.all_to_all(
-            ...     out,
-            ...     tokens,
-            ...     output_split_sizes=received.tolist(),
-            ...     input_split_sizes=counts.tolist(),
-            ... )
+            ```python
+            import asyncio
+
+            import torch
+
+            from agang.testing import FakeWorld
+
+
+            async def step(gang):
+                tokens = torch.full((gang.size * 2,), float(gang.rank))  # 2 for each rank
+                even = await gang.all_to_all(torch.empty(gang.size * 2), tokens)
+
+                # Uneven: first the counts, then the rows (as a mixture of experts sends tokens).
+                counts = torch.tensor([gang.rank + 1] * gang.size)  # rows this rank sends to each
+                rows = torch.ones(int(counts.sum()), 8)
+                received = await gang.all_to_all(torch.empty_like(counts), counts)
+                out = torch.empty(int(received.sum()), 8)
+                await gang.all_to_all(
+                    out,
+                    rows,
+                    output_split_sizes=received.tolist(),
+                    input_split_sizes=counts.tolist(),
+                )
+                return even.tolist(), out.shape[0]
+
+
+            assert asyncio.run(FakeWorld(2).run(step)) == [([0.0, 0.0, 1.0, 1.0], 3)] * 2
+            ```
         """
 
     @abstractmethod
     def send(
         self, tensor: torch.Tensor, destination_rank: int, *, timeout: float | None = None
     ) -> Handle[None]:
-        """Sends ``tensor`` to ``destination_rank``, which must :meth:`recv` it.
+        """Sends ``tensor`` to ``destination_rank``, which must [`recv`][agang.Gang.recv] it.
 
         Example:
-            >>> await gang.send(activations, destination_rank=gang.rank + 1)
+            ```python
+            import asyncio
+
+            import torch
+
+            from agang.testing import FakeWorld
+
+
+            async def step(gang):
+                if gang.rank == 0:
+                    await gang.send(torch.ones(8), destination_rank=1)
+                    return None
+                return (await gang.recv(torch.empty(8), source_rank=0)).sum().item()
+
+
+            assert asyncio.run(FakeWorld(2).run(step)) == [None, 8.0]
+            ```
         """
 
     @abstractmethod
@@ -380,7 +548,23 @@ class Gang(ABC):
         """Receives into ``tensor`` what ``source_rank`` sends.
 
         Example:
-            >>> x = await gang.recv(torch.empty(8), source_rank=gang.rank - 1)
+            ```python
+            import asyncio
+
+            import torch
+
+            from agang.testing import FakeWorld
+
+
+            async def step(gang):
+                if gang.rank == 0:
+                    await gang.send(torch.ones(8), destination_rank=1)
+                    return None
+                return (await gang.recv(torch.empty(8), source_rank=0)).sum().item()
+
+
+            assert asyncio.run(FakeWorld(2).run(step)) == [None, 8.0]
+            ```
         """
 
     @abstractmethod
@@ -397,9 +581,9 @@ class Gang(ABC):
 
         The order of sends against receives does not matter, so a ring or a two-way
         pipeline step cannot deadlock; between one pair of ranks in one direction, the
-        sends match the peer's receives in order (with those of :meth:`send` and
-        :meth:`recv` too), and a matched pair must agree on shape and dtype. Only the
-        ranks named take part. Like :meth:`send`, it is not order-checked. On NCCL, if
+        sends match the peer's receives in order (with those of [`send`][agang.Gang.send] and
+        [`recv`][agang.Gang.recv] too), and a matched pair must agree on shape and dtype. Only the
+        ranks named take part. Like [`send`][agang.Gang.send], it is not order-checked. On NCCL, if
         this is the first op on the gang's communicator, every rank of the gang must
         take part in it (torch's rule for ``batch_isend_irecv``); an op on the gang
         first (a barrier) lifts that.
@@ -419,8 +603,24 @@ class Gang(ABC):
                 (sends may share memory: one tensor may go to several peers).
 
         Example:
-            >>> after, before = (gang.rank + 1) % gang.size, (gang.rank - 1) % gang.size
-            >>> [x] = await gang.exchange([(mine, after)], [(torch.empty(8), before)])
+            ```python
+            import asyncio
+
+            import torch
+
+            from agang.testing import FakeWorld
+
+
+            async def step(gang):
+                after, before = (gang.rank + 1) % gang.size, (gang.rank - 1) % gang.size
+                mine = torch.full((8,), float(gang.rank))
+                # A ring step: send to the next rank, receive from the one before.
+                [x] = await gang.exchange([(mine, after)], [(torch.empty(8), before)])
+                return x[0].item()
+
+
+            assert asyncio.run(FakeWorld(3).run(step)) == [2.0, 0.0, 1.0]
+            ```
         """
 
     @abstractmethod
@@ -430,7 +630,22 @@ class Gang(ABC):
         """Copies ``tensor`` of ``source_rank`` into ``tensor`` on every other rank.
 
         Example:
-            >>> await gang.broadcast(weights, source_rank=0)
+            ```python
+            import asyncio
+
+            import torch
+
+            from agang.testing import FakeWorld
+
+
+            async def step(gang):
+                weights = torch.full((3,), float(gang.rank))
+                await gang.broadcast(weights, source_rank=0)
+                return weights.tolist()
+
+
+            assert asyncio.run(FakeWorld(2).run(step)) == [[0.0, 0.0, 0.0]] * 2
+            ```
         """
 
     @abstractmethod
@@ -449,7 +664,23 @@ class Gang(ABC):
         leaves partial reductions there): pass a copy to keep them.
 
         Example:
-            >>> loss = await gang.reduce(loss, destination_rank=0, op=ReduceOp.MEAN)
+            ```python
+            import asyncio
+
+            import torch
+
+            from agang import ReduceOp
+            from agang.testing import FakeWorld
+
+
+            async def step(gang):
+                loss = torch.tensor([float(gang.rank)])
+                loss = await gang.reduce(loss, destination_rank=0, op=ReduceOp.MEAN)
+                return loss.item() if gang.rank == 0 else None
+
+
+            assert asyncio.run(FakeWorld(2).run(step)) == [0.5, None]
+            ```
         """
 
     @abstractmethod
@@ -470,8 +701,23 @@ class Gang(ABC):
         never modified.
 
         Example:
-            >>> rows = torch.empty(gang.size, 4) if gang.rank == 0 else None
-            >>> rows = await gang.gather(rows, metrics, destination_rank=0)
+            ```python
+            import asyncio
+
+            import torch
+
+            from agang.testing import FakeWorld
+
+
+            async def step(gang):
+                metrics = torch.full((4,), float(gang.rank))
+                rows = torch.empty(gang.size, 4) if gang.rank == 0 else None
+                rows = await gang.gather(rows, metrics, destination_rank=0)
+                return None if rows is None else rows[:, 0].tolist()
+
+
+            assert asyncio.run(FakeWorld(2).run(step)) == [[0.0, 1.0], None]
+            ```
         """
 
     @abstractmethod
@@ -490,8 +736,24 @@ class Gang(ABC):
         other ranks it must be None. ``await`` returns ``output`` on every rank.
 
         Example:
-            >>> shards = batch.view(gang.size, -1) if gang.rank == 0 else None
-            >>> shard = await gang.scatter(torch.empty(batch.numel() // gang.size), shards, 0)
+            ```python
+            import asyncio
+
+            import torch
+
+            from agang.testing import FakeWorld
+
+
+            async def step(gang):
+                batch = torch.arange(8.0)
+                shards = batch.view(gang.size, -1) if gang.rank == 0 else None
+                shard = await gang.scatter(torch.empty(batch.numel() // gang.size), shards, 0)
+                return shard.tolist()
+
+
+            shards = asyncio.run(FakeWorld(2).run(step))
+            assert shards == [[0.0, 1.0, 2.0, 3.0], [4.0, 5.0, 6.0, 7.0]]
+            ```
         """
 
     @abstractmethod
@@ -526,7 +788,20 @@ class Gang(ABC):
                 ``await`` then raises ``ValueError`` naming it, and the gang stays usable.
 
         Example:
-            >>> config = (await gang.broadcast_objects([config]))[0]
+            ```python
+            import asyncio
+
+            from agang.testing import FakeWorld
+
+
+            async def step(gang):
+                config = {"lr": 0.1} if gang.rank == 0 else None
+                config = (await gang.broadcast_objects([config]))[0]
+                return config
+
+
+            assert asyncio.run(FakeWorld(2).run(step)) == [{"lr": 0.1}, {"lr": 0.1}]
+            ```
         """
 
     @abstractmethod
@@ -534,7 +809,7 @@ class Gang(ABC):
         self, obj: Any, *, timeout: float | None = None, serializer: Serializer = "safe"
     ) -> Handle[list[Any]]:
         """Gathers one object from every rank; ``serializer`` as for
-        :meth:`broadcast_objects`.
+        [`broadcast_objects`][agang.Gang.broadcast_objects].
 
         Returns:
             A handle whose ``await`` returns a list with rank r's object at index r,
@@ -546,7 +821,18 @@ class Gang(ABC):
                 ``ValueError`` naming every such rank, and the gang stays usable.
 
         Example:
-            >>> hosts = await gang.all_gather_objects(socket.gethostname())
+            ```python
+            import asyncio
+
+            from agang.testing import FakeWorld
+
+
+            async def step(gang):
+                return await gang.all_gather_objects(f"host{gang.rank}")
+
+
+            assert asyncio.run(FakeWorld(2).run(step)) == [["host0", "host1"]] * 2
+            ```
         """
 
     @abstractmethod
@@ -554,7 +840,18 @@ class Gang(ABC):
         """Completes once every rank has reached it.
 
         Example:
-            >>> await gang.barrier()
+            ```python
+            import asyncio
+
+            from agang.testing import FakeWorld
+
+
+            async def step(gang):
+                await gang.barrier()  # every rank is here
+
+
+            asyncio.run(FakeWorld(2).run(step))
+            ```
         """
 
     @abstractmethod
@@ -569,12 +866,24 @@ class Gang(ABC):
             The new gang, or None on ranks that are not in ``ranks``.
 
         Example:
-            >>> pair = await gang.create_gang([0, 1])
+            ```python
+            import asyncio
+
+            from agang.testing import FakeWorld
+
+
+            async def step(gang):
+                pair = await gang.create_gang([0, 1])  # every rank calls it; rank 2 gets None
+                return None if pair is None else pair.size
+
+
+            assert asyncio.run(FakeWorld(3).run(step)) == [2, 2, None]
+            ```
         """
 
     @abstractmethod
     async def close(self) -> None:
-        """Releases the gang; pending waiters get :class:`~agang.GangClosedError`.
+        """Releases the gang; pending waiters get [`GangClosedError`][agang.GangClosedError].
 
         Idempotent. Closing a gang also closes the sub-gangs made from it. With work
         still running, close aborts the gang's communicator. On NCCL that abort returns
@@ -586,22 +895,38 @@ class Gang(ABC):
 
     @abstractmethod
     def close_sync(self) -> None:
-        """:meth:`close` for synchronous code."""
+        """[`close`][agang.Gang.close] for synchronous code."""
 
     @abstractmethod
     def holds(self, tensor: torch.Tensor) -> bool:
         """Whether an op of this gang may still read or write ``tensor``'s memory.
 
         True while an op that was given the tensor has not ended, including one that a
-        deadline, a cancelled wait, a failure or :meth:`close` abandoned: c10d cannot
+        deadline, a cancelled wait, a failure or [`close`][agang.Gang.close] abandoned: c10d cannot
         cancel an op, and one behind a dead link can go on for seconds after its
         communicator's abort. Such a tensor is busy (another op refuses it); a caller
         that must go on without waiting for it uses other memory. False once every op
         that used the tensor has ended. Closed gangs answer too.
 
         Example:
-            >>> if gang.holds(buffer):
-            ...     buffer = torch.empty_like(buffer)  # the old op keeps the old one
+            ```python
+            import asyncio
+
+            import torch
+
+            from agang.testing import FakeWorld
+
+
+            async def step(gang):
+                buffer = torch.ones(4)
+                handle = gang.all_reduce(buffer)
+                if gang.holds(buffer):
+                    buffer = torch.empty_like(buffer)  # the old op keeps the old one
+                return (await handle).tolist()
+
+
+            assert asyncio.run(FakeWorld(2).run(step)) == [[2.0] * 4] * 2
+            ```
         """
 
     def _stream_order(self) -> StreamOrder | None:
@@ -623,7 +948,7 @@ class Gang(ABC):
         return 0
 
     async def reform(self, timeout: float | None = None) -> Gang:  # noqa: ASYNC109
-        """An elastic gang's next epoch (:meth:`agang.ElasticGang.reform`).
+        """An elastic gang's next epoch ([`agang.ElasticGang.reform`][agang.ElasticGang.reform]).
 
         Raises:
             GangError: This gang is not elastic (made without ``elastic=``).

@@ -106,7 +106,7 @@ class StepTimes:
 
     Attributes:
         buckets: Each bucket's all-reduce, in issue order.
-        wait_started: When :meth:`GradientSync.wait` was called.
+        wait_started: When [`GradientSync.wait`][agang.GradientSync.wait] was called.
         wait_finished: When it returned.
         exposed: Seconds ``wait`` blocked for communication that backward did not hide.
         communication: Seconds from the first bucket's issue to the last one's finish.
@@ -154,13 +154,16 @@ class GradientSync:
         timeout: Seconds before each bucket's deadline; None for the gang's default.
 
     Example:
-        >>> sync = agang.GradientSync(model, gang)
-        >>> await sync.ready()                  # parameters equal on every rank
-        >>> for batch in data:
-        ...     loss = model(batch).sum()
-        ...     loss.backward()                 # buckets are all-reduced meanwhile
-        ...     await sync.wait()               # gradients are averaged
-        ...     optimizer.step(); optimizer.zero_grad()
+        <!-- not-run: a training loop: the model, data and optimizer are yours -->
+        ```python
+        sync = agang.GradientSync(model, gang)
+        await sync.ready()                  # parameters equal on every rank
+        for batch in data:
+            loss = model(batch).sum()
+            loss.backward()                 # buckets are all-reduced meanwhile
+            await sync.wait()               # gradients are averaged
+            optimizer.step(); optimizer.zero_grad()
+        ```
     """
 
     def __init__(
@@ -291,7 +294,7 @@ class GradientSync:
         self._install_parameters()
 
     def ready_sync(self, timeout: float | None = None) -> None:
-        """:meth:`ready` for synchronous code."""
+        """[`ready`][agang.GradientSync.ready] for synchronous code."""
         self._ready.wait(timeout)
         self._install_parameters()
 
@@ -313,8 +316,11 @@ class GradientSync:
         without a gradient (rule 4), as DDP with ``find_unused_parameters=True`` does.
 
         Example:
-            >>> with sync.no_sync():
-            ...     model(micro_batch).sum().backward()
+            <!-- not-run: a fragment of a training loop with gradient accumulation -->
+            ```python
+            with sync.no_sync():
+                model(micro_batch).sum().backward()
+            ```
         """
         self._synchronising = False
         try:
@@ -336,7 +342,8 @@ class GradientSync:
         self._end_step(handles, started)
 
     def wait_sync(self, timeout: float | None = None) -> None:
-        """:meth:`wait` for synchronous code; ``timeout`` bounds each bucket's wait."""
+        """[`wait`][agang.GradientSync.wait] for synchronous code; ``timeout`` bounds each
+        bucket's wait."""
         started = time.monotonic()
         handles = self._finish_step()
         for handle in handles:

@@ -1,13 +1,14 @@
 """What a gang's call returns: a handle, issued already, complete when awaited.
 
 A handle is one op as the user issued it: an all-reduce, a broadcast, a whole
-``all_reduce_bucketed`` call. It is a :class:`~agang._runtime.future.Future` (finished once, by
+``all_reduce_bucketed`` call. It is a ``agang._runtime.future.Future`` (finished once, by
 any thread; waiting never changes the op) with the op's metadata, and it tells the
 engine that issued it (its *owner*) when a waiter starts and when one resumes.
 
-Every result type a call returns lives here: :class:`Handle`; :class:`Coalesced`, what a
-``coalesce()`` scope issued; :func:`all_of`, one handle over several backend ops (a
-bucketed all-reduce, a scope); :func:`failed_handle`, for an op that could not be issued.
+Every result type a call returns lives here: [`Handle`][agang.Handle];
+[`Coalesced`][agang.Coalesced], what a ``coalesce()`` scope issued; ``all_of``, one handle
+over several backend ops (a bucketed all-reduce, a scope); ``failed_handle``, for an op
+that could not be issued.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ class HandleOwner(Protocol):
     #: The gang's policy; its ``wait_mode`` decides how an ``await`` waits.
     policy: GangPolicy
 
-    #: Whether a waiter learns of the op's end by asking (:meth:`settle`, :meth:`park_for`).
+    #: Whether a waiter learns of the op's end by asking (``settle``, ``park_for``).
     polls: bool
 
     def waiting(self) -> None:
@@ -48,7 +49,7 @@ class HandleOwner(Protocol):
 
     async def settle(self, handle: Handle[Any]) -> None:
         """Learns of ``handle``'s end on the awaiting task's loop, within a budget, once
-        :meth:`learn` found the op running."""
+        ``learn`` found the op running."""
 
     def park_for(self, handle: Handle[Any]) -> None:
         """A plain thread is about to block on ``handle``: have its end reported."""
@@ -59,15 +60,30 @@ class HandleOwner(Protocol):
 
 @final
 class Handle(Future[T]):
-    """An issued collective. ``await`` it (or call :meth:`wait`) for its output.
+    """An issued collective. ``await`` it (or call [`wait`][agang.Handle.wait]) for its output.
 
     The op was handed to the backend when the gang's method returned this handle, so
     work placed between the call and the ``await`` overlaps the communication.
 
     Example:
-        >>> handle = gang.all_reduce(grad)
-        >>> loss = compute_something_else()
-        >>> grad = await handle
+        ```python
+        import asyncio
+
+        import torch
+
+        from agang.testing import FakeWorld
+
+
+        async def step(gang):
+            grad = torch.ones(2)
+            handle = gang.all_reduce(grad)  # issued: it runs while this rank goes on
+            other = sum(range(1000))  # other work here overlaps the communication
+            grad = await handle
+            return grad.tolist(), other
+
+
+        assert asyncio.run(FakeWorld(2).run(step))[0] == ([2.0, 2.0], 499500)
+        ```
     """
 
     __slots__ = ("_collective", "_hold", "_owner", "issued_at", "num_bytes", "op", "seq", "timeout")
@@ -112,7 +128,7 @@ class Handle(Future[T]):
         self._collective = collective
         #: Bytes this rank sends or receives (the size of its tensors).
         self.num_bytes = num_bytes
-        #: The deadline in seconds from :attr:`issued_at`, or None for none.
+        #: The deadline in seconds from ``issued_at``, or None for none.
         self.timeout = timeout
         #: ``time.monotonic()`` when the op was issued.
         self.issued_at = time.monotonic()
@@ -196,10 +212,13 @@ class Handle(Future[T]):
 
         Raises:
             TimeoutError: ``timeout`` passed before the op finished.
-            GangError: The op failed; see :meth:`result`.
+            GangError: The op failed; see ``result``.
 
         Example:
-            >>> out = gang.all_reduce(t).wait()
+            <!-- not-run: wait() blocks: for a gang of init_sync, in a launched world -->
+            ```python
+            out = gang.all_reduce(t).wait()
+            ```
         """
         seconds = check_timeout(timeout)
         self._check_not_held()
@@ -296,14 +315,29 @@ HELD = (
 class Coalesced:
     """What a ``coalesce()`` scope issued: await it for all its tensors at once.
 
-    Each held all-reduce also has its own handle (:attr:`handles`); awaiting this object
-    instead costs one wake-up for the whole scope.
+    Each held all-reduce also has its own handle ([`handles`][agang.Coalesced.handles]); awaiting
+    this object instead costs one wake-up for the whole scope.
 
     Example:
-        >>> with gang.coalesce() as batch:
-        ...     for grad in grads:
-        ...         gang.all_reduce(grad)
-        >>> await batch  # every grad reduced, in place
+        ```python
+        import asyncio
+
+        import torch
+
+        from agang.testing import FakeWorld
+
+
+        async def step(gang):
+            grads = [torch.ones(2), torch.ones(3)]
+            with gang.coalesce() as batch:
+                for grad in grads:
+                    gang.all_reduce(grad)
+            await batch  # every grad reduced, in place
+            return [grad[0].item() for grad in grads]
+
+
+        assert asyncio.run(FakeWorld(2).run(step)) == [[2.0, 2.0]] * 2
+        ```
     """
 
     def __init__(self) -> None:

@@ -44,15 +44,18 @@ class InFlightLimits:
         max_ops: Ops started in the backend at once, at most.
         max_bytes: Bytes of started ops at once, at most; one op larger than this
             still runs, alone.
-        when_full: What a call does when the gang is at a bound.
-            ``"queue"`` (default): the call returns its handle at once, numbered in call
-            order, and the op starts when room frees; ``await``-ing the handle waits for
-            both. ``"raise"``: the call raises :class:`agang.GangFullError` and issues
-            nothing. ``"block"``: the calling thread blocks until there is room (never
-            allowed on an event loop's thread, which it would stop).
+        when_full: What a call does when the gang is at a bound. ``"queue"`` (default): the call
+            returns its handle at once, numbered in call order, and the op starts when room frees;
+            ``await``-ing the handle waits for both. ``"raise"``: the call raises
+            [`agang.GangFullError`][agang.GangFullError] and issues nothing. ``"block"``: the
+            calling thread blocks until there is room (never allowed on an event loop's thread,
+            which it would stop).
 
     Example:
-        >>> gang = await agang.init(limits=agang.InFlightLimits(max_ops=64))
+        <!-- not-run: agang.init joins the world a launcher (torchrun) set up -->
+        ```python
+        gang = await agang.init(limits=agang.InFlightLimits(max_ops=64))
+        ```
     """
 
     max_ops: int = 1024

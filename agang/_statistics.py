@@ -35,7 +35,7 @@ class Quantiles:
 
 @dataclass(frozen=True)
 class GangStatistics:
-    """A snapshot of a gang's counters, from :meth:`agang.Gang.statistics`.
+    """A snapshot of a gang's counters, from [`agang.Gang.statistics`][agang.Gang.statistics].
 
     Ops are counted as the backend sees them: a coalesce scope or a bucket that folds
     n all-reduces into one flat op counts one issued op and n ``num_coalesced``.
@@ -76,7 +76,8 @@ class GangStatistics:
 
 
 class Counters:
-    """The mutable counters behind :class:`GangStatistics`; the caller holds a lock."""
+    """The mutable counters behind [`GangStatistics`][agang.GangStatistics]; the caller holds a
+    lock."""
 
     def __init__(self, window: int = _WINDOW) -> None:
         self.num_issued = 0

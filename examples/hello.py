@@ -26,9 +26,12 @@ async def main() -> None:
         await asyncio.sleep(0.01)
         total = await handle
 
-        gathered = await gang.all_gather(torch.empty(size, 2), torch.tensor([rank, rank * 10.0]))
-        mean = await gang.all_reduce(torch.tensor([float(rank)]), agang.ReduceOp.MEAN)
-        hosts = await gang.all_gather_objects(f"{socket.gethostname()}/rank{rank}")
+        mine = torch.tensor([rank, rank * 10.0])
+        gathered = await gang.all_gather(torch.empty(size, 2), mine)
+        my_rank = torch.tensor([float(rank)])
+        mean = await gang.all_reduce(my_rank, agang.ReduceOp.MEAN)
+        host = socket.gethostname()
+        hosts = await gang.all_gather_objects(f"{host}/rank{rank}")
         config = await gang.broadcast_objects(
             [{"lr": 3e-4, "started": time.time()}] if rank == 0 else [None]
         )
@@ -36,11 +39,13 @@ async def main() -> None:
 
         expected = size * (size + 1) / 2
         assert total.tolist() == [expected] * 4, total
-        assert gathered[:, 0].tolist() == list(map(float, range(size))), gathered
+        ranks = list(map(float, range(size)))
+        assert gathered[:, 0].tolist() == ranks, gathered
         if rank == 0:
             stats = gang.statistics()
             print(f"agang hello: {size} rank(s) on {gang.backend}")
-            print(f"  all_reduce of 1..{size}: {total[0].item():g} (expected {expected:g})")
+            got = total[0].item()
+            print(f"  all_reduce of 1..{size}: {got:g} (expected {expected:g})")
             print(f"  all_gather: {gathered[:, 1].tolist()}")
             print(f"  mean of ranks: {mean.item():g}")
             print(f"  ranks: {', '.join(hosts)}")

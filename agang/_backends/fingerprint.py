@@ -31,7 +31,7 @@ Rules:
 3. *Report.* On a disagreement the report names the pairs that disagree, from the
    ranks' texts: all of them where every text is at hand (``FakeWorld``); on c10d, rank
    0 reads every rank's and passes on those of the ranks in the first
-   :data:`MAX_NAMED` disagreeing pairs (``named``), so the store carries a number of
+   ``MAX_NAMED`` disagreeing pairs (``named``), so the store carries a number of
    texts that grows with the gang's size, not its square.
 """
 
@@ -171,7 +171,7 @@ MAX_NAMED = 8
 
 
 def named(texts: Mapping[int, str]) -> dict[int, str]:
-    """The texts of the ranks in the first :data:`MAX_NAMED` disagreeing pairs (rule 3):
+    """The texts of the ranks in the first ``MAX_NAMED`` disagreeing pairs (rule 3):
     enough for the report, whatever the gang's size."""
     ranks: set[int] = set()
     for source, destination, _, _ in itertools.islice(_disagreeing(texts), MAX_NAMED):

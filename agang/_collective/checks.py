@@ -1,6 +1,6 @@
 """What a collective's arguments are checked against, and the checks of its tensors.
 
-A :class:`Group` is one gang as its collectives see it: this rank's place, and the
+A ``Group`` is one gang as its collectives see it: this rank's place, and the
 device and dtypes its backend takes. Each collective's check-and-describe function
 (``even``, ``rooted``, ``uneven``, ``objects``) checks its tensors against it with
 ``Group.tensor`` and the shape, dtype and split-size checks here, then describes the op.
@@ -35,7 +35,7 @@ class Group:
     #: The backend's kind: ``"gloo"``, ``"nccl"`` or ``"fake"``.
     kind: str
     #: The dtypes the backend's collectives accept, less the complex ones: those that
-    #: :func:`is_usual_tensor` passes at once.
+    #: ``is_usual_tensor`` passes at once.
     real_dtypes: frozenset[torch.dtype]
 
     @classmethod
@@ -128,11 +128,11 @@ def check_tensor(
 def is_usual_tensor(
     tensor: object, device: torch.device, real_dtypes: frozenset[torch.dtype]
 ) -> TypeGuard[torch.Tensor]:
-    """Whether ``tensor`` passes :func:`check_tensor`, in one expression: the usual tensor
+    """Whether ``tensor`` passes ``check_tensor``, in one expression: the usual tensor
     costs no more. ``real_dtypes`` are the backend's dtypes less the complex ones: a real
     tensor can carry one lazy flag (negation), tested here, and a complex one two
     (negation and conjugation), so complex tensors, which are rare, take the full check
-    and the usual tensor pays one flag test. Any other goes to :func:`check_tensor`,
+    and the usual tensor pays one flag test. Any other goes to ``check_tensor``,
     which names its first fault."""
     return (
         isinstance(tensor, torch.Tensor)

@@ -5,7 +5,7 @@ of ``all_reduce_bucketed``'s tensors. ``all_reduce`` itself is the gang's own
 (``CollectiveGang.all_reduce``): the most frequent call keeps an inline path, and it
 decides whether an open ``coalesce()`` scope holds it.
 
-Each function checks its call against the gang's :class:`~agang._collective.checks.Group`
+Each function checks its call against the gang's ``agang._collective.checks.Group``
 and returns the ``Op`` (``agang._engine.ops``) the gang issues; its fingerprint names
 what every rank must agree on (op, shapes, dtypes, reduce op, root). Their documentation
 is the ``Gang``'s.

@@ -1,6 +1,6 @@
 """A gang of one process that plays every rank as a copy of itself (fairseq2's FakeGang).
 
-It runs anywhere with no network, and is what :func:`agang.init` returns for a world of
+It runs anywhere with no network, and is what [`agang.init`][agang.init] returns for a world of
 size 1. The simulation is its backend's (``agang._backends.fake``).
 """
 
@@ -38,8 +38,22 @@ class FakeGang(CollectiveGang):
             not read.
 
     Example:
-        >>> gang = agang.FakeGang(rank=0, size=4)
-        >>> await gang.all_reduce(torch.ones(2))  # tensor([4., 4.])
+        ```python
+        import asyncio
+
+        import torch
+
+        import agang
+
+        gang = agang.FakeGang(rank=0, size=4)  # assumes every rank holds the same data
+
+
+        async def main():
+            return await gang.all_reduce(torch.ones(2))
+
+
+        assert asyncio.run(main()).tolist() == [4.0, 4.0]
+        ```
     """
 
     def __init__(
@@ -75,8 +89,8 @@ class FakeGang(CollectiveGang):
         timeout: float | None = None,
         serializer: Serializer = "safe",
     ) -> Handle[list[Any]]:
-        """:meth:`agang.Gang.broadcast_objects`: every rank of a fake gang is a copy of
-        the source, so each gets its own ``objects`` back (round-tripped)."""
+        """[`agang.Gang.broadcast_objects`][agang.Gang.broadcast_objects]: every rank of a fake gang
+        is a copy of the source, so each gets its own ``objects`` back (round-tripped)."""
         # The source is a copy of this rank, so this rank's objects are the source's; as
         # a receiver it would get no bytes (broadcast is a no-op here) and fail to unpickle.
         check_rank(source_rank, self.size, name="source_rank")

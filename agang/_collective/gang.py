@@ -1,4 +1,4 @@
-"""The one implementation of :class:`agang.Gang`: checks in front of an engine.
+"""The one implementation of [`agang.Gang`][agang.Gang]: checks in front of an engine.
 
 A ``CollectiveGang`` is made of parts, each holding the next, with one-way calls:
 - the gang checks every call's input, naming the parameter, resolves its timeout once,
@@ -16,7 +16,7 @@ Only collectives are order-checked (fingerprint: op, shapes, dtypes, reduce op, 
 
 ``ProcessGroupGang``, ``FakeGang`` and ``testing.FakeWorldGang`` are this class over
 their backend. Sub-gangs and lanes are made here, once, from the backend's children,
-each a gang of the parent's class made by :meth:`CollectiveGang._from_backend`.
+each a gang of the parent's class made by ``CollectiveGang._from_backend``.
 """
 
 from __future__ import annotations

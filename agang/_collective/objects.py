@@ -3,13 +3,13 @@
 c10d's own object collectives block and need numpy; agang's are built from two tensor
 collectives (lengths, then bytes) so they are awaitable like any other op. Both phases
 are read on the host, so both ask the backend for host-readable results (``to_host``).
-Each function checks its call against the gang's :class:`~agang._collective.checks.Group`
-and returns the :class:`Phases` the gang issues as one two-phase op; their documentation
+Each function checks its call against the gang's ``agang._collective.checks.Group``
+and returns the ``Phases`` the gang issues as one two-phase op; their documentation
 is the ``Gang``'s.
 
 Rules:
 1. *Decoding runs on the caller's thread.* The second phase ends with a
-   :class:`~agang._runtime.future.Deferred` value: the received bytes are decoded when the
+   ``agang._runtime.future.Deferred`` value: the received bytes are decoded when the
    handle's result is taken, never on c10d's threads, each rank's row from a zero-copy
    view of the received tensor.
 2. *Small payloads need one phase.* The first phase sends a fixed slot per rank: the

@@ -77,7 +77,7 @@ fork.on_fork_in_child(_forget_in_child)
 
 
 class ProcessGroupGang(CollectiveGang):
-    """A gang backed by a c10d process group. Made by :func:`agang.init`.
+    """A gang backed by a c10d process group. Made by [`agang.init`][agang.init].
 
     Args:
         process_group: The group the gang's ops run on.

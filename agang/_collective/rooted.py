@@ -5,7 +5,7 @@ One rank, the root, plays another role than the others: it alone receives the re
 (``scatter``). The tensor only the root uses must be None elsewhere, so a call that
 mixes up the roles fails at once, naming it, instead of being ignored.
 
-Each function checks its call against the gang's :class:`~agang._collective.checks.Group`
+Each function checks its call against the gang's ``agang._collective.checks.Group``
 and returns the ``Op`` (``agang._engine.ops``) the gang issues, with a fingerprint naming
 the root, so ranks that disagree on it fail the order check. The root's blocks go to the
 backend as views of its stacked or concatenated tensor, one per rank, as c10d takes them.

@@ -6,7 +6,7 @@ Rules:
    that only builds those types: no class is looked up and no method of the payload is
    called, whatever the bytes say. Only exact instances are encoded (a subclass such as
    an ``IntEnum`` or a ``namedtuple`` could not come back as itself), and nesting stops
-   at :data:`MAX_DEPTH`.
+   at ``MAX_DEPTH``.
 2. *Pickle is trusted.* ``"pickle"`` encodes anything picklable; unpickling can run any
    code its sender chose, so it is only ever chosen by name.
 3. *The payload says its format.* Its first byte names the format it was written in. A

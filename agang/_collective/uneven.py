@@ -13,7 +13,7 @@ before any row moves. An uneven all_gather's sizes are equal on every rank, so i
 fingerprint names them. The point-to-point ops are not order-checked: their peers, not
 the whole gang, must agree on them.
 
-Each function checks its call against the gang's :class:`~agang._collective.checks.Group`
+Each function checks its call against the gang's ``agang._collective.checks.Group``
 and returns the ``Op`` (``agang._engine.ops``) the gang issues. Their documentation is
 the ``Gang``'s.
 """

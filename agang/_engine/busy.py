@@ -40,7 +40,7 @@ def acquire(tensors: Sequence[tuple[str, torch.Tensor]], holder: object) -> Clai
         holder: The op taking the memory; its ``str`` describes it in errors.
 
     Returns:
-        The claimed ranges, to pass to :func:`release` when the op has ended.
+        The claimed ranges, to pass to ``release`` when the op has ended.
 
     Raises:
         TensorBusyError: Some memory is held by an unfinished op; nothing is marked.
@@ -69,7 +69,7 @@ def acquire(tensors: Sequence[tuple[str, torch.Tensor]], holder: object) -> Clai
 
 
 def acquire_one(name: str, tensor: torch.Tensor, holder: object) -> Claim:
-    """:func:`acquire` for one (contiguous) tensor, the common case, without the loops."""
+    """``acquire`` for one (contiguous) tensor, the common case, without the loops."""
     size = tensor.nbytes
     if not size:
         return []
@@ -128,7 +128,7 @@ def _remove(start: int) -> None:
 
 
 def release(claim: Claim) -> None:
-    """Frees the ranges :func:`acquire` returned."""
+    """Frees the ranges ``acquire`` returned."""
     if not claim:
         return
     _take()

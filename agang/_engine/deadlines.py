@@ -285,7 +285,7 @@ class Expiring(Protocol):
 
 class Expiry:
     """The deadline check of one gang (rules 3-5), and its timer: ``alarm`` runs
-    :meth:`check` when the earliest deadline comes. ``lock`` is the gang's."""
+    ``check`` when the earliest deadline comes. ``lock`` is the gang's."""
 
     def __init__(self, owner: Expiring, lock: threading.RLock) -> None:
         self._owner = owner

@@ -187,7 +187,7 @@ class Engine:
 
     def new_handle(self, op: str, seconds: float | None, num_bytes: int) -> Handle[Any]:
         """Numbers an op whose memory its caller claims (flat ops: their members';
-        two-phase ops: none of the user's), for :meth:`admit` (rule 2)."""
+        two-phase ops: none of the user's), for ``admit`` (rule 2)."""
         if self.closed or self.broken is not None:
             self.check_usable()
         with self.lock:
@@ -237,7 +237,7 @@ class Engine:
 
         The common op (nothing queued ahead of it, no order check) is numbered, claimed,
         admitted and started under one taking of the lock, on the caller's thread, with
-        no deferred start made for it; any other goes through :meth:`admit`.
+        no deferred start made for it; any other goes through ``admit``.
         """
         if self.closed or self.broken is not None:
             self.check_usable()
@@ -311,7 +311,7 @@ class Engine:
         return due
 
     def _enter_started(self, handle: Handle[Any], done: OpEnd) -> float | None:
-        """Enters into the core an op started by :meth:`_start_now`; its deadline."""
+        """Enters into the core an op started by ``_start_now``; its deadline."""
         seconds = handle.timeout
         issued_at = handle.issued_at
         due = None if seconds is None else issued_at + seconds
@@ -323,7 +323,7 @@ class Engine:
 
     def ends_inline(self, done: OpEnd) -> bool:
         """Whether ``done`` is called inside its op's start on the thread that started it
-        (:meth:`_start_now`), which then takes the end once the start returns."""
+        (``_start_now``), which then takes the end once the start returns."""
         return self._inline is done and threading.get_ident() == self._inline_thread
 
     async def wait_for_room(self, num_bytes: int) -> None:
@@ -361,7 +361,7 @@ class Engine:
         fingerprint: Fingerprint | None,
         holds_gate: bool,
     ) -> None:
-        """:meth:`admit` once the lock is taken, but for the deadline's arming."""
+        """``admit`` once the lock is taken, but for the deadline's arming."""
         checked = fingerprint is not None and self.checks_order
         entry = Entry(
             seq=handle.seq,
@@ -471,7 +471,7 @@ class Engine:
         return handle
 
     # Completion (rules 4 and 10): an op's end comes back through its ``OpEnd`` (``ops``); one
-    # that ended inside its start on the issuing thread is taken by :meth:`_start_now` instead.
+    # that ended inside its start on the issuing thread is taken by ``_start_now`` instead.
 
     def _wrap(self, handle: Handle[Any], error: BaseException) -> CollectiveError:
         """A backend's ``error`` for ``handle``'s op, as the op's ``CollectiveError``."""

@@ -76,7 +76,7 @@ def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 def unflatten_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
     """Copies ``flat``'s consecutive parts back into ``tensors`` (contiguous; outside
-    autograd, as for :func:`flatten`)."""
+    autograd, as for ``flatten``)."""
     targets = [t if t.dim() == 1 else t.view(-1) for t in tensors]
     torch._foreach_copy_(targets, flat.split_with_sizes([t.numel() for t in targets]))
 

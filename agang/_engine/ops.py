@@ -75,7 +75,7 @@ class OpEnd:
     """The ``done`` of one op: the backend calls it once the op ended.
 
     A backend that reports an op once it is ordered on the caller's stream, before it
-    ran, calls :meth:`ordered` first: the handle finishes then and the tensors are free
+    ran, calls ``ordered`` first: the handle finishes then and the tensors are free
     for work ordered after it, while the op stays in flight (deadlines, close, abort)
     until the call.
     """

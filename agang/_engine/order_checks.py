@@ -17,7 +17,7 @@ Rules:
    held failure then only finishes an op that the break already failed. Successes and
    mismatches are applied at once: ops start in sequence order, so a success cannot let
    an op overtake an earlier one.
-2. A held failure is applied anyway after :data:`HOLD_SECONDS`, on its timer's thread
+2. A held failure is applied anyway after ``HOLD_SECONDS``, on its timer's thread
    (two given up at once may be applied in either order), so that a check that never
    ends (its peer died in the middle of the fingerprint exchange, or has not issued the
    op yet and a failure of another kind came) delays a failure by that much at most. A

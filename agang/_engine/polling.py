@@ -64,7 +64,7 @@ class Polling:
 
     async def settle(self, handle: Handle[Any]) -> None:
         """Polls, one loop pass between polls, until ``handle`` finished or its budget
-        passed, then parks (1-3). The awaiting task has just polled (:meth:`learn`) and
+        passed, then parks (1-3). The awaiting task has just polled (``learn``) and
         found it running, so the first poll here follows a pass."""
         backend = self._backend
         recent = self._recent

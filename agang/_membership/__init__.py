@@ -6,16 +6,16 @@ trusting any clock but the reader's own. Each keeps its own *decider*: an elasti
 is leaderless (the first member to write the list wins), a weights round is led by its
 publisher. What they decide with is here, once:
 
-- :mod:`~agang._membership.store`: connecting to the store (retried within a deadline,
+- ``agang._membership.store``: connecting to the store (retried within a deadline,
   failing with an error that names the store and the feature that asked), and reading
   a key that may be missing without waiting for it.
-- :mod:`~agang._membership.member`: the member record (an id, a name, where it runs).
-- :mod:`~agang._membership.roster`: each epoch's members, the pointer to the newest
+- ``agang._membership.member``: the member record (an id, a name, where it runs).
+- ``agang._membership.roster``: each epoch's members, the pointer to the newest
   epoch, and the members' check-ins.
-- :mod:`~agang._membership.heartbeat`: a member's beat (a count, never a time), the
+- ``agang._membership.heartbeat``: a member's beat (a count, never a time), the
   thread that raises it, and the reader's judgement of who is silent, on its own
   monotonic clock.
-- :mod:`~agang._membership.deaths`: death notices, what any watcher (a launcher, Ray,
+- ``agang._membership.deaths``: death notices, what any watcher (a launcher, Ray,
   a test) says of a member it saw die; both features act on them at once.
 
 It sits below set-up and the weights, above the backends (the c10d store and its log).

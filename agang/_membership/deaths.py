@@ -182,7 +182,10 @@ async def report_death(
         ValueError: An argument is invalid (the message names it).
 
     Example:
-        >>> await agang.report_death("10.0.0.1:29500", "node7, pid 4242", "OOM-killed")
+        <!-- not-run: needs the agang store of a running job -->
+        ```python
+        await agang.report_death("10.0.0.1:29500", "node7, pid 4242", "OOM-killed")
+        ```
     """
     host, port = stores.parse_address(store, name="store")
     notice = Notice(_one_line(who, "who", 300), _one_line(why, "why", 1000), Member.here())
@@ -207,7 +210,7 @@ async def report_death(
 
 
 def report_death_sync(store: str, who: str, why: str, *, timeout: float | None = 10.0) -> int:
-    """:func:`report_death` for programs without an event loop."""
+    """[`report_death`][agang.report_death] for programs without an event loop."""
     return anyio.run(functools.partial(report_death, store, who, why, timeout=timeout))
 
 

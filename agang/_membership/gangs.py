@@ -1,7 +1,7 @@
 """How a membership makes each epoch's gang: the one interface its factories share.
 
 A feature that leads its own epochs (the weights channel) never makes a process group
-itself: it asks a factory for a :class:`agang.Gang` over the epoch's members, and runs
+itself: it asks a factory for a [`agang.Gang`][agang.Gang] over the epoch's members, and runs
 its rounds on that gang's public interface (its collectives, ``close``, ``holds``). The
 factory decides the transport: c10d's Gloo over the store (``agang._setup.
 epoch_gang``), or a simulation in one process for tests (``agang.testing``).

@@ -8,7 +8,7 @@ Rules (every call may block: call them off the event loop):
    given up on at the deadline: where the store takes the connection and never answers
    (a stopped ``agang store``: the kernel accepts for it), the attempt blocks in c10d
    whatever its timeout. c10d's C++ log stays quiet meanwhile
-   (:mod:`agang._backends.c10d.log`); each failed attempt is one INFO line of agang's.
+   (``agang._backends.c10d.log``); each failed attempt is one INFO line of agang's.
    An attempt lasts at most ``ATTEMPT_SECONDS``: c10d's own retries sleep past their
    timeout (3.6 s for a 2 s one, measured on a refused port).
 2. The error at the deadline names the store, how the attempts ended, and the feature

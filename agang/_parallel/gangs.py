@@ -1,6 +1,6 @@
 """The current gangs of a task (fairseq2's ``Gangs``), and small helpers over a gang.
 
-The current gangs live in a :class:`contextvars.ContextVar`, not in a thread-local as in
+The current gangs live in a ``contextvars.ContextVar``, not in a thread-local as in
 fairseq2: with asyncio and trio many tasks share a thread, and each must see its own. A
 task started inside ``with gangs:`` copies its parent's context, so it sees the gangs
 current when it was started; what it sets itself never leaks back to the parent.
@@ -46,13 +46,14 @@ def check_gang(gang: object, *, name: str) -> Gang:
 class Gangs:
     """The gangs of one process for data, tensor and pipeline parallelism.
 
-    Made by :func:`agang.create_parallel_gangs` and :func:`agang.create_fsdp_gangs`, or by
-    hand (for instance of :class:`agang.FakeGang` objects in tests). A dimension of size 1
-    is a ``FakeGang`` of size 1, so code can use every field without checking for None.
+    Made by [`agang.create_parallel_gangs`][agang.create_parallel_gangs] and
+    [`agang.create_fsdp_gangs`][agang.create_fsdp_gangs], or by hand (for instance of
+    [`agang.FakeGang`][agang.FakeGang] objects in tests). A dimension of size 1 is a ``FakeGang`` of
+    size 1, so code can use every field without checking for None.
 
-    ``with gangs:`` makes them the current gangs of this task (and of the tasks it
-    starts) until the block ends; :func:`agang.current_gangs` returns them. Blocks nest:
-    leaving one restores the gangs current before it.
+    ``with gangs:`` makes them the current gangs of this task (and of the tasks it starts) until the
+    block ends; [`agang.current_gangs`][agang.current_gangs] returns them. Blocks nest: leaving one
+    restores the gangs current before it.
 
     Attributes:
         root: The gang of every process.
@@ -64,14 +65,35 @@ class Gangs:
         pp: The pipeline-parallel gang.
 
     Raises:
-        TypeError: A field is not an :class:`agang.Gang`.
+        TypeError: A field is not an [`agang.Gang`][agang.Gang].
         ValueError: ``root.rank`` is 0 but this process is not rank 0 of every other gang
             (rank 0 of the root must coordinate every gang, as in fairseq2).
 
     Example:
-        >>> gangs = await agang.create_parallel_gangs(root, tp_size=2)
-        >>> with gangs:
-        ...     await train()  # calls agang.current_gangs() to find its gangs
+        ```python
+        import asyncio
+
+        import torch
+
+        import agang
+        from agang.testing import FakeWorld
+
+
+        async def train():
+            tp = agang.current_gangs().tp  # found by the code that needs it
+            return (await tp.all_reduce(torch.ones(1))).item()
+
+
+        async def step(root):
+            gangs = await agang.create_parallel_gangs(root, tp_size=2)
+            with gangs:
+                result = await train()
+            await gangs.close()
+            return result
+
+
+        assert asyncio.run(FakeWorld(4).run(step)) == [2.0] * 4
+        ```
     """
 
     root: Gang
@@ -132,17 +154,17 @@ class Gangs:
         as ``rdp`` and ``dp_shard`` as ``sdp``). Every dimension of size > 1 must map to
         a gang: one left over is an error, never a gang of size 1 whose collectives do
         nothing. A gang whose dimension the mesh lacks (or has of size 1 and unnamed) is a
-        size-1 :class:`agang.FakeGang`; ``sdp`` defaults to ``dp``, and ``dp`` to the one
+        size-1 [`agang.FakeGang`][agang.FakeGang]; ``sdp`` defaults to ``dp``, and ``dp`` to the one
         of ``rdp`` and ``sdp`` that spans more than one rank. Nothing is
         communicated, so ranks need not call it in step. The gangs borrow the mesh's
         groups: closing one leaves its group to the mesh, which stays usable. (Closing
-        ``root``, as :meth:`close` does, closes agang's world gang if it is the root,
+        ``root``, as [`close`][agang.Gangs.close] does, closes agang's world gang if it is the root,
         and that destroys every c10d group.) A failure that breaks a gang (a deadline passed, a peer
         lost) aborts its group, as it must to end the hung op: the mesh's group is
         then broken too.
 
         The root is ``root`` if given, else the open agang world gang (from
-        :func:`agang.init`), else a gang borrowing c10d's default group. A dimension
+        [`agang.init`][agang.init]), else a gang borrowing c10d's default group. A dimension
         whose group is the root's is the root. The borrowed gangs take the root's
         deadlines and in-flight bounds, without order checks (each would need a new
         side group).
@@ -161,16 +183,19 @@ class Gangs:
 
         Raises:
             TypeError: ``mesh`` is not a ``DeviceMesh``, ``root`` not a
-                :class:`agang.ProcessGroupGang`, or a dimension name not a str.
+                [`agang.ProcessGroupGang`][agang.ProcessGroupGang], or a dimension name not a str.
             ValueError: A name is not a dimension of ``mesh``, a dimension of size > 1
                 maps to no gang, ``mesh`` spans other ranks or another device type than
                 the root, ``root`` is closed, or ``rdp`` and ``sdp`` both span more than
                 one rank without ``dp``.
 
         Example:
-            >>> mesh = init_device_mesh("cuda", (4, 2), mesh_dim_names=("dp", "tp"))
-            >>> gangs = agang.Gangs.from_device_mesh(mesh, dp="dp", tp="tp")
-            >>> await gangs.tp.all_reduce(partial_activations)
+            <!-- not-run: needs a DeviceMesh of 8 GPUs -->
+            ```python
+            mesh = init_device_mesh("cuda", (4, 2), mesh_dim_names=("dp", "tp"))
+            gangs = agang.Gangs.from_device_mesh(mesh, dp="dp", tp="tp")
+            await gangs.tp.all_reduce(partial_activations)
+            ```
         """
         from agang._parallel.mesh import gangs_from_device_mesh  # imports torch's DeviceMesh
 
@@ -180,11 +205,11 @@ class Gangs:
     def device_mesh(self, dims: Sequence[str] | None = None) -> DeviceMesh:
         """A ``DeviceMesh`` over these gangs' process groups; creates no communicator.
 
-        DTensor, functional collectives and FSDP2 (``fully_shard(model, mesh=...)``) then
-        run on agang's groups. The gangs must lie as :func:`create_parallel_gangs` and
-        :func:`create_fsdp_gangs` lay them out (the root's ranks in a ``(pp, dp, tp)``
-        grid, ``dp`` split as ``(rdp, sdp)``); each gang's ranks are checked against it.
-        The mesh's dimensions are named as the gangs. Nothing is communicated. The
+        DTensor, functional collectives and FSDP2 (``fully_shard(model, mesh=...)``) then run on
+        agang's groups. The gangs must lie as [`create_parallel_gangs`][agang.create_parallel_gangs]
+        and [`create_fsdp_gangs`][agang.create_fsdp_gangs] lay them out (the root's ranks in a
+        ``(pp, dp, tp)`` grid, ``dp`` split as ``(rdp, sdp)``); each gang's ranks are checked
+        against it. The mesh's dimensions are named as the gangs. Nothing is communicated. The
         groups stay agang's: closing the gangs destroys them, and the mesh with them.
 
         Args:
@@ -203,8 +228,11 @@ class Gangs:
                 as ``create_parallel_gangs`` lays them out.
 
         Example:
-            >>> mesh = gangs.device_mesh(("dp", "tp"))
-            >>> weight = distribute_tensor(weight, mesh, [Replicate(), Shard(0)])
+            <!-- not-run: needs a DeviceMesh of several processes -->
+            ```python
+            mesh = gangs.device_mesh(("dp", "tp"))
+            weight = distribute_tensor(weight, mesh, [Replicate(), Shard(0)])
+            ```
         """
         from agang._parallel.mesh import device_mesh_of  # imports torch's DeviceMesh
 
@@ -214,7 +242,21 @@ class Gangs:
         """Closes every gang, the sub-gangs before the root.
 
         Example:
-            >>> await gangs.close()
+            ```python
+            import asyncio
+
+            import agang
+            from agang.testing import FakeWorld
+
+
+            async def step(root):
+                gangs = await agang.create_parallel_gangs(root, tp_size=2)
+                await gangs.close()  # the sub-gangs, then the root gang
+                return root.closed
+
+
+            assert asyncio.run(FakeWorld(4).run(step)) == [True] * 4
+            ```
         """
         distinct: list[Gang] = []
         for gang in (self.rdp, self.sdp, self.tp, self.pp, self.dp, self.root):
@@ -228,15 +270,29 @@ def current_gangs() -> Gangs:
     """Returns the gangs set by the innermost ``with gangs:`` block of this task.
 
     Returns:
-        The current :class:`Gangs`.
+        The current [`Gangs`][agang.Gangs].
 
     Raises:
         LookupError: No gangs are current in this task (the builtin error that
-            :meth:`contextvars.ContextVar.get` raises for an unset variable).
+            ``contextvars.ContextVar.get`` raises for an unset variable).
 
     Example:
-        >>> with gangs:
-        ...     assert agang.current_gangs() is gangs
+        ```python
+        import asyncio
+
+        import agang
+        from agang.testing import FakeWorld
+
+
+        async def step(root):
+            gangs = await agang.create_parallel_gangs(root, tp_size=2)
+            with gangs:
+                assert agang.current_gangs() is gangs
+            await gangs.close()
+
+
+        asyncio.run(FakeWorld(4).run(step))
+        ```
     """
     stack = _current.get()
     if not stack:
@@ -277,7 +333,20 @@ async def broadcast_flag(
         ValueError: ``source_rank`` is not a rank of ``gang``.
 
     Example:
-        >>> stop = await agang.broadcast_flag(gang, gang.rank == 0 and converged())
+        ```python
+        import asyncio
+
+        import agang
+        from agang.testing import FakeWorld
+
+
+        async def step(gang):
+            converged = gang.rank == 0  # only rank 0's value counts
+            return await agang.broadcast_flag(gang, gang.rank == 0 and converged)
+
+
+        assert asyncio.run(FakeWorld(2).run(step)) == [True, True]
+        ```
     """
     check_gang(gang, name="gang")
     if not isinstance(flag, bool):
@@ -331,7 +400,20 @@ async def all_sum(
         ValueError: ``value`` is an int outside the int64 range.
 
     Example:
-        >>> num_tokens = await agang.all_sum(gangs.dp, len(batch_tokens))
+        ```python
+        import asyncio
+
+        import agang
+        from agang.testing import FakeWorld
+
+
+        async def step(gang):
+            batch_tokens = list(range(gang.rank + 1))  # rank r has r + 1 tokens
+            return await agang.all_sum(gang, len(batch_tokens))
+
+
+        assert asyncio.run(FakeWorld(2).run(step)) == [3, 3]
+        ```
     """
     check_gang(gang, name="gang")
     if isinstance(value, bool) or not isinstance(value, int | float):

@@ -122,9 +122,9 @@ async def create_parallel_gangs(root: Gang, *, tp_size: int = 1, pp_size: int = 
         pp: [0, 4] [1, 5] [2, 6] [3, 7]
 
     Give hosts consecutive ranks, so that tensor-parallel gangs stay within a host. A
-    dimension of size 1 is a :class:`agang.FakeGang` of size 1, one as large as ``root``
+    dimension of size 1 is a [`agang.FakeGang`][agang.FakeGang] of size 1, one as large as ``root``
     is ``root`` itself. ``rdp`` is a size-1 fake gang and ``sdp`` is ``dp``; see
-    :func:`create_fsdp_gangs` for hybrid sharding.
+    [`create_fsdp_gangs`][agang.create_fsdp_gangs] for hybrid sharding.
 
     The new gangs are sub-gangs of ``root``: closing ``root`` closes them. If the call
     fails or is cancelled part way, the gangs made so far stay open until ``root`` is
@@ -132,7 +132,7 @@ async def create_parallel_gangs(root: Gang, *, tp_size: int = 1, pp_size: int = 
     go on using it.
 
     Args:
-        root: The gang to split, usually the one :func:`agang.init` returned.
+        root: The gang to split, usually the one [`agang.init`][agang.init] returned.
         tp_size: The size of tensor-parallel gangs.
         pp_size: The size of pipeline-parallel gangs (the number of stages).
 
@@ -147,9 +147,12 @@ async def create_parallel_gangs(root: Gang, *, tp_size: int = 1, pp_size: int = 
         GangInitError: Creating a sub-gang failed.
 
     Example:
-        >>> root = await agang.init()
-        >>> gangs = await agang.create_parallel_gangs(root, tp_size=8)
-        >>> await gangs.tp.all_reduce(partial_activations)
+        <!-- not-run: needs a launched world of 8+ ranks (tp_size=8) -->
+        ```python
+        root = await agang.init()
+        gangs = await agang.create_parallel_gangs(root, tp_size=8)
+        await gangs.tp.all_reduce(partial_activations)
+        ```
     """
     check_gang(root, name="root")
     check_positive_int(tp_size, name="tp_size")
@@ -189,22 +192,26 @@ async def create_fsdp_gangs(gangs: Gangs, intra_node_size: int | None = None) ->
     (``sdp`` a fake gang, ``rdp`` is ``dp``).
 
     Args:
-        gangs: The gangs to extend, as :func:`create_parallel_gangs` returned them.
+        gangs: The gangs to extend, as [`create_parallel_gangs`][agang.create_parallel_gangs]
+            returned them.
         intra_node_size: The size of sharded gangs, or None to shard over all of ``dp``.
 
     Returns:
         New gangs with ``rdp`` and ``sdp`` set; the other fields are those of ``gangs``.
 
     Raises:
-        TypeError: ``gangs`` is not a :class:`Gangs`.
+        TypeError: ``gangs`` is not a [`Gangs`][agang.Gangs].
         ValueError: ``intra_node_size`` is not a positive int, or is not a factor of
             ``gangs.dp.size``.
         GangClosedError: ``gangs.dp`` is closed.
         GangInitError: Creating a sub-gang failed.
 
     Example:
-        >>> gangs = await agang.create_fsdp_gangs(gangs, intra_node_size=8)
-        >>> await gangs.sdp.reduce_scatter(grad_shard, grads)
+        <!-- not-run: needs a world of 16+ ranks on several nodes -->
+        ```python
+        gangs = await agang.create_fsdp_gangs(gangs, intra_node_size=8)
+        await gangs.sdp.reduce_scatter(grad_shard, grads)
+        ```
     """
     if not isinstance(gangs, Gangs):
         raise TypeError(

@@ -6,10 +6,10 @@ asks for it lets an await of a small op block the loop's thread, sleeping on a l
 the op's completion releases, for a short window when nothing else on the loop could run
 meanwhile; past the window it parks as ``wait_async`` does. Rules:
 
-1. Only ops of at most :data:`BRIEF_MAX_BYTES`, only when this size of op recently took
-   at most :data:`BRIEF_MAX_SECONDS` (the median of its last :data:`NUM_RECENT` times,
+1. Only ops of at most ``BRIEF_MAX_BYTES``, only when this size of op recently took
+   at most ``BRIEF_MAX_SECONDS`` (the median of its last ``NUM_RECENT`` times,
    per power of two of bytes: a median, since a small op's times have a long tail), and
-   until at most three times that after the op's issue, never past :data:`BRIEF_MAX_SECONDS`
+   until at most three times that after the op's issue, never past ``BRIEF_MAX_SECONDS``
    of blocking. One slow op (a peer late) thus stops nothing; a run of them stops the
    blocking until ops are fast again.
 2. Never while another waiter is parked on this loop (a block would delay it), nor

@@ -1,7 +1,7 @@
 """A one-shot result that any thread may set and any loop or thread may wait for.
 
 The gang's internal waits (room under the in-flight bounds, a blocking call run on a
-thread, a lane being made) are futures; an op's :class:`agang.Handle` is a future with
+thread, a lane being made) are futures; an op's [`agang.Handle`][agang.Handle] is a future with
 the op's metadata. Neither is an ``asyncio.Future``: they finish on backend threads and
 are awaited from asyncio, uvloop and trio alike.
 
@@ -19,14 +19,14 @@ optional ``then`` for what must change before any waiter wakes), ``_finish_at`` 
 one timestamp), ``_add_done_callback`` and ``_remove_done_callback`` (rule 2), and
 ``_settled`` (the outcome is set, waiters maybe not yet told).
 
-Waiting on an event loop (:func:`wait_async`): the task awaiting a future lives on an
+Waiting on an event loop (``wait_async``): the task awaiting a future lives on an
 asyncio, uvloop or trio loop, while the future finishes on a backend thread (Gloo's
 worker, the CUDA watcher, the deadline timer). The callback only schedules a wake-up with
 the loop's thread-safe entry point, never touches the loop's state itself, and swallows
 the error a closed loop raises: once the loop is gone there is nobody left to wake.
 Cancelling the awaiting task removes the callback and leaves the work running (rule 3).
 
-A future may finish with a :class:`Deferred` value: the work of turning the op's buffers
+A future may finish with a ``Deferred`` value: the work of turning the op's buffers
 into the value (decoding received objects) then runs on the thread that takes the result,
 once, instead of on the thread that finished the future (c10d's, which must not be held).
 """
@@ -51,7 +51,7 @@ _DONE = 2
 
 
 class Deferred:
-    """A value computed on first :meth:`take`, by the taker's thread; its error is kept.
+    """A value computed on first ``take``, by the taker's thread; its error is kept.
 
     Args:
         compute: Makes the value; called at most once.
@@ -119,7 +119,7 @@ class Future(Generic[T]):
 
         Raises:
             asyncio.InvalidStateError: It has not finished yet; await it or call
-                :meth:`wait` instead.
+                ``wait`` instead.
         """
         if self._state != _DONE:
             raise asyncio.InvalidStateError(
@@ -179,7 +179,7 @@ class Future(Generic[T]):
     ) -> bool:
         """Finishes, unless already finished; returns whether this call did (rule 1).
 
-        ``then`` runs once the outcome is set but before :meth:`done` turns True or any
+        ``then`` runs once the outcome is set but before ``done`` turns True or any
         waiter is woken, so that what it changes (a gang broken, counters) is seen by a
         waiter on another thread that finds the future done and calls again at once.
         """
@@ -243,7 +243,7 @@ def finished(what: str, value: Any = None, error: BaseException | None = None) -
 
 class _Parked(threading.local):
     """The waiters parked on this thread's loop, and the awaits in a row that found
-    their future finished and let no other task run (:data:`READY_STREAK`)."""
+    their future finished and let no other task run (``READY_STREAK``)."""
 
     count = 0
     ready = 0
@@ -267,7 +267,7 @@ def num_parked() -> int:
 
 def passed_loop() -> None:
     """The current task has just let the loop run its other tasks (a checkpoint):
-    the next awaits of finished futures need not (:data:`READY_STREAK`)."""
+    the next awaits of finished futures need not (``READY_STREAK``)."""
     _parked.ready = 0
 
 
@@ -280,7 +280,7 @@ async def wait_async(future: Future[Any]) -> bool:
     """Suspends the current task until ``future`` finishes.
 
     A future not finished yet suspends the task, a checkpoint. One already finished
-    returns at once, unless :data:`READY_STREAK` awaits in a row on this thread did so:
+    returns at once, unless ``READY_STREAK`` awaits in a row on this thread did so:
     then it takes one pass of the loop.
 
     Returns:

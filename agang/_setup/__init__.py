@@ -10,16 +10,16 @@ backends, the gangs and the runtime below it, never from the commands (``_cli``)
 
 In the order set-up runs:
 
-- :mod:`~agang._setup.env`: the launchers agang knows, as one table, and the world
+- ``agang._setup.env``: the launchers agang knows, as one table, and the world
   (rank, size, store address) read from their variables.
-- :mod:`~agang._setup.process`: the device and c10d backend, and what the process is set
+- ``agang._setup.process``: the device and c10d backend, and what the process is set
   up with before its group exists (NCCL's settings, as a table the doctor reads too).
-- :mod:`~agang._setup.interface`: the network interface the ranks' connections use.
-- :mod:`~agang._setup.rendezvous`: the store, the check-in that names every rank that
+- ``agang._setup.interface``: the network interface the ranks' connections use.
+- ``agang._setup.rendezvous``: the store, the check-in that names every rank that
   never came, and the barrier that proves the new group.
-- :mod:`~agang._setup.init`: ``agang.init`` and ``agang.init_sync``, which plan, run the
+- ``agang._setup.init``: ``agang.init`` and ``agang.init_sync``, which plan, run the
   above on a daemon thread and turn any failure into a ``GangInitError``.
-- :mod:`~agang._setup.membership`, :mod:`~agang._setup.elastic` and
-  :mod:`~agang._setup.elastic_gang`: an elastic gang's epochs, who belongs to each, and
+- ``agang._setup.membership``, ``agang._setup.elastic`` and
+  ``agang._setup.elastic_gang``: an elastic gang's epochs, who belongs to each, and
   the gang re-formed from its survivors and joiners.
 """

@@ -30,15 +30,15 @@ Rules (blocking, on set-up threads; never on the loop):
    the store takes the connection and never answers (a stopped store process: the
    kernel accepts for it), so each attempt runs on a thread of its own that is given up
    on at the deadline, and the error names the store and says it did not answer.
-5. Connecting is :mod:`agang._membership.store`'s, as for every member of a
+5. Connecting is ``agang._membership.store``'s, as for every member of a
    membership: c10d's C++ log stays quiet, and each failed try is one INFO line.
 6. Elastic set-up talks to the members through their mailboxes
-   (:mod:`agang._backends.c10d.mailbox`), with letters of its own kinds, registered
+   (``agang._backends.c10d.mailbox``), with letters of its own kinds, registered
    here: ``ping <key>`` asks whether a member is alive (its responder answers its index
    under the key: ``ping``); ``joining <id>`` says a process waits to join the next
    epoch (counted locally: ``noticed``; a reform forgets them); ``reforming <who>``
    says a member started the next epoch, and is the elastic gang's own to handle
-   (:mod:`agang._setup.elastic_gang`). A waiting joiner also beats on the store
+   (``agang._setup.elastic_gang``). A waiting joiner also beats on the store
    (membership rule 2), so that no reform waits for one that died.
 7. A joiner never waits silently. Where the gang is at ``max_size``, no reform can
    admit it and its members do not count it (``waiting_to_join``): it says so in an
@@ -187,7 +187,7 @@ def ping(store: Any, world_ranks: list[int], seconds: float) -> set[int]:
 
 @dataclass(frozen=True)
 class Elastic:
-    """Makes :func:`agang.init` form an elastic gang, which survives the loss of ranks.
+    """Makes [`agang.init`][agang.init] form an elastic gang, which survives the loss of ranks.
 
     Args:
         min_size: The fewest members a formation or reform accepts. A reform with fewer
@@ -199,7 +199,10 @@ class Elastic:
             ``waiting_to_join()`` does not count them while the gang is at ``max_size``.
 
     Example:
-        >>> gang = await agang.init(elastic=agang.Elastic(min_size=2), timeout=60)
+        <!-- not-run: an elastic init joins a launched world that may change -->
+        ```python
+        gang = await agang.init(elastic=agang.Elastic(min_size=2), timeout=60)
+        ```
     """
 
     min_size: int = 1
@@ -241,7 +244,7 @@ class Formed:
 
 def connect_store(world: WorldInfo, deadline: float) -> Any:
     """A client of the store that outlives the ranks (rule 1), retried until ``deadline``
-    (:mod:`agang._membership.store`, rules 1 and 2; rule 4 here)."""
+    (``agang._membership.store``, rules 1 and 2; rule 4 here)."""
     return stores.connect(
         world.master_addr,
         world.master_port,

@@ -13,7 +13,7 @@ Rules:
    the notices it had: a joiner it did not admit tells the new epoch's members again
    once that epoch exists, and one that died never does, so it is not counted for ever.
    A gang made by ``init`` starts from the store's registrations instead, counting only
-   the joiners still beating (:mod:`agang._setup.membership`, rule 2): a registration
+   the joiners still beating (``agang._setup.membership``, rule 2): a registration
    outlives a joiner killed while it waits.
    It counts only the joiners a reform could admit, up to ``max_size`` less the gang's
    size: none while the gang is at ``max_size``, or a loop that reforms when it is
@@ -27,8 +27,8 @@ Rules:
    breaks its gang at once, and ``waiting_to_join()`` raises that error, so the
    training loop's next op or step boundary fails, naming the store, rather than train
    on unaware; its ``reform()`` then finds whether the store still holds the job
-   (:mod:`agang._setup.elastic`, rule 8).
-6. *Death notices* (:mod:`agang._membership.deaths`, ``agang.report_death``): each
+   (``agang._setup.elastic``, rule 8).
+6. *Death notices* (``agang._membership.deaths``, ``agang.report_death``): each
    member listens on its process's responder. A notice that names a member of this
    epoch breaks the gang at once, naming the member and the watcher's why, so that every
    op that waits on it fails now, not at its deadline; the next reform leaves it out
@@ -68,10 +68,10 @@ _STEP_MARGIN = 2.0
 
 
 class ElasticGang(ProcessGroupGang):
-    """The gang :func:`agang.init` returns with ``elastic=``: one epoch of an elastic gang.
+    """The gang [`agang.init`][agang.init] returns with ``elastic=``: one epoch of an elastic gang.
 
     Use it like any gang; after a failure (or to admit joiners) every surviving member
-    calls :meth:`reform`, which returns the next epoch's gang.
+    calls [`reform`][agang.ElasticGang.reform], which returns the next epoch's gang.
     """
 
     def __init__(
@@ -147,14 +147,14 @@ class ElasticGang(ProcessGroupGang):
 
     @override
     async def close(self) -> None:
-        """Closes this epoch's gang (:meth:`agang.Gang.close`), and stops hearing death
-        notices for it."""
+        """Closes this epoch's gang ([`agang.Gang.close`][agang.Gang.close]), and stops hearing
+        death notices for it."""
         await super().close()
         await run_blocking(self._stop_listening, name="stop listening", seconds=5.0)
 
     @override
     def close_sync(self) -> None:
-        """:meth:`close` for synchronous code."""
+        """[`close`][agang.ElasticGang.close] for synchronous code."""
         super().close_sync()
         self._stop_listening()
 

@@ -1,6 +1,6 @@
 """The world a process belongs to, read from its launcher's environment.
 
-The launchers agang knows are one table, :data:`LAUNCHERS`, in the order they are tried:
+The launchers agang knows are one table, ``LAUNCHERS``, in the order they are tried:
 each with its name, the variables that show it started this process, every variable it
 reads, and the function that reads them. ``agang doctor`` reads the same table, so it
 cannot see a launcher where ``agang.init`` sees none, or the other way round.
@@ -47,9 +47,12 @@ class WorldInfo:
     """Where this process sits in its job, and where the rendezvous store lives.
 
     Example:
-        >>> world = WorldInfo(rank=0, world_size=2, local_rank=0, master_addr="127.0.0.1",
-        ...                   master_port=29500)
-        >>> gang = await agang.init(world=world)
+        <!-- not-run: agang.init joins the world a launcher (torchrun) set up -->
+        ```python
+        world = WorldInfo(rank=0, world_size=2, local_rank=0, master_addr="127.0.0.1",
+                          master_port=29500)
+        gang = await agang.init(world=world)
+        ```
     """
 
     rank: int
@@ -122,7 +125,7 @@ def world_from_env(
 
 
 def detect_launcher(env: Mapping[str, str]) -> Launcher | None:
-    """The first launcher of :data:`LAUNCHERS` that ``env`` shows; None when none does."""
+    """The first launcher of ``LAUNCHERS`` that ``env`` shows; None when none does."""
     return next((launcher for launcher in LAUNCHERS if launcher.detects(env)), None)
 
 
@@ -226,9 +229,9 @@ def _slurm_tasks_per_node(env: Mapping[str, str]) -> int | None:
 
 @dataclass(frozen=True)
 class Launcher:
-    """A launcher agang reads the world from: one row of :data:`LAUNCHERS`."""
+    """A launcher agang reads the world from: one row of ``LAUNCHERS``."""
 
-    #: Its name, as :attr:`WorldInfo.source` gives it.
+    #: Its name, as [`WorldInfo.source`][agang.WorldInfo.source] gives it.
     name: str
     #: How messages name it ("torchrun's variables").
     owner: str
@@ -236,18 +239,18 @@ class Launcher:
     markers: tuple[str, ...]
     #: True: every marker must be set; False: any one is enough.
     needs_all_markers: bool
-    #: Every variable of its own that :attr:`read` reads, markers first.
+    #: Every variable of its own that ``read`` reads, markers first.
     variables: tuple[str, ...]
     #: Reads the world from the environment; raises ``GangInitError`` naming a bad variable.
     read: Callable[[Mapping[str, str], HostnameExpander], WorldInfo]
 
     def detects(self, env: Mapping[str, str]) -> bool:
-        """Whether ``env`` shows this launcher (its markers, by :attr:`needs_all_markers`)."""
+        """Whether ``env`` shows this launcher (its markers, by ``needs_all_markers``)."""
         present = [name in env for name in self.markers]
         return all(present) if self.needs_all_markers else any(present)
 
     def describe_markers(self) -> str:
-        """What :meth:`detects` looks for, for messages: "`A` or `B`", "both `A` and `B`"."""
+        """What ``detects`` looks for, for messages: "`A` or `B`", "both `A` and `B`"."""
         names = [f"`{name}`" for name in self.markers]
         if not self.needs_all_markers:
             return " or ".join(names)

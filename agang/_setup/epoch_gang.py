@@ -1,7 +1,7 @@
 """Epoch gangs over c10d: a Gloo group of a membership's own, made from the store.
 
-The factory of :mod:`agang._membership.gangs` that production uses; elastic set-up
-makes its epochs' world groups beside it (:mod:`agang._setup.elastic`).
+The factory of ``agang._membership.gangs`` that production uses; elastic set-up
+makes its epochs' world groups beside it (``agang._setup.elastic``).
 
 Rules:
 1. The group is made from the epoch's prefix of the store, as ``init_process_group``
@@ -13,7 +13,7 @@ Rules:
    is its feature's (the weights' publisher asks its subscribers itself). Its errors
    name a rank by its member's name and where it runs, never by the world's roster.
 3. It binds to the interface that reaches the store (as ``init`` chooses it for a
-   gang: :mod:`agang._setup.interface`), or the one ``GLOO_SOCKET_IFNAME`` or
+   gang: ``agang._setup.interface``), or the one ``GLOO_SOCKET_IFNAME`` or
    ``AGANG_SOCKET_IFNAME`` names: Gloo's own default, the address this host's name
    resolves to, is loopback on many machines, and a member on another machine was
    then never admitted.

@@ -7,10 +7,10 @@ Rules:
    thread under one deadline. The caller's loop keeps serving meanwhile; a cancelled
    init returns at once and the thread winds down within a wait slice, tearing down
    whatever it had built; a daemon thread can never keep the process from exiting.
-3. Transient failures are retried (:mod:`agang._backends.c10d.retry`); a deadline names the
-   missing ranks (:mod:`agang._setup.rendezvous`). Every error is a ``GangInitError``
+3. Transient failures are retried (``agang._backends.c10d.retry``); a deadline names the
+   missing ranks (``agang._setup.rendezvous``). Every error is a ``GangInitError``
    with the store address, the attempts, the elapsed time and the likely causes.
-4. Before the group is made, the process is prepared (:mod:`agang._setup.process`: the
+4. Before the group is made, the process is prepared (``agang._setup.process``: the
    network interface, NCCL's settings, the CPU share); every setting made is logged.
 5. On CUDA, the gang's device becomes the calling thread's current device before
    ``init`` returns (CUDA keeps one per host thread, and set-up ran on its own).
@@ -323,9 +323,9 @@ def _start(
     check_order: CheckOrder | None,
     elastic: Elastic | None = None,
 ) -> tuple[_Plan, Future[ProcessGroupGang] | None]:
-    """The body :func:`init` and :func:`init_sync` share: checks the arguments, plans,
-    and starts the set-up thread. No handle means an in-process gang
-    (``plan.local_gang()``); only how the caller waits for the handle differs."""
+    """The body [`init`][agang.init] and [`init_sync`][agang.init_sync] share: checks the arguments,
+    plans, and starts the set-up thread. No handle means an in-process gang (``plan.local_gang()``);
+    only how the caller waits for the handle differs."""
     check_deadline(timeout, name="timeout", default=None)  # refused first; the plan keeps it
     policy = make_policy(
         op_timeout=op_timeout,
@@ -407,13 +407,13 @@ async def init(
             communicator, breaks the gang and fails every pending op with the cause;
             ``"raise"`` fails only that op, whose tensors stay busy until c10d ends it.
         limits: The in-flight bounds and what a call does past them
-            (:class:`agang.InFlightLimits`); None for 1,024 ops and 1 GiB, queued.
-        check_order: Compare every collective's fingerprint (op, shapes, dtypes, reduce
-            op, root) across ranks before starting it, and raise
-            :class:`agang.CollectiveMismatchError` on every rank on a mismatch;
-            ``"call_site"`` adds the issuing line (tells swapped equal ops apart). None
+            ([`agang.InFlightLimits`][agang.InFlightLimits]); None for 1,024 ops and 1 GiB, queued.
+        check_order: Compare every collective's fingerprint (op, shapes, dtypes, reduce op, root)
+            across ranks before starting it, and raise
+            [`agang.CollectiveMismatchError`][agang.CollectiveMismatchError] on every rank on a
+            mismatch; ``"call_site"`` adds the issuing line (tells swapped equal ops apart). None
             reads ``AGANG_CHECK_ORDER`` (``1`` or ``call_site``); equal on every rank.
-        elastic: Form an elastic gang (:class:`agang.Elastic`) on the store at
+        elastic: Form an elastic gang ([`agang.Elastic`][agang.Elastic]) on the store at
             ``MASTER_ADDR:MASTER_PORT``, which no rank hosts (``agang store``).
 
     Returns:
@@ -426,8 +426,11 @@ async def init(
         ValueError: An argument is invalid; the message names it.
 
     Example:
-        >>> gang = await agang.init(timeout=60)
-        >>> await gang.all_reduce(torch.ones(1))
+        <!-- not-run: agang.init joins the world a launcher (torchrun) set up -->
+        ```python
+        gang = await agang.init(timeout=60)
+        await gang.all_reduce(torch.ones(1))
+        ```
     """
     plan, handle = _start(
         backend=backend,
@@ -485,11 +488,14 @@ def init_sync(
     check_order: CheckOrder | None = None,
     elastic: Elastic | None = None,
 ) -> Gang:
-    """:func:`init` for programs without an event loop; blocks at most ``timeout`` seconds.
+    """[`init`][agang.init] for programs without an event loop; blocks at most ``timeout`` seconds.
 
     Example:
-        >>> gang = agang.init_sync()
-        >>> gang.all_reduce(torch.ones(1)).wait()
+        <!-- not-run: agang.init joins the world a launcher (torchrun) set up -->
+        ```python
+        gang = agang.init_sync()
+        gang.all_reduce(torch.ones(1)).wait()
+        ```
     """
     plan, handle = _start(
         backend=backend,

@@ -18,7 +18,7 @@ Rules (all of it runs on a set-up thread, never on the loop):
    not wait for it. Nor for a waiting joiner that died: one that waits beats
    (``say_waiting``, every ``JOINER_BEAT`` seconds, from before it registers), and a
    reform gives the grace only to a joiner this process has not seen silent for
-   ``JOINER_STALE`` (:mod:`agang._membership.heartbeat`: a beat is a count, judged on
+   ``JOINER_STALE`` (``agang._membership.heartbeat``: a beat is a count, judged on
    this process's own monotonic clock, never by a wall clock read on another host).
    The watch lasts as long as the process, and starts when a member hears of a
    joiner (its notice), not at the next reform: a joiner that died while the gang

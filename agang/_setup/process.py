@@ -1,16 +1,16 @@
 """What a rank's process is set up with before its process group exists: its device and
 c10d backend, and the settings c10d, NCCL and torch read from the process.
 
-Which device and backend (:func:`resolve_device`, :func:`resolve_backend`): the
+Which device and backend (``resolve_device``, ``resolve_backend``): the
 arguments of ``agang.init`` where given, else from the world and this machine (a CUDA
 device and NCCL where CUDA is available, else the CPU and Gloo).
 
-Each setting :func:`prepare_process` makes is made only where the user has not made it,
+Each setting ``prepare_process`` makes is made only where the user has not made it,
 and logged:
 1. The network interface of the ranks' connections (``agang._setup.interface``): the one
    that reaches ``MASTER_ADDR``, for Gloo (and NCCL); a loopback ``MASTER_ADDR`` in a
    job across hosts fails at once.
-2. On NCCL, the GPU as this thread's device and the settings of :data:`NCCL_SETTINGS`
+2. On NCCL, the GPU as this thread's device and the settings of ``NCCL_SETTINGS``
    (abort the communicator and keep the process; no heartbeat monitor that kills it), so
    an agang deadline is survivable.
 3. With several local ranks and no ``OMP_NUM_THREADS``, each rank gets its share of the
@@ -19,7 +19,7 @@ and logged:
    (``agang._backends.c10d.log``); what set-up does with it is logged.
 
 The NCCL settings are data, a name mapped to (value, why), because two readers need
-them: :func:`apply_nccl_settings` here, and ``agang doctor``, which reports a user's value
+them: ``apply_nccl_settings`` here, and ``agang doctor``, which reports a user's value
 that differs. One table keeps the two from drifting apart. Why each one:
 
 - ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2``: on a failed or timed-out op, c10d aborts the
@@ -37,7 +37,7 @@ A launcher's value is not the user's. torchrun's agent puts
 environment unless the variable was set for the agent itself, so under torchrun agang
 would never see it unset, and an NCCL error would kill the process instead of reaching
 the program (an elastic gang could never re-form). A worker cannot tell that default
-from a 1 the user exported, so :data:`LAUNCHER_DEFAULTS` names it: where a worker of the
+from a 1 the user exported, so ``LAUNCHER_DEFAULTS`` names it: where a worker of the
 launcher holds exactly the launcher's value, agang applies its own and logs why, unless
 ``AGANG_KEEP_NCCL_SETTINGS=1`` asks it to keep every value as found. Any other value is
 the user's and is kept.

@@ -26,16 +26,16 @@ Rules (all of this runs on init's daemon thread, never on the loop):
 7. The store rank 0 hosts listens on ``MASTER_ADDR``'s address only (a socket agang
    binds and hands to c10d), not on every interface of the host; where ``MASTER_ADDR``
    is not an address of this host (a NAT or DNS alias), on every interface, as c10d does.
-8. Every c10d call here goes through :func:`~agang._backends.c10d.retry.call_c10d`, so its
-   transient failures are a :class:`~agang._backends.c10d.retry.TransientSetupError`; agang's own
+8. Every c10d call here goes through ``agang._backends.c10d.retry.call_c10d``, so its
+   transient failures are a ``agang._backends.c10d.retry.TransientSetupError``; agang's own
    transient conditions raise that type directly.
 9. Each rank checks in with the interface its connections leave from (address and
    network); the ranks learn each other's, for messages that name where a rank runs,
    and warn when they are on different networks.
 10. Opening the store (hosting it, or connecting) keeps c10d's C++ log quiet
-   (:mod:`agang._backends.c10d.log`): each retry is one INFO line of agang's instead of
+   (``agang._backends.c10d.log``): each retry is one INFO line of agang's instead of
    c10d's stack traces.
-11. Meeting ends with proof: a barrier on the new default group (:func:`prove`), within
+11. Meeting ends with proof: a barrier on the new default group (``prove``), within
    the set-up's deadline, and the group destroyed if it fails. It lives here, not in
    init, because both init and an elastic re-formation end their meeting with it.
 12. Each rank checks in with the init settings every rank must share (``check_order``,

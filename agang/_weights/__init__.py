@@ -4,25 +4,25 @@ that is wedged.
 
 It sits above set-up and the membership layer (``agang._membership``: the store, the
 member record, epochs, beats) and below the public face, which re-exports its classes.
-Its rounds run on each epoch's :class:`agang.Gang`, made by a factory (Gloo over the
+Its rounds run on each epoch's [`agang.Gang`][agang.Gang], made by a factory (Gloo over the
 store in production), through the gang's public interface only.
 
-- :mod:`~agang._weights.plan`: the fingerprinted plan (names, order, shapes, dtypes,
+- ``agang._weights.plan``: the fingerprinted plan (names, order, shapes, dtypes,
   tied tensors) that both sides agree on before bytes move, and its buckets.
-- :mod:`~agang._weights.buckets`: the flat byte buffers a round moves, packed from and
+- ``agang._weights.buckets``: the flat byte buffers a round moves, packed from and
   unpacked into the tensors.
-- :mod:`~agang._weights.channel`: the channel's keys in the store: the holder, the plan,
+- ``agang._weights.channel``: the channel's keys in the store: the holder, the plan,
   the joiners, each epoch's members, beats, drops, and the status questions of blame.
-- :mod:`~agang._weights.epoch`: what a round's header says, and an epoch gang's name.
-- :mod:`~agang._weights.fleet`: the publisher's view of its subscribers, on a thread.
-- :mod:`~agang._weights.housekeeping`: which keys no one reads again, deleted.
-- :mod:`~agang._weights.publisher`: ``WeightPublisher``, the trainer's side.
-- :mod:`~agang._weights.upstream`: a subscriber's view of its publisher and store, on a
+- ``agang._weights.epoch``: what a round's header says, and an epoch gang's name.
+- ``agang._weights.fleet``: the publisher's view of its subscribers, on a thread.
+- ``agang._weights.housekeeping``: which keys no one reads again, deleted.
+- ``agang._weights.publisher``: ``WeightPublisher``, the trainer's side.
+- ``agang._weights.upstream``: a subscriber's view of its publisher and store, on a
   thread.
-- :mod:`~agang._weights.service`: the subscriber's side of every round, on a thread
+- ``agang._weights.service``: the subscriber's side of every round, on a thread
   and event loop of its own, so that no push waits for the server's application code.
-- :mod:`~agang._weights.subscriber`: ``WeightSubscriber``, what the server's code holds.
-- :mod:`~agang._weights.report`: ``PushReport``, what one push did.
-- :mod:`~agang._weights.blocking`: the channel's bounded waits off the loop.
-- :mod:`~agang._weights.checks`: the public inputs' checks, each naming its parameter.
+- ``agang._weights.subscriber``: ``WeightSubscriber``, what the server's code holds.
+- ``agang._weights.report``: ``PushReport``, what one push did.
+- ``agang._weights.blocking``: the channel's bounded waits off the loop.
+- ``agang._weights.checks``: the public inputs' checks, each naming its parameter.
 """

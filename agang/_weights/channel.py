@@ -35,7 +35,7 @@ Rules:
    stays is a session's handful of fixed keys (plan, publisher, beat, counts, epoch,
    closed), which its subscribers read to learn that the publisher closed or was
    replaced.
-7. *Authentication* (``secret``, :mod:`agang._membership.seal`). With a channel secret,
+7. *Authentication* (``secret``, ``agang._membership.seal``). With a channel secret,
    every control record (the holder, the plan, the fence, joins and leaves, member
    lists, go, drops, closes) is sealed (an HMAC of its key and text), and a reader
    ignores a record without a valid seal (logged once); each epoch's group makes its

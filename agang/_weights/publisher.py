@@ -110,12 +110,15 @@ _NO_ANSWER = "no answer (dead, stopped, or cut off from the store)"
 
 class WeightPublisher:
     """Pushes a ``state_dict``'s values to the subscribers of a channel, whoever they
-    are at each push. Open it with :meth:`open`.
+    are at each push. Open it with [`open`][agang.WeightPublisher.open].
 
     Example:
-        >>> publisher = await agang.WeightPublisher.open(model.state_dict(),
-        ...     store="10.0.0.1:29500", channel="policy")
-        >>> report = await publisher.push(step)
+        <!-- not-run: needs an agang store and subscribers on other machines -->
+        ```python
+        publisher = await agang.WeightPublisher.open(model.state_dict(),
+            store="10.0.0.1:29500", channel="policy")
+        report = await publisher.push(step)
+        ```
     """
 
     def __init__(
@@ -239,7 +242,7 @@ class WeightPublisher:
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         secret: str | bytes | None = None,
     ) -> WeightPublisher:
-        """:meth:`open` for programs without an event loop."""
+        """[`open`][agang.WeightPublisher.open] for programs without an event loop."""
         return run_sync(  # type: ignore[no-any-return]
             functools.partial(
                 cls.open,
@@ -312,7 +315,7 @@ class WeightPublisher:
         )
 
     def push_sync(self, version: int, timeout: float | None = None) -> PushReport:
-        """:meth:`push` for programs without an event loop."""
+        """[`push`][agang.WeightPublisher.push] for programs without an event loop."""
         return run_sync(functools.partial(self.push, version, timeout))  # type: ignore[no-any-return]
 
     def _raise_if_fenced(self) -> None:
@@ -702,5 +705,5 @@ class WeightPublisher:
         self._keeping.closing()
 
     def close_sync(self) -> None:
-        """:meth:`close` for programs without an event loop."""
+        """[`close`][agang.WeightPublisher.close] for programs without an event loop."""
         run_sync(self.close)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class PushReport:
-    """The outcome of :meth:`agang.WeightPublisher.push`.
+    """The outcome of [`agang.WeightPublisher.push`][agang.WeightPublisher.push].
 
     Attributes:
         version: The version pushed.

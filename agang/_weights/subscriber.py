@@ -3,7 +3,7 @@
 Rules:
 1. ``open`` connects to the store, waits (within its timeout) for the channel's plan,
    and refuses tensors whose plan differs, naming the first differing tensor on both
-   sides; then it registers, and the service (:mod:`agang._weights.service`) takes part
+   sides; then it registers, and the service (``agang._weights.service``) takes part
    in every round from the next push on, on a thread of its own.
 2. ``receive`` returns the next version newer than the last it returned, once the
    user's tensors hold it: by default it copies the staging buffers into them (the
@@ -58,13 +58,16 @@ INLINE_TAKE_BYTES = 1 << 20
 
 
 class WeightSubscriber:
-    """Receives the versions a :class:`agang.WeightPublisher` pushes on a channel.
-    Open it with :meth:`open`.
+    """Receives the versions a [`agang.WeightPublisher`][agang.WeightPublisher] pushes on a channel.
+    Open it with [`open`][agang.WeightSubscriber.open].
 
     Example:
-        >>> subscriber = await agang.WeightSubscriber.open(model.state_dict(),
-        ...     store="10.0.0.1:29500", channel="policy")
-        >>> version = await subscriber.receive()   # model now holds it
+        <!-- not-run: needs an agang store and a publisher on another machine -->
+        ```python
+        subscriber = await agang.WeightSubscriber.open(model.state_dict(),
+            store="10.0.0.1:29500", channel="policy")
+        version = await subscriber.receive()   # model now holds it
+        ```
     """
 
     def __init__(
@@ -236,7 +239,7 @@ class WeightSubscriber:
         in_place: bool = False,
         secret: str | bytes | None = None,
     ) -> WeightSubscriber:
-        """:meth:`open` for programs without an event loop."""
+        """[`open`][agang.WeightSubscriber.open] for programs without an event loop."""
         return run_sync(  # type: ignore[no-any-return]
             functools.partial(
                 cls.open,
@@ -266,8 +269,8 @@ class WeightSubscriber:
         return self._buckets.staging_bytes + self._buckets.wire[0].numel()
 
     async def receive(self, timeout: float | None = None) -> int:  # noqa: ASYNC109
-        """Waits for a version newer than :attr:`version`, puts it in the tensors (rule 2)
-        and returns it.
+        """Waits for a version newer than [`version`][agang.WeightSubscriber.version], puts it in
+        the tensors (rule 2) and returns it.
 
         The copy into the tensors happens during this call (for a model of more than
         ``INLINE_TAKE_BYTES``, on a worker thread while the event loop runs on): code
@@ -307,7 +310,7 @@ class WeightSubscriber:
         raise AssertionError("unreachable")
 
     def receive_sync(self, timeout: float | None = None) -> int:
-        """:meth:`receive` for programs without an event loop."""
+        """[`receive`][agang.WeightSubscriber.receive] for programs without an event loop."""
         return run_sync(functools.partial(self.receive, timeout))  # type: ignore[no-any-return]
 
     async def _take_if_new(self) -> int:
@@ -379,7 +382,7 @@ class WeightSubscriber:
                 self._channel.leave(self._me.uid)  # the next push leaves it out at once
 
     def close_sync(self) -> None:
-        """:meth:`close` for programs without an event loop."""
+        """[`close`][agang.WeightSubscriber.close] for programs without an event loop."""
         if not self._closed:
             self._closed = True
             self._upstream.stop()

@@ -40,7 +40,7 @@ _EXIT_GRACE = 15.0
 
 
 class WorldRunError(GangError):
-    """One or more ranks of :func:`run_world` failed or missed the deadline.
+    """One or more ranks of [`run_world`][agang.testing.run_world] failed or missed the deadline.
 
     Attributes:
         failures: Rank -> formatted traceback (or why it gave no result).
@@ -151,11 +151,11 @@ def run_world(
         async_backend: ``"asyncio"``, ``"uvloop"`` or ``"trio"``.
         timeout: Seconds for the whole run, start-up included; never exceeded by more
             than the few seconds killing takes.
-        init_timeout: The ranks' :func:`agang.init` deadline (None: init's default;
+        init_timeout: The ranks' [`agang.init`][agang.init] deadline (None: init's default;
             ``math.inf``: none).
         op_timeout: The ranks' default op deadline (as ``init``'s).
         env: Extra environment variables for the ranks.
-        init_options: More keyword arguments for the ranks' :func:`agang.init`, such
+        init_options: More keyword arguments for the ranks' [`agang.init`][agang.init], such
             as ``on_timeout``, ``limits`` or ``check_order``; they must pickle.
         make_gang: False: each rank calls a plain ``fn()`` instead, with no gang and no
             event loop, in a process whose environment is the world's (torchrun's
@@ -170,9 +170,12 @@ def run_world(
         WorldRunError: A rank failed or the deadline passed; lists each rank's traceback.
 
     Example:
-        >>> async def total(gang):
-        ...     return (await gang.all_reduce(torch.ones(1))).item()
-        >>> run_world(total, 2)  # [2.0, 2.0]
+        <!-- not-run: run_world spawns processes: the function must be importable by name -->
+        ```python
+        async def total(gang):
+            return (await gang.all_reduce(torch.ones(1))).item()
+        run_world(total, 2)  # [2.0, 2.0]
+        ```
     """
     check_positive_int(world_size, name="world_size")
     if async_backend not in ASYNC_BACKENDS:

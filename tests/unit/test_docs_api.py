@@ -69,6 +69,18 @@ def test_the_api_pages_are_in_the_nav() -> None:
         assert f"api/{page.name}" in nav, page.name
 
 
+def linked_pages(index: Path = API_DIR / "index.md") -> set[str]:
+    """The pages of docs/api/ that the API index links to."""
+    return set(re.findall(r"\]\(([\w-]+\.md)(?:#[\w-]*)?\)", index.read_text()))
+
+
+def test_every_api_page_is_linked_from_the_api_index() -> None:
+    # The index is where a reader finds a name's page: a page it does not list is found
+    # only through the navigation (the weights page was).
+    pages = {page.name for page in API_DIR.glob("*.md")} - {"index.md"}
+    assert pages - linked_pages() == set()
+
+
 def test_the_checks_see_a_missing_docstring_and_a_missing_entry(tmp_path: Path) -> None:
     class Undocumented:
         pass
@@ -84,6 +96,8 @@ def test_the_checks_see_a_missing_docstring_and_a_missing_entry(tmp_path: Path) 
     assert own_docstring(Inherits) is None  # inspect.getdoc would find the parent's
     (tmp_path / "page.md").write_text("# Page\n\n::: agang.init\n\n`::: agang.Gang` in text\n")
     assert documented_paths(tmp_path) == {"agang.init"}
+    (tmp_path / "index.md").write_text("| [Gangs](gangs.md) | [w](weights.md#top) | `x.md` |\n")
+    assert linked_pages(tmp_path / "index.md") == {"gangs.md", "weights.md"}
 
 
 def public_members(obj: object) -> list[str]:

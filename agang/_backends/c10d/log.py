@@ -6,11 +6,11 @@ a warning or error to stderr with a C++ stack trace of some 25 ``frame #`` lines
 traces of nothing wrong. Rules:
 
 1. While agang itself opens the store (hosting it, or connecting to it, in
-   :mod:`agang._setup.rendezvous` and :mod:`agang._setup.elastic`), c10's C++ log
+   ``agang._setup.rendezvous`` and ``agang._setup.elastic``), c10's C++ log
    threshold is raised to FATAL and put back afterwards. agang says instead, at INFO on
    the ``agang`` logger, one line per retry; the final error is ``GangInitError``.
 2. Nothing is changed where the user asked for c10d's output: ``AGANG_DEBUG=1``, or any
-   of :data:`TORCH_LOG_VARIABLES` set. Of these, ``TORCH_CPP_LOG_LEVEL`` and
+   of ``TORCH_LOG_VARIABLES`` set. Of these, ``TORCH_CPP_LOG_LEVEL`` and
    ``TORCH_SHOW_CPP_STACKTRACES`` are the ones that change these traces (measured on
    torch 2.13: ``TORCH_DISTRIBUTED_DEBUG``, ``TORCH_LOGS`` and ``TORCH_DISABLE_ADDR2LINE``
    do not); ``TORCH_DISTRIBUTED_DEBUG`` asks for c10d's diagnostics, so it counts too.
@@ -98,8 +98,11 @@ def quiet_c10d(env: Mapping[str, str] | None = None) -> Iterator[None]:
     unless ``env`` (``os.environ`` by default) asks for c10d's output (rule 2).
 
     Example:
-        >>> with quiet_c10d():
-        ...     store = dist.TCPStore(host, port, is_master=False)
+        <!-- not-run: needs a rendezvous store listening at host:port -->
+        ```python
+        with quiet_c10d():
+            store = dist.TCPStore(host, port, is_master=False)
+        ```
     """
     env = os.environ if env is None else env
     flag = None if c10d_output_wanted(env) else _log_level_flag()

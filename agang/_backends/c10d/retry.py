@@ -1,11 +1,11 @@
 """How init retries transient failures: a policy users compose from tenacity's parts.
 
 Rules:
-1. Transient is a type: :class:`TransientSetupError`, with the original error as its
-   ``__cause__``, and :class:`PortInUseError` on a port agang chose itself. agang's own
+1. Transient is a type: ``TransientSetupError``, with the original error as its
+   ``__cause__``, and ``PortInUseError`` on a port agang chose itself. agang's own
    transient conditions (a store that is closing, a round that ended) raise it directly;
-   c10d's errors become it in one place, :func:`transient_from_c10d`, applied where c10d
-   is called (:func:`call_c10d`). Everything else (bad environment, disagreeing world
+   c10d's errors become it in one place, ``transient_from_c10d``, applied where c10d
+   is called (``call_c10d``). Everything else (bad environment, disagreeing world
    sizes, a duplicate rank, a taken port the user fixed, a store wait that outlived the
    deadline) fails at once, whatever its message says.
 2. The init deadline always applies on top of the user's ``stop``: no policy can make
@@ -78,8 +78,8 @@ def transient_from_c10d(error: BaseException) -> TransientSetupError | None:
       closed ...");
     - a listener that is not a store and drops the client: ``DistNetworkError``
       ("Connection reset by peer");
-    - a host whose port is taken: ``DistNetworkError`` too (see :func:`is_address_in_use`),
-      not transient by itself: :class:`PortInUseError` decides;
+    - a host whose port is taken: ``DistNetworkError`` too (see ``is_address_in_use``),
+      not transient by itself: ``PortInUseError`` decides;
     - a store wait that ran out of time (a rank missing when ``init_process_group``
       waits for it): ``DistStoreError`` ("wait timeout after ..."). That wait already
       ran up to the init deadline, so it is permanent.
@@ -107,9 +107,9 @@ def transient_from_c10d(error: BaseException) -> TransientSetupError | None:
 
 def call_c10d(fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
     """Calls ``fn(*args, **kwargs)``, a c10d call, raising its transient failures as
-    :class:`TransientSetupError` (from the original error) and the rest unchanged.
+    ``TransientSetupError`` (from the original error) and the rest unchanged.
 
-    Use it around every c10d call inside :func:`retrying`, which retries by type only.
+    Use it around every c10d call inside ``retrying``, which retries by type only.
     Pass the arguments rather than a closure over them: a closure outlives a failure's
     cleared frames, and with it whatever it holds (a hosted store and its port).
     """
@@ -128,7 +128,7 @@ def _default_wait() -> wait_base:
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """When and how :func:`agang.init` retries a transient failure.
+    """When and how [`agang.init`][agang.init] retries a transient failure.
 
     Args:
         stop: When to give up, from ``tenacity.stop``; the init deadline always applies too.
@@ -136,9 +136,12 @@ class RetryPolicy:
         sleep: The function that waits; tests pass one that returns at once.
 
     Example:
-        >>> from tenacity import stop_after_attempt, wait_fixed
-        >>> policy = agang.RetryPolicy(stop=stop_after_attempt(5), wait=wait_fixed(0.5))
-        >>> gang = await agang.init(retry=policy)
+        <!-- not-run: agang.init joins the world a launcher (torchrun) set up -->
+        ```python
+        from tenacity import stop_after_attempt, wait_fixed
+        policy = agang.RetryPolicy(stop=stop_after_attempt(5), wait=wait_fixed(0.5))
+        gang = await agang.init(retry=policy)
+        ```
     """
 
     stop: stop_base = field(default_factory=lambda: tenacity.stop_never)
@@ -169,8 +172,8 @@ def retrying(
 ) -> tenacity.Retrying:
     """A tenacity controller for ``policy`` that never passes ``deadline`` (rule 2).
 
-    It retries :class:`TransientSetupError` and a :class:`PortInUseError` on a port
-    agang chose, nothing else: wrap the c10d calls of an attempt in :func:`call_c10d`
+    It retries ``TransientSetupError`` and a ``PortInUseError`` on a port
+    agang chose, nothing else: wrap the c10d calls of an attempt in ``call_c10d``
     so that their transient failures have that type.
 
     Args:
@@ -178,9 +181,12 @@ def retrying(
             error and the seconds until the next one (to say so in one line).
 
     Example:
-        >>> for attempt in retrying(RetryPolicy(), deadline):
-        ...     with attempt:
-        ...         group = call_c10d(dist.new_group, ranks)
+        <!-- not-run: an internal helper, inside a c10d world of processes -->
+        ```python
+        for attempt in retrying(RetryPolicy(), deadline):
+            with attempt:
+                group = call_c10d(dist.new_group, ranks)
+        ```
     """
     return tenacity.Retrying(
         stop=policy.stop | _StopAtDeadline(deadline),

@@ -63,7 +63,7 @@ def run_doctor(
         out: Where the report goes (standard output for the command).
         env: The environment to read; None for ``os.environ``.
         facts: This host's torch build and hardware; None to probe them.
-        network: The network probe; None for a :class:`SocketProbe` with ``timeout``.
+        network: The network probe; None for a ``SocketProbe`` with ``timeout``.
         host: This host's name for the header; None for ``socket.gethostname()``.
 
     Returns:

@@ -1,16 +1,16 @@
 """``agang doctor``: what ``agang.init`` would make of this process's job, and what fails.
 
-A pure core: :func:`diagnose` takes the environment, this host's torch facts
-(:class:`~agang._cli.doctor.host.HostFacts`) and a network probe as arguments and
+A pure core: ``diagnose`` takes the environment, this host's torch facts
+(``agang._cli.doctor.host.HostFacts``) and a network probe as arguments and
 returns findings, so tests drive it with plain data. The backend and network checks live
-in :mod:`agang._cli.doctor.host` and :mod:`agang._cli.doctor.network`, the findings and their
-rendering in :mod:`agang._cli.doctor.findings`. The rules:
+in ``agang._cli.doctor.host`` and ``agang._cli.doctor.network``, the findings and their
+rendering in ``agang._cli.doctor.findings``. The rules:
 
-1. The world comes from :func:`agang._setup.env.world_from_env`, exactly as ``agang.init``
+1. The world comes from ``agang._setup.env.world_from_env``, exactly as ``agang.init``
    reads it, so the doctor and init cannot disagree; an error it raises is a problem,
    with a fix chosen by the variable its message names.
 2. Which launcher started the process, and which of its variables to show, comes from
-   the launcher table init reads (:data:`agang._setup.env.LAUNCHERS`): torchrun's
+   the launcher table init reads (``agang._setup.env.LAUNCHERS``): torchrun's
    variables win over SLURM's (as ``srun torchrun`` relies on), and SLURM is seen only
    with both SLURM_PROCID and SLURM_NTASKS, as init sees it. No launcher seen means an
    in-process gang, which is fine.
@@ -55,8 +55,11 @@ def diagnose(env: Mapping[str, str], facts: HostFacts, network: NetworkProbe) ->
         The findings, launcher first, then backends, then network.
 
     Example:
-        >>> findings = diagnose(os.environ, probe_host_facts(), SocketProbe(timeout=1.0))
-        >>> print(render(findings), end="")
+        <!-- not-run: probes this machine and its network -->
+        ```python
+        findings = diagnose(os.environ, probe_host_facts(), SocketProbe(timeout=1.0))
+        print(render(findings), end="")
+        ```
     """
     world: WorldInfo | None = None
     findings = [_launcher_finding(env)]

@@ -48,7 +48,7 @@ def render(findings: Sequence[Finding], *, width: int = 100) -> str:
     """A readable diagnosis: one block per finding, then a summary line.
 
     Args:
-        findings: What :func:`agang._cli.doctor.diagnose.diagnose` returned.
+        findings: What ``agang._cli.doctor.diagnose.diagnose`` returned.
         width: The column to wrap at.
 
     Returns:

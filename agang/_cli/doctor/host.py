@@ -39,7 +39,7 @@ class HostFacts:
 
 
 def probe_host_facts() -> HostFacts:
-    """Reads :class:`HostFacts` from the installed torch; a failing query reads as absent."""
+    """Reads ``HostFacts`` from the installed torch; a failing query reads as absent."""
     import torch
     import torch.distributed as dist
 

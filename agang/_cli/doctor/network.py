@@ -9,7 +9,7 @@ the port on the address; every other process must be able to connect to it. Rule
    and the port and interface checks are skipped: about loopback, they would mislead.
 3. Findings about reaching the store name this host's interface toward it (the one on
    MASTER_ADDR's network, else the route's), and an interface that is down is a problem
-   of its own, with what to bring up or set (:mod:`agang._cli.doctor.links`).
+   of its own, with what to bring up or set (``agang._cli.doctor.links``).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ class NetworkProbe(Protocol):
 
 @final
 class SocketProbe:
-    """The real :class:`NetworkProbe`, each call bounded by ``timeout`` seconds.
+    """The real ``NetworkProbe``, each call bounded by ``timeout`` seconds.
 
     Args:
         timeout: Seconds each resolve or connect may take.

@@ -3,10 +3,11 @@
 Every kernel reads all its inputs before writing any output, in rank order, and writes
 in place: the data moves when the device runs the kernel, not when the op is issued.
 
-A reducing kernel reduces as ``FakeWorld`` does, with :func:`agang.testing.reduce_tensors`,
-so the two simulations cannot drift apart: in rank order, in the tensors' dtype, rounding
+A reducing kernel reduces as ``FakeWorld`` does, with
+[`agang.testing.reduce_tensors`][agang.testing.reduce_tensors], so the two simulations
+cannot drift apart: in rank order, in the tensors' dtype, rounding
 after each rank's contribution (as NCCL's ring rounds at each hop, in its own order).
-c10d's op is mapped back to agang's through agang's own mapping (:func:`to_c10d`), so the
+c10d's op is mapped back to agang's through agang's own mapping (``to_c10d``), so the
 simulation reduces with exactly the ops agang issues on NCCL, AVG included; any other op
 is an error when the kernel runs. ``MEAN`` on integers and booleans never gets here:
 agang refuses it before issuing (``agang._validate``).

@@ -34,13 +34,13 @@ class SimulatedNccl:
       without blocking (a raw barrier's ``wait()`` blocks), ``is_completed()`` never
       raises, errors are in ``exception()``; ``abort()`` makes pending kernels exit.
     - ``abort()`` (and ``shutdown()``) of a group blocks until the rank's device has
-      reached the group's pending kernels, as NCCL's does: behind the rank's own long
-      kernel (:meth:`stall`) it waits for the device to get past it; behind a peer that
-      never comes it does not wait.
+      reached the group's pending kernels, as NCCL's does: behind the rank's own long kernel
+      ([`stall`][agang.testing.SimulatedNccl.stall]) it waits for the device to get past it; behind
+      a peer that never comes it does not wait.
 
     Tensors are CPU tensors: the gangs' device is ``cpu``. All ranks run in this process,
     typically as tasks of one event loop. Lanes and sub-gangs are not simulated: call
-    :meth:`gangs` again for another communicator over the same ranks.
+    [`gangs`][agang.testing.SimulatedNccl.gangs] again for another communicator over the same ranks.
 
     Args:
         size: The number of ranks.
@@ -48,11 +48,24 @@ class SimulatedNccl:
             aborts its communicator on that rank; None to use the timeout agang sets
             (far behind its own deadlines).
 
-    Example::
+    Example:
+        ```python
+        import asyncio
 
-        with SimulatedNccl(2) as sim:
-            gangs = sim.gangs()
-            results = await asyncio.gather(*(g.all_reduce(torch.ones(4)) for g in gangs))
+        import torch
+
+        from agang.testing import SimulatedNccl
+
+
+        async def main():
+            with SimulatedNccl(2) as sim:
+                gangs = sim.gangs()  # one ProcessGroupGang per simulated rank
+                results = await asyncio.gather(*(g.all_reduce(torch.ones(4)) for g in gangs))
+            return [result.tolist() for result in results]
+
+
+        assert asyncio.run(main()) == [[2.0] * 4] * 2
+        ```
     """
 
     def __init__(self, size: int, *, watchdog_timeout: float | None = None) -> None:
@@ -98,8 +111,9 @@ class SimulatedNccl:
 
     def pause(self, rank: int) -> None:
         """Stops ``rank``'s device: none of its kernels runs (its peers' collectives
-        with it wait) until :meth:`resume`. An abort on ``rank`` itself with kernels
-        pending waits for the resume too (its device never reaches them before)."""
+        with it wait) until [`resume`][agang.testing.SimulatedNccl.resume]. An abort on ``rank``
+        itself with kernels pending waits for the resume too (its device never reaches them before).
+        """
         self._device.pause(self._check_rank(rank))
 
     def resume(self, rank: int) -> None:

@@ -24,7 +24,7 @@ T = TypeVar("T")
 
 @final
 class FakeWorldGang(CollectiveGang):
-    """One rank of a :class:`FakeWorld`.
+    """One rank of a [`FakeWorld`][agang.testing.FakeWorld].
 
     Args:
         communicator: The simulated communicator the rank belongs to.
@@ -53,7 +53,7 @@ class FakeWorld:
     """``size`` ranks in one process and one event loop, for users' tests.
 
     Collectives meet across the ranks and compute real results (unlike
-    :class:`agang.FakeGang`, which assumes every rank holds the same data). Ops complete
+    [`agang.FakeGang`][agang.FakeGang], which assumes every rank holds the same data). Ops complete
     on the loop, after ``latency`` seconds if given; deadlines, cancellation and busy
     tensors behave as on a real backend.
 
@@ -65,15 +65,27 @@ class FakeWorld:
         latency: Seconds each op takes to complete once every rank has issued it.
         on_timeout: ``"abort"`` (a timeout breaks the gang) or ``"raise"`` (only that op
             fails).
-        limits: The in-flight bounds (:class:`agang.InFlightLimits`); None for defaults.
+        limits: The in-flight bounds ([`agang.InFlightLimits`][agang.InFlightLimits]); None for
+            defaults.
         check_order: Compare each collective's fingerprint across ranks before starting
             it; None reads ``AGANG_CHECK_ORDER``.
 
     Example:
-        >>> world = FakeWorld(4)
-        >>> async def step(gang):
-        ...     return (await gang.all_reduce(torch.ones(1))).item()
-        >>> await world.run(step)  # [4.0, 4.0, 4.0, 4.0]
+        ```python
+        import asyncio
+
+        import torch
+
+        from agang.testing import FakeWorld
+
+
+        async def step(gang):
+            return (await gang.all_reduce(torch.ones(1))).item()
+
+
+        world = FakeWorld(4)
+        assert asyncio.run(world.run(step)) == [4.0, 4.0, 4.0, 4.0]
+        ```
     """
 
     def __init__(
