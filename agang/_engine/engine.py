@@ -79,9 +79,8 @@ from typing import Any
 
 import torch
 
-from agang._backends import fingerprint as flows
 from agang._backends.contract import Backend, Done, Progress, State
-from agang._backends.fingerprint import call_site
+from agang._backends.fingerprint import at_call_site, call_site
 from agang._engine import busy, reports
 from agang._engine.deadlines import Expiry
 from agang._engine.ops import POINT_TO_POINT, Fingerprint, OpEnd, SecondPhase, Start, start_guarded
@@ -380,7 +379,7 @@ class Engine:
             assert fingerprint is not None
             text = fingerprint if isinstance(fingerprint, str) else fingerprint()
             if self.policy.check_order == "call_site":
-                text = flows.at_call_site(text, call_site())
+                text = at_call_site(text, call_site())
             index = entry.check_index = self._next_check
             self._next_check += 1
             self._check_order(entry, index, text)

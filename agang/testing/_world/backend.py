@@ -34,7 +34,6 @@ from typing import Any, final
 import anyio
 import torch
 
-from agang._backends import fingerprint as flows
 from agang._backends.contract import (
     Blamed,
     Checked,
@@ -45,7 +44,8 @@ from agang._backends.contract import (
     countdown,
 )
 from agang._backends.cuda.runtime import StreamOrder
-from agang._engine import deadlines as deadline
+from agang._backends.fingerprint import agree
+from agang._engine import deadlines
 from agang._errors import GangError, GangInitError
 from agang._reduce_op import ReduceOp
 from agang._runtime import loops
@@ -67,8 +67,8 @@ class Simulation:
     def schedule(self, callback: Callable[[], None]) -> None:
         """Runs ``callback`` soon on this thread's loop, never inline (rule 4)."""
         if self.latency:
-            driver = deadline.current_driver()
-            deadline.call_at(driver, time.monotonic() + self.latency, callback)
+            driver = deadlines.current_driver()
+            deadlines.call_at(driver, time.monotonic() + self.latency, callback)
             return
         if not loops.call_soon(callback):
             callback()  # no loop here: synchronous callers see it done at once
@@ -135,9 +135,9 @@ class Communicator:
                 return
             del self.checks[index]
         fingerprints = {r: fp for r, (fp, _) in meeting.items()}
-        agree = flows.agree(fingerprints)
+        agreed = agree(fingerprints)
         for _, report in meeting.values():
-            self.world.schedule(functools.partial(report, None if agree else fingerprints, None))
+            self.world.schedule(functools.partial(report, None if agreed else fingerprints, None))
 
     def blame(self, rank: int, number: int, collective: bool) -> dict[int, Progress | None]:
         """Every other rank's answer about op ``number`` (a sequence number, or with
