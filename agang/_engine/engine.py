@@ -1,4 +1,14 @@
 """The engine of one gang: numbering, admission, completion, deadlines, failure, closing.
+It is one piece, a kernel in sections (as trio's run loop is): every rule below reads
+and writes the same state under the gang's one lock (the numbers, the scheduler's core,
+the op being started inline, the ops ordered early, the counters), and the common op is
+numbered, started and ended in one pass through it, where a split would have each half
+read the other's fields. What needs none of that state lives beside it, reached through
+narrow calls: ``scheduler``, ``room``, ``busy``, ``deadlines``, ``polling``,
+``order_checks``, ``reports``, ``ops``. Its sections, in order: state, admission, the
+fast path, queued ops and order checks, two phases, completion, failure and closing, what
+a handle tells its owner, what the deadline check asks, blame, lifecycle.
+
 
 A gang holds one engine and one backend. The engine feeds the scheduler's pure core
 (``scheduler``) under the gang's one lock, starts what the core hands back through the
@@ -113,6 +123,8 @@ def _started() -> None:
 class Engine:
     """The op machinery of one gang over one backend (see the module's rules)."""
 
+    # ---- State ----
+
     def __init__(self, backend: Backend, policy: GangPolicy) -> None:
         self.backend = backend
         self.policy = policy
@@ -158,7 +170,7 @@ class Engine:
         backend.serve_progress(self.progress)
         fork.track(self)
 
-    # Numbering and admission (rules 1, 2, 3 and 8).
+    # ---- Admission: numbering, claiming, issuing (rules 1, 2 and 3) ----
 
     def resolve_timeout(self, timeout: float | None) -> float | None:
         """The user's ``timeout`` as seconds, or None for no deadline (rule 3)."""
@@ -261,6 +273,8 @@ class Engine:
             self._alarm.arm(due)
         return handle
 
+    # ---- The fast path: an op started on the caller's thread (rule 2) ----
+
     def _start_now(self, handle: Handle[Any], start: Start, done: OpEnd) -> float | None:
         """Starts an op that may start (nothing ahead of it) on the caller's thread, with
         the lock held; returns its deadline to arm, or None.
@@ -324,6 +338,8 @@ class Engine:
         """Whether ``done`` is called inside its op's start on the thread that started it
         (:meth:`_start_now`), which then takes the end once the start returns."""
         return self._inline is done and threading.get_ident() == self._inline_thread
+
+    # ---- Queued ops and order checks (rules 2 and 8) ----
 
     async def wait_for_room(self, num_bytes: int) -> None:
         if self.polls:  # rule 11: ops that ended leave room
@@ -420,6 +436,8 @@ class Engine:
         except Exception as exc:
             checked(None, exc)
 
+    # ---- Two phases (rule 9) ----
+
     def issue_two_phase(
         self,
         op: str,
@@ -469,8 +487,9 @@ class Engine:
         )
         return handle
 
-    # Completion (rules 4 and 10): an op's end comes back through its ``OpEnd`` (``ops``); one
-    # that ended inside its start on the issuing thread is taken by :meth:`_start_now` instead.
+    # ---- Completion (rules 4 and 10) ----
+    # An op's end comes back through its ``OpEnd`` (``ops``); one that ended inside its
+    # start on the issuing thread is taken by :meth:`_start_now` instead.
 
     def _wrap(self, handle: Handle[Any], error: BaseException) -> CollectiveError:
         """A backend's ``error`` for ``handle``'s op, as the op's ``CollectiveError``."""
@@ -548,7 +567,7 @@ class Engine:
             self._ordered_early.add(handle.seq)
         handle._finish(value, None)
 
-    # Failure and closing (rules 6 and 7).
+    # ---- Failure and closing (rules 6 and 7) ----
 
     def _take_pending(self) -> tuple[list[Any], list[tuple[Handle[Any], Done]]]:
         """The pending handles, room waiters and never-started ops (now dropped); the caller
@@ -612,11 +631,13 @@ class Engine:
         self._checks.drop()  # after: what was held ends ops that the close failed already
         return True
 
-    def count_coalesced(self, num_members: int) -> None:
-        with self.lock:
-            self._counters.num_coalesced += num_members
+    def mark_inherited(self, error: GangInheritedError) -> None:
+        """In a forked child: closed, and every use raises ``error`` (``agang._runtime.fork``);
+        without the lock, which a parent thread may have held at the fork."""
+        self.broken = error
+        self.closed = True
 
-    # What a handle tells its owner (``agang._handle.HandleOwner``).
+    # ---- What a handle tells its owner (``agang._handle.HandleOwner``; rule 11) ----
 
     def resumed(self, lag: float) -> None:
         with self.lock:
@@ -632,21 +653,13 @@ class Engine:
         if following is not None:
             self._alarm.arm(following)
 
-    def mark_inherited(self, error: GangInheritedError) -> None:
-        """In a forked child: closed, and every use raises ``error`` (``agang._runtime.fork``);
-        without the lock, which a parent thread may have held at the fork."""
-        self.broken = error
-        self.closed = True
-
-    # Learning of an end on the loop (rule 11; ``agang._handle.HandleOwner``).
-
     async def settle(self, handle: Handle[Any]) -> None:
         await self._polling.settle(handle)
 
     def park_for(self, handle: Handle[Any]) -> None:
         self._polling.park_for(handle)
 
-    # What the deadline check asks (rule 5; ``deadlines.Expiring``).
+    # ---- What the deadline check asks (rule 5; ``deadlines.Expiring``) ----
 
     def reap(self, now: float) -> float | None:
         return self._polling.reap(now) if self.polls else None
@@ -671,7 +684,7 @@ class Engine:
         with self.lock:
             self._counters.num_timed_out += 1
 
-    # Blame (rule 5): where this rank stands, when a peer's deadline asks.
+    # ---- Blame (rule 5): where this rank stands, when a peer's deadline asks ----
 
     def progress(self, number: int, collective: bool = False) -> Progress:
         """Where this rank stands on op ``number``: a sequence number, or with
@@ -691,7 +704,7 @@ class Engine:
                 collective=self._next_collective - 1 if collective else None,
             )
 
-    # Lifecycle (rule 7).
+    # ---- Lifecycle and statistics (rule 7) ----
 
     def release(self) -> None:
         """Frees the backend once the gang is closed; off the loop, may block briefly."""
@@ -709,3 +722,7 @@ class Engine:
                 num_queued=self._scheduler.num_queued,
                 bytes_in_flight=self._scheduler.bytes_in_flight,
             )
+
+    def count_coalesced(self, num_members: int) -> None:
+        with self.lock:
+            self._counters.num_coalesced += num_members

@@ -70,9 +70,16 @@ LAZY_IMPORTS: dict[tuple[str, str], str] = {
     ("agang._parallel.gangs", "agang._parallel.mesh"): "torch's DeviceMesh loads on use only",
 }
 
-# Modules allowed past MAX_CODE_LINES, each with words its first paragraph must contain
-# (where it says why it is one piece). None today.
-LONG_MODULES: dict[str, str] = {}
+# Modules allowed past MAX_CODE_LINES: each its own cap, with words its first paragraph
+# must contain (where it says why it is one piece). Every other module keeps 500.
+LONG_MODULES: dict[str, tuple[int, str]] = {
+    # A gang's engine is its kernel: every rule reads and writes the same state under the
+    # gang's one lock, and the common op passes through it in one go, so it is one long
+    # module in banner sections ("# ---- Admission ----") rather than halves that read
+    # each other's fields; twice it was trimmed back under 500 with no natural split left.
+    # Its own cap still bounds it: past it, something in it has a home of its own.
+    "_engine/engine.py": (550, "one piece"),
+}
 
 
 # The import graph.
@@ -238,14 +245,13 @@ def test_every_function_level_import_is_listed_with_its_reason() -> None:
     assert lazy == set(LAZY_IMPORTS)
 
 
-def test_no_module_is_over_500_lines_of_code_without_saying_why() -> None:
-    long = {
-        str(p.relative_to(ROOT)): n
-        for p in MODULES
-        if (n := code_lines(p.read_text())) > MAX_CODE_LINES
+def test_no_module_is_over_its_cap_of_lines_of_code_and_a_long_one_says_why() -> None:
+    sizes = {p.relative_to(ROOT).as_posix(): code_lines(p.read_text()) for p in MODULES}
+    over = {
+        path: n for path, n in sizes.items() if n > LONG_MODULES.get(path, (MAX_CODE_LINES, ""))[0]
     }
-    assert set(long) <= set(LONG_MODULES), long
-    for path, words in LONG_MODULES.items():
+    assert over == {}, "past its cap (500, or its own in LONG_MODULES)"
+    for path, (_, words) in LONG_MODULES.items():
         docstring = ast.get_docstring(ast.parse((ROOT / path).read_text())) or ""
         assert words in docstring.split("\n\n")[0], path
 
