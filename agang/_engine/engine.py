@@ -9,7 +9,6 @@ narrow calls: ``scheduler``, ``room``, ``busy``, ``deadlines``, ``polling``,
 fast path, queued ops and order checks, two phases, completion, failure and closing, what
 a handle tells its owner, what the deadline check asks, blame, lifecycle.
 
-
 A gang holds one engine and one backend. The engine feeds the scheduler's pure core
 (``scheduler``) under the gang's one lock, starts what the core hands back through the
 backend, and owns everything that happens to an op between the user's call and its
@@ -107,9 +106,10 @@ from agang._errors import (
     GangTimeoutError,
     OpContext,
 )
-from agang._handle import Handle, issued
+from agang._handle import Handle, collective_of, issued
 from agang._policy import GangPolicy
 from agang._runtime import fork
+from agang._runtime.future import error_of, finish, finish_unseen, settled
 from agang._statistics import Counters, GangStatistics
 from agang._validate import check_timeout
 
@@ -313,9 +313,9 @@ class Engine:
             now = time.monotonic()
             seconds = now - handle.issued_at
             record = self._scheduler.record
-            record(handle.seq, handle.op, handle.num_bytes, seconds, "ok", handle._collective)
+            record(handle.seq, handle.op, handle.num_bytes, seconds, "ok", collective_of(handle))
             self._counters.completed(handle.op, seconds)
-            handle._finish_unseen(done.output, now)
+            finish_unseen(handle, done.output, now)
         else:  # a failure, or ordered first: the general end, as if reported later
             self._enter_started(handle, done)
             self.complete(handle, done.output, done.inline_error)
@@ -330,7 +330,7 @@ class Engine:
         due = None if seconds is None else issued_at + seconds
         entry = Entry(handle.seq, handle.op, handle.num_bytes, issued_at, due, _started)
         entry.item = (handle, done)
-        entry.collective = handle._collective
+        entry.collective = collective_of(handle)
         self._scheduler.admit_started(entry)
         return due
 
@@ -388,7 +388,7 @@ class Engine:
             item=(handle, done),
             ready=not checked,
             holds_gate=holds_gate,
-            collective=handle._collective,
+            collective=collective_of(handle),
         )
         self._scheduler.admit(entry)
         if checked:
@@ -506,7 +506,7 @@ class Engine:
         now = time.monotonic()
         seconds = now - handle.issued_at
         # A handle that already failed (its deadline passed) records as timed out.
-        timed_out = isinstance(handle._error, GangTimeoutError)
+        timed_out = isinstance(error_of(handle), GangTimeoutError)
         outcome = "timed out" if timed_out else ("ok" if error is None else "failed")
         with self.lock:
             entry = self._scheduler.finish(handle.seq, seconds=seconds, outcome=outcome)
@@ -527,21 +527,21 @@ class Engine:
                     and not entry.expired
                     and self.broken is None
                     and not self.closed
-                    and not handle._settled()
+                    and not settled(handle)
                 )
                 if counted:
                     self._counters.completed(handle.op, seconds)
         for waiter in room_waiters:
-            waiter._finish(None, None)
+            finish(waiter, None, None)
         if counted:
-            handle._finish(value, None)
+            finish(handle, value, None)
         elif error is None:
 
             def count_completed() -> None:
                 with self.lock:
                     self._counters.completed(handle.op, time.monotonic() - handle.issued_at)
 
-            handle._finish(value, None, then=count_completed)
+            finish(handle, value, None, then=count_completed)
         else:
             if isinstance(error, GangBrokenError | GangClosedError | CollectiveError):
                 wrapped: BaseException = error
@@ -554,7 +554,7 @@ class Engine:
                 self.break_gang(wrapped)
 
             # Broken before the waiters wake: their next call must be refused (rule 6).
-            finished = handle._finish(None, wrapped, then=count_failed_and_break)
+            finished = finish(handle, None, wrapped, then=count_failed_and_break)
             if not finished and not isinstance(error, GangBrokenError | GangClosedError):
                 # Timed out (on_timeout="raise"), then failed in c10d: unusable all the same.
                 self.break_gang(wrapped)
@@ -565,7 +565,7 @@ class Engine:
         """The op behind ``handle`` is ordered on the caller's stream (rule 10)."""
         with self.lock:
             self._ordered_early.add(handle.seq)
-        handle._finish(value, None)
+        finish(handle, value, None)
 
     # ---- Failure and closing (rules 6 and 7) ----
 
@@ -574,7 +574,7 @@ class Engine:
         holds the lock, has marked the gang broken or closed, and fails them unlocked."""
         items = [entry.item for entry in self._scheduler.entries.values()]
         dropped = [entry.item for entry in self._scheduler.drop_queued()]
-        pending: list[Any] = [handle for handle, _ in items if not handle._settled()]
+        pending: list[Any] = [handle for handle, _ in items if not settled(handle)]
         self._counters.num_failed += len(pending)
         self._ops_left_in_backend = any(e.started for e in self._scheduler.entries.values())
         pending.extend(self._room.wake())  # they fail with the others, and re-check
@@ -601,7 +601,7 @@ class Engine:
         # library logs no ERROR for what it raises (a handled deadline printed twice).
         log.info("Gang '%s' (rank %d) is broken: %s", self.name, self.rank, cause)
         for future in pending:
-            future._finish(None, abandoned(future))
+            finish(future, None, abandoned(future))
         for handle, abandon in dropped:
             abandon(abandoned(handle))  # releases their tensors; nothing was started
         self._checks.drop()  # after: what was held ends ops that the break failed already
@@ -623,8 +623,10 @@ class Engine:
             pending, dropped = self._take_pending()
         self._alarm.disarm()  # no deadline is left to check (rule 7)
         for future in pending:
-            future._finish(
-                None, GangClosedError(f"{future} was pending when gang '{self.name}' was closed.")
+            finish(
+                future,
+                None,
+                GangClosedError(f"{future} was pending when gang '{self.name}' was closed."),
             )
         for handle, abandon in dropped:
             abandon(GangClosedError(f"{handle} was pending when gang '{self.name}' was closed."))

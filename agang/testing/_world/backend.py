@@ -49,7 +49,7 @@ from agang._engine import deadlines
 from agang._errors import GangError, GangInitError
 from agang._reduce_op import ReduceOp
 from agang._runtime import loops
-from agang._runtime.future import Future
+from agang._runtime.future import Future, finish
 from agang.testing._world.compute import COMPUTE, Arrival
 
 
@@ -75,7 +75,7 @@ class Simulation:
 
 
 def _settle(future: Future[Any], value: Any, error: BaseException | None) -> None:
-    future._finish(value, error)
+    finish(future, value, error)
 
 
 @dataclass
