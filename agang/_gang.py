@@ -963,3 +963,9 @@ class Gang(ABC):
             GangError: This gang is not elastic (made without ``elastic=``).
         """
         raise GangError(f"Gang '{self.name}' is not elastic: make it with agang.init(elastic=...).")
+
+
+def stream_order_of(gang: Gang) -> StreamOrder | None:
+    """``gang``'s stream order (``Gang._stream_order``), for agang's own features over the
+    public interface (``GradientSync``)."""
+    return gang._stream_order()

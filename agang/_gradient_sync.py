@@ -67,10 +67,10 @@ import torch
 
 from agang._backends.cuda.runtime import DeviceEvent
 from agang._engine.grouping import flatten, unflatten_into
-from agang._gang import Gang
+from agang._gang import Gang, stream_order_of
 from agang._handle import Handle, all_of
 from agang._reduce_op import ReduceOp
-from agang._runtime.future import Future
+from agang._runtime.future import Future, add_done_callback, finish
 from agang._validate import check_positive_int, check_rank, check_reduce_op, check_timeout
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
@@ -187,7 +187,7 @@ class GradientSync:
                 f"`gang` must be an agang.Gang, but is of type `{type(gang).__name__}` instead."
             )
         self._gang = gang
-        self._order = gang._stream_order()
+        self._order = stream_order_of(gang)
         op = check_reduce_op(op)
         # MEAN divides while copying into the bucket, then sums (rule 8).
         self._scale = 1.0 / gang.size if op is ReduceOp.MEAN and gang.size > 1 else None
@@ -269,10 +269,10 @@ class GradientSync:
             error = everything.exception()
             if error is None and order is None:
                 copy_back()  # on a CPU the copy is the work itself: off the loop
-            done._finish(None, error)
+            finish(done, None, error)
 
         self._install = install if order is not None else None
-        everything._add_done_callback(finished)
+        add_done_callback(everything, finished)
         return done
 
     def _install_parameters(self) -> None:

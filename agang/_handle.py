@@ -15,14 +15,24 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Generator, Iterable, Sequence
+from collections.abc import Generator, Iterable, Sequence
 from typing import Any, Protocol, TypeVar, final
 
 import torch
 
 from agang._policy import GangPolicy
 from agang._runtime import brief_wait
-from agang._runtime.future import _DONE, _PENDING, READY_STREAK, Future, _parked, wait_async
+from agang._runtime.future import (
+    _DONE,
+    READY_STREAK,
+    Future,
+    _parked,
+    add_done_callback,
+    finish,
+    finish_at,
+    pending,
+    wait_async,
+)
 from agang._validate import check_timeout
 
 T = TypeVar("T")
@@ -97,6 +107,7 @@ class Handle(Future[T]):
         timeout: float | None,
         owner: HandleOwner | None = None,
     ) -> None:
+        super().__init__(op)
         self._set_up(op, seq, num_bytes, timeout, owner)
 
     def _set_up(
@@ -108,15 +119,8 @@ class Handle(Future[T]):
         owner: HandleOwner | None,
         collective: int = -1,
     ) -> None:
-        # Future's state, set here rather than through ``super().__init__``: a handle is
-        # made for every op, and the call costs a measurable share of issuing one.
-        self.what = op
-        self._lock = threading.Lock()
-        self._state = _PENDING
-        self._value: Any = None
-        self._error: BaseException | None = None
-        self._finished_at: float | None = None
-        self._callbacks: list[Callable[[], None]] = []
+        # The handle's own state; the future's is the future's to set (``__init__``, or
+        # ``pending`` on the engine's path: ``issued``).
         #: The collective's name, e.g. ``"all_reduce"``.
         self.op = op
         #: This op's sequence number on its gang, in call order: equal on every rank for
@@ -135,14 +139,6 @@ class Handle(Future[T]):
         # Why waiting now would never end (the op is held in an open coalesce scope).
         self._hold: str | None = None
         self._owner = owner
-
-    def _finish_unseen(self, value: Any, now: float) -> None:
-        """Finishes, at ``now``, a handle not returned yet (its op ended inside the call
-        that issues it): nobody waits on it and it has no callbacks, so the future's
-        lock and wake-ups have nothing to guard."""
-        self._value = value
-        self._finished_at = now
-        self._state = _DONE
 
     def __str__(self) -> str:
         if self.seq == UNNUMBERED:
@@ -237,6 +233,18 @@ class Handle(Future[T]):
             raise RuntimeError(hold)
 
 
+def collective_of(handle: Handle[Any]) -> int:
+    """``handle``'s number among its gang's collectives (-1: a point-to-point op), equal
+    on every rank: what the engine records, and a peer's blame asks about."""
+    return handle._collective
+
+
+def hold(handle: Handle[Any], why: str | None) -> None:
+    """While ``handle`` is not done, waiting on it raises ``RuntimeError(why)`` (a
+    ``coalesce()`` scope holds its op); None lets waiting go ahead again."""
+    handle._hold = why
+
+
 def issued(
     op: str,
     seq: int,
@@ -248,25 +256,22 @@ def issued(
     """``Handle(op=op, seq=seq, ...)`` for the engine, which makes one per op: the same
     handle, without the keyword call (half the cost of making one), with its number among
     the gang's collectives."""
-    handle: Handle[Any] = _new_object(Handle)
+    handle: Handle[Any] = pending(Handle, op)
     handle._set_up(op, seq, num_bytes, timeout, owner, collective)
     return handle
-
-
-_new_object = object.__new__
 
 
 def finish_all(outcomes: Iterable[tuple[Handle[Any], Any]], error: BaseException | None) -> None:
     """Finishes many handles (a flat op's members) with one timestamp."""
     now = time.monotonic()
     for handle, value in outcomes:
-        handle._finish_at(value, error, now)
+        finish_at(handle, value, error, now)
 
 
 def failed_handle(op: str, error: BaseException) -> Handle[Any]:
     """The handle of an op that could not be issued: failed already, never numbered."""
     handle: Handle[Any] = Handle(op=op, seq=UNNUMBERED, num_bytes=0, timeout=None)
-    handle._finish(None, error)
+    finish(handle, None, error)
     return handle
 
 
@@ -281,7 +286,7 @@ def all_of(handles: Sequence[Handle[Any]], value: Any, *, op: str) -> Handle[Any
         owner=handles[0]._owner if handles else None,
     )
     if not handles:
-        combined._finish(value, None)
+        finish(combined, value, None)
         return combined
     lock = threading.Lock()
     remaining = [len(handles)]
@@ -292,10 +297,10 @@ def all_of(handles: Sequence[Handle[Any]], value: Any, *, op: str) -> Handle[Any
             if remaining[0]:
                 return
         errors = [h.exception() for h in handles if h.exception() is not None]
-        combined._finish(None if errors else value, errors[0] if errors else None)
+        finish(combined, None if errors else value, errors[0] if errors else None)
 
     for handle in handles:
-        handle._add_done_callback(one_done)
+        add_done_callback(handle, one_done)
     return combined
 
 
@@ -358,3 +363,24 @@ class Coalesced:
     def wait(self, timeout: float | None = None) -> list[torch.Tensor]:
         """Blocks until every all-reduce of the scope finished; their tensors."""
         return self._issued().wait(timeout)
+
+
+# What a ``coalesce()`` scope's coalescer writes into its ``Coalesced`` (module functions,
+# not methods, so that they stay off the public class).
+
+
+def add_held(issued: Coalesced, handle: Handle[torch.Tensor], tensor: torch.Tensor) -> None:
+    """The scope holds one more all-reduce: ``handle``, over ``tensor``."""
+    issued.handles.append(handle)
+    issued._tensors.append(tensor)
+
+
+def add_flat(issued: Coalesced, flat: Handle[list[torch.Tensor]]) -> None:
+    """One flat op of the scope was issued (or failed to be: a failed handle)."""
+    issued._flats.append(flat)
+
+
+def seal(issued: Coalesced) -> None:
+    """The scope ended and its flat ops were issued: awaiting ``issued`` now waits for
+    them all, and gives the scope's tensors."""
+    issued._all = all_of(issued._flats, issued._tensors, op="coalesce")

@@ -16,14 +16,14 @@ Only collectives are order-checked (fingerprint: op, shapes, dtypes, reduce op, 
 
 ``ProcessGroupGang``, ``FakeGang`` and ``testing.FakeWorldGang`` are this class over
 their backend. Sub-gangs and lanes are made here, once, from the backend's children,
-each a gang of the parent's class made by ``CollectiveGang._from_backend``.
+each a gang of the parent's class made by ``gang_over``.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Literal, Self, overload
+from typing import Any, Literal, TypeVar, overload
 
 import torch
 from typing_extensions import override
@@ -42,7 +42,7 @@ from agang._gang import Gang, Serializer, Transfer
 from agang._handle import Coalesced, Handle, all_of
 from agang._policy import GangPolicy
 from agang._reduce_op import ReduceOp
-from agang._runtime.future import Future
+from agang._runtime.future import Future, finish
 from agang._runtime.threads import run_all, run_blocking
 from agang._statistics import GangStatistics
 from agang._validate import (
@@ -59,6 +59,8 @@ from agang._validate import (
 # ends on its thread.
 _CLOSE_SECONDS = 5.0
 _SUM = ReduceOp.SUM  # an enum member's lookup costs per call
+
+G = TypeVar("G", bound="CollectiveGang")
 
 
 class CollectiveGang(Gang):
@@ -79,16 +81,6 @@ class CollectiveGang(Gang):
         # that the others await. A failed making is forgotten, so a later call may retry.
         self._lanes: dict[str, tuple[bool, Future[Gang]]] = {}
         self._children: list[CollectiveGang] = []
-
-    @classmethod
-    def _from_backend(cls, backend: Backend, policy: GangPolicy) -> Self:
-        """The children's constructor: a gang of this class over ``backend``, a child of
-        a gang's backend (a sub-gang, a lane) or a backend made apart from the class's
-        own constructor (a ``DeviceMesh``'s group). It skips the subclass's constructor,
-        whose arguments only a root gang has, and so must stay all a gang needs."""
-        gang = cls.__new__(cls)
-        CollectiveGang.__init__(gang, backend, policy)
-        return gang
 
     # Properties.
 
@@ -438,10 +430,10 @@ class CollectiveGang(Gang):
         except BaseException as exc:
             with self._engine.lock:
                 self._lanes.pop(name, None)
-            making._finish(None, exc if isinstance(exc, Exception) else RuntimeError(str(exc)))
+            finish(making, None, exc if isinstance(exc, Exception) else RuntimeError(str(exc)))
             raise
         assert lane is not None  # every rank is a member of a lane
-        making._finish(lane, None)
+        finish(making, lane, None)
         return lane
 
     async def _create_child(
@@ -458,7 +450,7 @@ class CollectiveGang(Gang):
         )
         if backend is None:
             return None
-        child = self._from_backend(backend, self._engine.policy)
+        child = gang_over(type(self), backend, self._engine.policy)
         with self._engine.lock:
             if not (orphan := self._engine.closed):
                 self._children.append(child)
@@ -507,3 +499,13 @@ class CollectiveGang(Gang):
         # The busy ranges are process-wide: an op of another gang on the same memory
         # counts too, which only makes the answer safer.
         return busy.is_busy(tensor)
+
+
+def gang_over(cls: type[G], backend: Backend, policy: GangPolicy) -> G:
+    """The children's constructor: a gang of class ``cls`` over ``backend``, a child of a
+    gang's backend (a sub-gang, a lane) or a backend made apart from the class's own
+    constructor (a ``DeviceMesh``'s group, an epoch's Gloo group). It skips the subclass's
+    constructor, whose arguments only a root gang has, and so must stay all a gang needs."""
+    gang = cls.__new__(cls)
+    CollectiveGang.__init__(gang, backend, policy)
+    return gang

@@ -37,12 +37,6 @@ def _close_open_gangs() -> None:
         gang.close_sync()
 
 
-def _group_of(gang: CollectiveGang) -> dist.ProcessGroup | None:
-    """The gang's c10d group, or None once released (sub-gangs are made by ``_from_backend``)."""
-    assert isinstance(gang._backend, C10dBackend)
-    return gang._backend.process_group
-
-
 def open_world_gang() -> ProcessGroupGang | None:
     """The world gang of this process, if one is open."""
     for gang in _open_world_gangs:
@@ -66,7 +60,7 @@ def _forget_in_child() -> None:
     global _registry_lock
     _registry_lock = threading.Lock()  # a parent thread may have held it at the fork
     # Up at the fork: the world group is the parent's, and c10d must forget it here.
-    up = any(_group_of(gang) is not None for gang in _open_world_gangs)
+    up = any(gang._c10d_group() is not None for gang in _open_world_gangs)
     _open_world_gangs.clear()
     if up:
         disown_groups(forget_world=True)
@@ -123,6 +117,13 @@ class ProcessGroupGang(CollectiveGang):
                 _open_world_gangs[:] = [g for g in _open_world_gangs if not g.closed]
                 _open_world_gangs.append(self)
 
+    def _c10d_group(self) -> dist.ProcessGroup | None:
+        """The gang's c10d group, or None once released (sub-gangs are made by
+        ``gang_over``, so every one has a ``C10dBackend``)."""
+        backend = self._backend
+        assert isinstance(backend, C10dBackend)
+        return backend.process_group
+
     @property
     def process_group(self) -> dist.ProcessGroup:
         """The c10d process group, for calling torch.distributed directly.
@@ -130,7 +131,7 @@ class ProcessGroupGang(CollectiveGang):
         Raises:
             GangClosedError: The gang was closed and its group destroyed.
         """
-        group = _group_of(self)
+        group = self._c10d_group()
         if group is None:
             raise GangClosedError(f"Gang '{self.name}' is closed; its group is gone.")
         return group

@@ -31,13 +31,17 @@ from agang._handle import (
     UNNUMBERED,
     Coalesced,
     Handle,
-    all_of,
+    add_flat,
+    add_held,
     failed_handle,
     finish_all,
     group_timeout,
+    hold,
+    seal,
 )
 from agang._reduce_op import ReduceOp
 from agang._runtime import loops
+from agang._runtime.future import add_done_callback, finish
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
 
@@ -131,7 +135,7 @@ class Coalescer:
                 # and the other ranks know, so they are started, not dropped.
                 issued = scope.issued
                 self._issue_members(scope.take(), issued)
-                issued._all = all_of(issued._flats, issued._tensors, op="coalesce")
+                seal(issued)
 
     def hold(
         self, scope: Scope, tensor: torch.Tensor, op: ReduceOp, seconds: float | None
@@ -148,10 +152,9 @@ class Coalescer:
             owner=engine,
         )
         claim = busy.acquire_one("tensor", tensor, handle)
-        handle._hold = HELD
+        hold(handle, HELD)
         scope.members.append(Member(tensor, op, tensor.dtype, seconds, handle, claim))
-        scope.issued.handles.append(handle)
-        scope.issued._tensors.append(tensor)
+        add_held(scope.issued, handle, tensor)
         return handle
 
     def _issue_members(self, members: list[Member], issued: Coalesced) -> None:
@@ -164,19 +167,19 @@ class Coalescer:
             except Exception as exc:  # the gang was closed or broke meanwhile
                 busy.release_all(claims)
                 for member in group:
-                    member.handle._hold = None
-                    member.handle._finish(None, exc)
-                issued._flats.append(failed_handle("all_reduce", exc))
+                    hold(member.handle, None)
+                    finish(member.handle, None, exc)
+                add_flat(issued, failed_handle("all_reduce", exc))
                 continue
-            issued._flats.append(flat)
+            add_flat(issued, flat)
             if len(group) > 1:
                 self._engine.count_coalesced(len(group))
             seq = flat.seq
             for member in group:
                 handle = member.handle
                 handle.seq = seq
-                handle._hold = None
-            flat._add_done_callback(_finisher(flat, group))
+                hold(handle, None)
+            add_done_callback(flat, _finisher(flat, group))
 
     # Flat ops.
 

@@ -55,6 +55,7 @@ from agang._errors import OpContext
 from agang._handle import Handle
 from agang._policy import GangPolicy
 from agang._runtime import fork, loops, threads
+from agang._runtime.future import finish
 
 log = logging.getLogger("agang.engine")
 
@@ -387,4 +388,4 @@ class Expiry:
             count_timed_out()
             return
         # Broken before the waiters wake: their next call must be refused (the engine's rule 6).
-        handle._finish(None, error, then=count_timed_out)
+        finish(handle, None, error, then=count_timed_out)

@@ -1,4 +1,13 @@
 """The engine of one gang: numbering, admission, completion, deadlines, failure, closing.
+It is one piece, a kernel in sections (as trio's run loop is): every rule below reads
+and writes the same state under the gang's one lock (the numbers, the scheduler's core,
+the op being started inline, the ops ordered early, the counters), and the common op is
+numbered, started and ended in one pass through it, where a split would have each half
+read the other's fields. What needs none of that state lives beside it, reached through
+narrow calls: ``scheduler``, ``room``, ``busy``, ``deadlines``, ``polling``,
+``order_checks``, ``reports``, ``ops``. Its sections, in order: state, admission, the
+fast path, queued ops and order checks, two phases, completion, failure and closing, what
+a handle tells its owner, what the deadline check asks, blame, lifecycle.
 
 A gang holds one engine and one backend. The engine feeds the scheduler's pure core
 (``scheduler``) under the gang's one lock, starts what the core hands back through the
@@ -79,9 +88,8 @@ from typing import Any
 
 import torch
 
-from agang._backends import fingerprint as flows
 from agang._backends.contract import Backend, Done, Progress, State
-from agang._backends.fingerprint import call_site
+from agang._backends.fingerprint import at_call_site, call_site
 from agang._engine import busy, reports
 from agang._engine.deadlines import Expiry
 from agang._engine.ops import POINT_TO_POINT, Fingerprint, OpEnd, SecondPhase, Start, start_guarded
@@ -98,9 +106,10 @@ from agang._errors import (
     GangTimeoutError,
     OpContext,
 )
-from agang._handle import Handle, issued
+from agang._handle import Handle, collective_of, issued
 from agang._policy import GangPolicy
 from agang._runtime import fork
+from agang._runtime.future import error_of, finish, finish_unseen, settled
 from agang._statistics import Counters, GangStatistics
 from agang._validate import check_timeout
 
@@ -113,6 +122,8 @@ def _started() -> None:
 
 class Engine:
     """The op machinery of one gang over one backend (see the module's rules)."""
+
+    # ---- State ----
 
     def __init__(self, backend: Backend, policy: GangPolicy) -> None:
         self.backend = backend
@@ -159,7 +170,7 @@ class Engine:
         backend.serve_progress(self.progress)
         fork.track(self)
 
-    # Numbering and admission (rules 1, 2, 3 and 8).
+    # ---- Admission: numbering, claiming, issuing (rules 1, 2 and 3) ----
 
     def resolve_timeout(self, timeout: float | None) -> float | None:
         """The user's ``timeout`` as seconds, or None for no deadline (rule 3)."""
@@ -262,6 +273,8 @@ class Engine:
             self._alarm.arm(due)
         return handle
 
+    # ---- The fast path: an op started on the caller's thread (rule 2) ----
+
     def _start_now(self, handle: Handle[Any], start: Start, done: OpEnd) -> float | None:
         """Starts an op that may start (nothing ahead of it) on the caller's thread, with
         the lock held; returns its deadline to arm, or None.
@@ -300,9 +313,9 @@ class Engine:
             now = time.monotonic()
             seconds = now - handle.issued_at
             record = self._scheduler.record
-            record(handle.seq, handle.op, handle.num_bytes, seconds, "ok", handle._collective)
+            record(handle.seq, handle.op, handle.num_bytes, seconds, "ok", collective_of(handle))
             self._counters.completed(handle.op, seconds)
-            handle._finish_unseen(done.output, now)
+            finish_unseen(handle, done.output, now)
         else:  # a failure, or ordered first: the general end, as if reported later
             self._enter_started(handle, done)
             self.complete(handle, done.output, done.inline_error)
@@ -317,7 +330,7 @@ class Engine:
         due = None if seconds is None else issued_at + seconds
         entry = Entry(handle.seq, handle.op, handle.num_bytes, issued_at, due, _started)
         entry.item = (handle, done)
-        entry.collective = handle._collective
+        entry.collective = collective_of(handle)
         self._scheduler.admit_started(entry)
         return due
 
@@ -325,6 +338,8 @@ class Engine:
         """Whether ``done`` is called inside its op's start on the thread that started it
         (``_start_now``), which then takes the end once the start returns."""
         return self._inline is done and threading.get_ident() == self._inline_thread
+
+    # ---- Queued ops and order checks (rules 2 and 8) ----
 
     async def wait_for_room(self, num_bytes: int) -> None:
         if self.polls:  # rule 11: ops that ended leave room
@@ -373,14 +388,14 @@ class Engine:
             item=(handle, done),
             ready=not checked,
             holds_gate=holds_gate,
-            collective=handle._collective,
+            collective=collective_of(handle),
         )
         self._scheduler.admit(entry)
         if checked:
             assert fingerprint is not None
             text = fingerprint if isinstance(fingerprint, str) else fingerprint()
             if self.policy.check_order == "call_site":
-                text = flows.at_call_site(text, call_site())
+                text = at_call_site(text, call_site())
             index = entry.check_index = self._next_check
             self._next_check += 1
             self._check_order(entry, index, text)
@@ -420,6 +435,8 @@ class Engine:
             self.backend.start_order_check(index, fingerprint, checked)
         except Exception as exc:
             checked(None, exc)
+
+    # ---- Two phases (rule 9) ----
 
     def issue_two_phase(
         self,
@@ -470,8 +487,9 @@ class Engine:
         )
         return handle
 
-    # Completion (rules 4 and 10): an op's end comes back through its ``OpEnd`` (``ops``); one
-    # that ended inside its start on the issuing thread is taken by ``_start_now`` instead.
+    # ---- Completion (rules 4 and 10) ----
+    # An op's end comes back through its ``OpEnd`` (``ops``); one that ended inside its
+    # start on the issuing thread is taken by ``_start_now`` instead.
 
     def _wrap(self, handle: Handle[Any], error: BaseException) -> CollectiveError:
         """A backend's ``error`` for ``handle``'s op, as the op's ``CollectiveError``."""
@@ -488,7 +506,7 @@ class Engine:
         now = time.monotonic()
         seconds = now - handle.issued_at
         # A handle that already failed (its deadline passed) records as timed out.
-        timed_out = isinstance(handle._error, GangTimeoutError)
+        timed_out = isinstance(error_of(handle), GangTimeoutError)
         outcome = "timed out" if timed_out else ("ok" if error is None else "failed")
         with self.lock:
             entry = self._scheduler.finish(handle.seq, seconds=seconds, outcome=outcome)
@@ -509,21 +527,21 @@ class Engine:
                     and not entry.expired
                     and self.broken is None
                     and not self.closed
-                    and not handle._settled()
+                    and not settled(handle)
                 )
                 if counted:
                     self._counters.completed(handle.op, seconds)
         for waiter in room_waiters:
-            waiter._finish(None, None)
+            finish(waiter, None, None)
         if counted:
-            handle._finish(value, None)
+            finish(handle, value, None)
         elif error is None:
 
             def count_completed() -> None:
                 with self.lock:
                     self._counters.completed(handle.op, time.monotonic() - handle.issued_at)
 
-            handle._finish(value, None, then=count_completed)
+            finish(handle, value, None, then=count_completed)
         else:
             if isinstance(error, GangBrokenError | GangClosedError | CollectiveError):
                 wrapped: BaseException = error
@@ -536,7 +554,7 @@ class Engine:
                 self.break_gang(wrapped)
 
             # Broken before the waiters wake: their next call must be refused (rule 6).
-            finished = handle._finish(None, wrapped, then=count_failed_and_break)
+            finished = finish(handle, None, wrapped, then=count_failed_and_break)
             if not finished and not isinstance(error, GangBrokenError | GangClosedError):
                 # Timed out (on_timeout="raise"), then failed in c10d: unusable all the same.
                 self.break_gang(wrapped)
@@ -547,16 +565,16 @@ class Engine:
         """The op behind ``handle`` is ordered on the caller's stream (rule 10)."""
         with self.lock:
             self._ordered_early.add(handle.seq)
-        handle._finish(value, None)
+        finish(handle, value, None)
 
-    # Failure and closing (rules 6 and 7).
+    # ---- Failure and closing (rules 6 and 7) ----
 
     def _take_pending(self) -> tuple[list[Any], list[tuple[Handle[Any], Done]]]:
         """The pending handles, room waiters and never-started ops (now dropped); the caller
         holds the lock, has marked the gang broken or closed, and fails them unlocked."""
         items = [entry.item for entry in self._scheduler.entries.values()]
         dropped = [entry.item for entry in self._scheduler.drop_queued()]
-        pending: list[Any] = [handle for handle, _ in items if not handle._settled()]
+        pending: list[Any] = [handle for handle, _ in items if not settled(handle)]
         self._counters.num_failed += len(pending)
         self._ops_left_in_backend = any(e.started for e in self._scheduler.entries.values())
         pending.extend(self._room.wake())  # they fail with the others, and re-check
@@ -583,7 +601,7 @@ class Engine:
         # library logs no ERROR for what it raises (a handled deadline printed twice).
         log.info("Gang '%s' (rank %d) is broken: %s", self.name, self.rank, cause)
         for future in pending:
-            future._finish(None, abandoned(future))
+            finish(future, None, abandoned(future))
         for handle, abandon in dropped:
             abandon(abandoned(handle))  # releases their tensors; nothing was started
         self._checks.drop()  # after: what was held ends ops that the break failed already
@@ -605,19 +623,23 @@ class Engine:
             pending, dropped = self._take_pending()
         self._alarm.disarm()  # no deadline is left to check (rule 7)
         for future in pending:
-            future._finish(
-                None, GangClosedError(f"{future} was pending when gang '{self.name}' was closed.")
+            finish(
+                future,
+                None,
+                GangClosedError(f"{future} was pending when gang '{self.name}' was closed."),
             )
         for handle, abandon in dropped:
             abandon(GangClosedError(f"{handle} was pending when gang '{self.name}' was closed."))
         self._checks.drop()  # after: what was held ends ops that the close failed already
         return True
 
-    def count_coalesced(self, num_members: int) -> None:
-        with self.lock:
-            self._counters.num_coalesced += num_members
+    def mark_inherited(self, error: GangInheritedError) -> None:
+        """In a forked child: closed, and every use raises ``error`` (``agang._runtime.fork``);
+        without the lock, which a parent thread may have held at the fork."""
+        self.broken = error
+        self.closed = True
 
-    # What a handle tells its owner (``agang._handle.HandleOwner``).
+    # ---- What a handle tells its owner (``agang._handle.HandleOwner``; rule 11) ----
 
     def resumed(self, lag: float) -> None:
         with self.lock:
@@ -633,21 +655,13 @@ class Engine:
         if following is not None:
             self._alarm.arm(following)
 
-    def mark_inherited(self, error: GangInheritedError) -> None:
-        """In a forked child: closed, and every use raises ``error`` (``agang._runtime.fork``);
-        without the lock, which a parent thread may have held at the fork."""
-        self.broken = error
-        self.closed = True
-
-    # Learning of an end on the loop (rule 11; ``agang._handle.HandleOwner``).
-
     async def settle(self, handle: Handle[Any]) -> None:
         await self._polling.settle(handle)
 
     def park_for(self, handle: Handle[Any]) -> None:
         self._polling.park_for(handle)
 
-    # What the deadline check asks (rule 5; ``deadlines.Expiring``).
+    # ---- What the deadline check asks (rule 5; ``deadlines.Expiring``) ----
 
     def reap(self, now: float) -> float | None:
         return self._polling.reap(now) if self.polls else None
@@ -672,7 +686,7 @@ class Engine:
         with self.lock:
             self._counters.num_timed_out += 1
 
-    # Blame (rule 5): where this rank stands, when a peer's deadline asks.
+    # ---- Blame (rule 5): where this rank stands, when a peer's deadline asks ----
 
     def progress(self, number: int, collective: bool = False) -> Progress:
         """Where this rank stands on op ``number``: a sequence number, or with
@@ -692,7 +706,7 @@ class Engine:
                 collective=self._next_collective - 1 if collective else None,
             )
 
-    # Lifecycle (rule 7).
+    # ---- Lifecycle and statistics (rule 7) ----
 
     def release(self) -> None:
         """Frees the backend once the gang is closed; off the loop, may block briefly."""
@@ -710,3 +724,7 @@ class Engine:
                 num_queued=self._scheduler.num_queued,
                 bytes_in_flight=self._scheduler.bytes_in_flight,
             )
+
+    def count_coalesced(self, num_members: int) -> None:
+        with self.lock:
+            self._counters.num_coalesced += num_members

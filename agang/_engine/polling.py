@@ -33,7 +33,7 @@ from typing import Any
 from agang._backends.contract import Backend
 from agang._handle import Handle
 from agang._runtime import loops
-from agang._runtime.future import _DONE, passed_loop
+from agang._runtime.future import passed_loop
 
 #: How long an awaiting task polls, at least and at most, from the op's issue (rule 2).
 #: At least 200 us: parking costs two wake-ups of sleeping threads, about that much on an
@@ -59,7 +59,7 @@ class Polling:
         """One poll for a task about to await ``handle`` (1): an op found ended counts
         towards the budget (2)."""
         self._poll()
-        if handle._state == _DONE:
+        if handle.done():
             self._recent.append(time.monotonic() - handle.issued_at)
 
     async def settle(self, handle: Handle[Any]) -> None:

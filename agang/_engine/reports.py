@@ -25,8 +25,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from agang._backends import fingerprint as flows
 from agang._backends.contract import Progress
+from agang._backends.fingerprint import MAX_NAMED, disagreements, split
 from agang._errors import CollectiveError, CollectiveMismatchError, GangTimeoutError, OpContext
 
 #: Every peer's answer (None: no answer in time); the whole is None where the peers
@@ -114,13 +114,11 @@ def mismatch(
     or the same uneven one with split sizes that disagree (``agang._backends.fingerprint``)."""
     groups: dict[str, list[int]] = {}
     for rank, fingerprint in sorted(fingerprints.items()):
-        groups.setdefault(flows.split(fingerprint)[0], []).append(rank)
+        groups.setdefault(split(fingerprint)[0], []).append(rank)
     if len(groups) == 1:
         (op,) = groups
-        pairs = flows.disagreements(fingerprints)
-        listed = "; ".join(pairs[: flows.MAX_NAMED]) + (
-            "; ..." if len(pairs) > flows.MAX_NAMED else ""
-        )
+        pairs = disagreements(fingerprints)
+        listed = "; ".join(pairs[:MAX_NAMED]) + ("; ..." if len(pairs) > MAX_NAMED else "")
         what = (
             f"the ranks' split sizes disagree at collective #{index} of this gang, {op}: {listed}"
         )

@@ -46,6 +46,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from agang._backends.c10d.backend import C10dBackend
 from agang._collective.fake_gang import FakeGang
+from agang._collective.gang import gang_over
 from agang._collective.process_group_gang import ProcessGroupGang, open_world_gang
 from agang._gang import Gang
 from agang._policy import GangPolicy
@@ -82,7 +83,7 @@ def _borrow(
         is_world=False,
         owned=False,
     )
-    return ProcessGroupGang._from_backend(backend, policy)
+    return gang_over(ProcessGroupGang, backend, policy)
 
 
 def _root_of(root: object, device: torch.device) -> ProcessGroupGang:

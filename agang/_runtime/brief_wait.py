@@ -33,7 +33,7 @@ import time
 from typing import Any
 
 from agang._runtime import loops
-from agang._runtime.future import Future, num_parked
+from agang._runtime.future import Future, add_done_callback, num_parked, remove_done_callback
 
 #: Ops above this size never block: the wake-up is a small share of their time.
 BRIEF_MAX_BYTES = 1 << 20
@@ -78,11 +78,11 @@ def block_briefly(future: Future[Any], num_bytes: int, issued_at: float) -> bool
     # A bare lock released by the finisher, as ``Future._block`` does.
     signal = threading.Lock()
     signal.acquire()
-    future._add_done_callback(signal.release)
+    add_done_callback(future, signal.release)
     if signal.acquire(timeout=window):
         _num_missed[key] = 0
         return True
-    future._remove_done_callback(signal.release)
+    remove_done_callback(future, signal.release)
     missed = _num_missed[key] = min(_num_missed.get(key, 0) + 1, 10)
     _num_to_skip[key] = 2 ** (missed - 1) - 1
     return False

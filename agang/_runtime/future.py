@@ -13,11 +13,15 @@ Rules:
 3. Waiting never changes what is awaited: a cancelled or timed-out wait leaves the work
    running.
 
-The package drives futures through a small interface whose names start with an
-underscore so that they stay off the public ``Handle``: ``_finish`` (rule 1, with an
-optional ``then`` for what must change before any waiter wakes), ``_finish_at`` (many at
-one timestamp), ``_add_done_callback`` and ``_remove_done_callback`` (rule 2), and
-``_settled`` (the outcome is set, waiters maybe not yet told).
+The package drives futures through this module's functions, not methods, so that they
+stay off the public ``Handle``: ``finish`` (rule 1, with an optional ``then`` for what
+must change before any waiter wakes), ``finish_at`` (many at one timestamp),
+``finish_unseen`` (one that nobody has seen yet), ``add_done_callback`` and
+``remove_done_callback`` (rule 2), ``settled`` (the outcome is set, waiters maybe not yet
+told), ``error_of`` (the error set, before the waiters are told) and ``pending`` (a new
+one of a subclass, without its constructor). The methods behind them keep a private name
+and are the future's own: code elsewhere calls the functions, which cost what the
+methods cost.
 
 Waiting on an event loop (``wait_async``): the task awaiting a future lives on an
 asyncio, uvloop or trio loop, while the future finishes on a backend thread (Gloo's
@@ -44,6 +48,7 @@ from agang._runtime import handoffs, loops
 from agang._validate import check_timeout
 
 T = TypeVar("T")
+F = TypeVar("F", bound="Future[Any]")
 
 _PENDING = 0
 _FINISHING = 1  # the outcome is set; its owner reacts to it before any waiter may see it
@@ -222,6 +227,14 @@ class Future(Generic[T]):
         for callback in callbacks:
             callback()
 
+    def _finish_unseen(self, value: Any, now: float) -> None:
+        """Finishes, at ``now``, a future nobody has seen yet (an op's handle, its op
+        ended inside the call that issues it): nobody waits on it and it has no
+        callbacks, so the lock and the wake-ups have nothing to guard."""
+        self._value = value
+        self._finished_at = now
+        self._state = _DONE
+
     def _add_done_callback(self, callback: Callable[[], None]) -> None:
         with self._lock:
             if self._state != _DONE:
@@ -232,6 +245,41 @@ class Future(Generic[T]):
     def _remove_done_callback(self, callback: Callable[[], None]) -> None:
         with self._lock, contextlib.suppress(ValueError):
             self._callbacks.remove(callback)
+
+
+# The finishing side of a future (see the module's docstring), for the code that finishes
+# one (engines, waiters, threads) and never a method of the public ``Handle``: each is the
+# method itself, so calling it costs no more than the method would.
+finish = Future._finish
+finish_at = Future._finish_at
+finish_unseen = Future._finish_unseen
+add_done_callback = Future._add_done_callback
+remove_done_callback = Future._remove_done_callback
+settled = Future._settled
+
+
+def pending(cls: type[F], what: str) -> F:
+    """A pending future of class ``cls`` (a subclass), as ``Future(what)`` makes one but
+    without calling ``cls.__init__``: where a subclass makes one per op (``Handle``: the
+    engine's ``issued``), a chain of constructor calls costs a share of issuing it."""
+    future = _new_object(cls)
+    future.what = what
+    future._lock = threading.Lock()
+    future._state = _PENDING
+    future._value = None
+    future._error = None
+    future._finished_at = None
+    future._callbacks = []
+    return future
+
+
+_new_object = object.__new__
+
+
+def error_of(future: Future[Any]) -> BaseException | None:
+    """The error ``future`` finished with, or is finishing with (its ``then`` running);
+    None while pending or for a success. Unlike ``Future.exception``, never raises."""
+    return future._error
 
 
 def finished(what: str, value: Any = None, error: BaseException | None = None) -> Future[Any]:

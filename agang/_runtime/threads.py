@@ -51,7 +51,7 @@ from typing import Any, TypeVar
 import anyio
 
 from agang._runtime import fork
-from agang._runtime.future import Future
+from agang._runtime.future import Future, finish
 
 log = logging.getLogger("agang.runtime")
 
@@ -140,9 +140,9 @@ def start_thread(fn: Callable[[], T], *, name: str, join_at_exit: bool = True) -
         try:
             value = fn()
         except BaseException as exc:
-            future._finish(None, exc)
+            finish(future, None, exc)
         else:
-            future._finish(value, None)
+            finish(future, value, None)
 
     start_daemon(run, name=f"agang: {name}", join_at_exit=join_at_exit)
     return future

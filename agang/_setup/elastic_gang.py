@@ -54,7 +54,7 @@ from agang._errors import GangBrokenError, GangInitError, one_line
 from agang._membership import deaths
 from agang._policy import GangPolicy
 from agang._runtime.threads import run_blocking
-from agang._setup import elastic as setup
+from agang._setup import elastic as elastic_setup
 from agang._setup import membership
 from agang._setup.env import WorldInfo
 from agang._validate import check_deadline
@@ -76,9 +76,9 @@ class ElasticGang(ProcessGroupGang):
 
     def __init__(
         self,
-        formed: setup.Formed,
+        formed: elastic_setup.Formed,
         *,
-        elastic: setup.Elastic,
+        elastic: elastic_setup.Elastic,
         backend: str,
         device: torch.device,
         policy: GangPolicy,
@@ -110,7 +110,7 @@ class ElasticGang(ProcessGroupGang):
         mailbox.register("reforming", self._another_member_reforms)
         mailbox.on_connection_lost(self._store_lost)
         # Membership rule 2: the joiners it hears of are watched from then on.
-        setup.watch_joiners(formed.store, lambda: not self.closed)
+        elastic_setup.watch_joiners(formed.store, lambda: not self.closed)
         self._listening = self._listen()
 
     def _listen(self) -> deaths.Listening | None:
@@ -136,7 +136,7 @@ class ElasticGang(ProcessGroupGang):
         gone = [m for m in self._formed.members if notice.names(m.uid, m.where)]
         if not gone:
             return
-        setup.say_dead({m.uid for m in gone})
+        elastic_setup.say_dead({m.uid for m in gone})
         ranks = ", ".join(f"rank {self._formed.members.index(m)} ({m.where})" for m in gone)
         cause = GangBrokenError(
             f"Gang '{self.name}' (epoch {self.epoch}) lost {ranks}: {notice.describe()}. "
@@ -201,7 +201,7 @@ class ElasticGang(ProcessGroupGang):
         if self._lost is not None:
             raise GangBrokenError(str(self._lost), self._lost)
         admitted = {c.uid for c in self._formed.members}
-        waiting = len((self._waiting | setup.noticed()) - admitted)
+        waiting = len((self._waiting | elastic_setup.noticed()) - admitted)
         if self._elastic.max_size is None:
             return waiting
         return min(waiting, max(0, self._elastic.max_size - len(self._formed.members)))
@@ -227,17 +227,17 @@ class ElasticGang(ProcessGroupGang):
         # no deadline.
         seconds = check_deadline(timeout, name="timeout", default=DEFAULT_REFORM_TIMEOUT)
         deadline = time.monotonic() + (backstop_for(None) if seconds is None else seconds)
-        setup.forget_noticed()  # rule 3: the joiners still waiting say so again
+        elastic_setup.forget_noticed()  # rule 3: the joiners still waiting say so again
         formed = await self._blocking(
-            lambda: setup.reform_membership(self._formed, self._elastic, deadline), deadline
+            lambda: elastic_setup.reform_membership(self._formed, self._elastic, deadline), deadline
         )
-        with setup.closing(formed):  # rule 1: the others wait for a member that closes
+        with elastic_setup.closing(formed):  # rule 1: the others wait for a member that closes
             await self.close()
         backend, device = self._settings["backend"], self._settings["device"]
         while True:
             try:
                 await self._blocking(
-                    functools.partial(setup.make_group, formed, backend, deadline, device),
+                    functools.partial(elastic_setup.make_group, formed, backend, deadline, device),
                     deadline,
                 )
                 break
@@ -249,13 +249,13 @@ class ElasticGang(ProcessGroupGang):
                     ) from error
                 formed = await self._blocking(
                     functools.partial(
-                        setup.reform_membership, formed, self._elastic, deadline, made=False
+                        elastic_setup.reform_membership, formed, self._elastic, deadline, made=False
                     ),
                     deadline,
                 )
         # Made on a thread, as init makes it: its responder connects to the store (a
         # network round trip), which must not hold the event loop.
-        waiting = setup.noticed()  # rule 3: only notices since this reform began
+        waiting = elastic_setup.noticed()  # rule 3: only notices since this reform began
         gang: ElasticGang = await self._blocking(
             lambda: ElasticGang(formed, elastic=self._elastic, waiting=waiting, **self._settings),
             deadline,
@@ -295,22 +295,22 @@ class Plan(Protocol):
 
 
 def form_first(
-    plan: Plan, world: WorldInfo, elastic: setup.Elastic, deadline: float
+    plan: Plan, world: WorldInfo, elastic: elastic_setup.Elastic, deadline: float
 ) -> ElasticGang:
     """``agang.init(elastic=...)``'s set-up (on its thread): formation 0, or the next
     reform as a joiner; a group that cannot be made is formed again (rule 1)."""
-    store = setup.connect_store(world, deadline)
-    formed = setup.first_formation(store, world, elastic, deadline)
+    store = elastic_setup.connect_store(world, deadline)
+    formed = elastic_setup.first_formation(store, world, elastic, deadline)
     while True:
         try:
-            setup.make_group(formed, plan.backend, deadline, plan.device)
+            elastic_setup.make_group(formed, plan.backend, deadline, plan.device)
             break
         except TransientSetupError as error:
             if time.monotonic() >= deadline:
                 raise GangInitError(
                     f"No elastic group was made before the deadline: {error}"
                 ) from error
-            formed = setup.reform_membership(formed, elastic, deadline, made=False)
+            formed = elastic_setup.reform_membership(formed, elastic, deadline, made=False)
     return ElasticGang(
         formed,
         elastic=elastic,

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from agang._backends.c10d.backend import C10dBackend
+from agang._collective.gang import gang_over
 from agang._collective.process_group_gang import ProcessGroupGang
 from agang._membership.member import Member
 from agang._policy import make_policy
@@ -91,7 +92,7 @@ class GlooEpochGangs:
             on_timeout="abort",
             check_order=False,
         )
-        return ProcessGroupGang._from_backend(backend, policy)
+        return gang_over(ProcessGroupGang, backend, policy)
 
     def rendezvous_keys(self, size: int) -> list[str]:
         return [f"0/{rank}" for rank in range(size)]  # rule 5

@@ -25,7 +25,7 @@ import anyio
 import sniffio
 
 from agang._errors import GangError, one_line
-from agang._runtime.future import Future
+from agang._runtime.future import Future, add_done_callback
 from agang._runtime.threads import start_thread
 
 T = TypeVar("T")
@@ -94,7 +94,7 @@ def _hand_over(future: Future[T], abandoned: Callable[[T], None] | None) -> None
         if future.exception() is None:
             take(future.result())
 
-    future._add_done_callback(hand_over)
+    add_done_callback(future, hand_over)
 
 
 def run_sync(fn: Callable[[], Any]) -> Any:

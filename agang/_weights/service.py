@@ -64,7 +64,7 @@ from agang._errors import GangError, one_line
 from agang._gang import Gang
 from agang._membership.gangs import GangFactory
 from agang._membership.member import Member
-from agang._runtime.future import Future
+from agang._runtime.future import Future, finish
 from agang._runtime.threads import start_daemon
 from agang._weights.buckets import Buckets, copy_bytes
 from agang._weights.channel import Channel
@@ -122,7 +122,7 @@ class Service:
     def _tell(self) -> None:
         with self._state:
             news, self._news = self._news, Future("weights news")
-        news._finish(None, None)
+        finish(news, None, None)
 
     def _say(self, status: str) -> None:
         self.status = status

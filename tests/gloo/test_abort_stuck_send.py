@@ -26,6 +26,7 @@ from storeutil import SUPPORT, Spawned
 from agang import GangTimeoutError
 from agang._backends.c10d.abort import abort_group
 from agang._backends.c10d.backend import C10dBackend
+from agang._collective.gang import gang_over
 from agang._collective.process_group_gang import ProcessGroupGang
 from agang._engine import busy
 from agang._policy import make_policy
@@ -89,7 +90,8 @@ def test_a_gang_closed_after_the_abort_frees_the_memory_of_a_send_caught_mid_wri
     group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)
     group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
     group._set_group_name("stuck")  # type: ignore[arg-type]
-    gang = ProcessGroupGang._from_backend(
+    gang = gang_over(
+        ProcessGroupGang,
         C10dBackend(
             group,
             device=torch.device("cpu"),

@@ -30,8 +30,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from agang._backends import fingerprint as flows
 from agang._backends.contract import Checked
+from agang._backends.fingerprint import balance, balanced, named, split
 from agang._runtime.threads import start_thread
 
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -52,11 +52,9 @@ def start_order_check(
 
     ``give_up`` says the gang no longer waits (it broke or closed).
     """
-    op, _ = flows.split(fingerprint)
+    op, _ = split(fingerprint)
     digest = hashlib.blake2b(op.encode(), digest_size=8).digest()
-    mine = torch.tensor(
-        [int.from_bytes(digest, "little", signed=True), flows.balance(rank, fingerprint)]
-    )
+    mine = torch.tensor([int.from_bytes(digest, "little", signed=True), balance(rank, fingerprint)])
     gathered = torch.empty(2 * size, dtype=torch.int64)
     work = all_gather_flat(gathered, mine, group=order_group, async_op=True)
 
@@ -74,7 +72,7 @@ def start_order_check(
                 lambda: _exchange(prefix, rank, op, ops, checked, give_up),
                 name=f"order mismatch on '{name}'",
             )
-        elif not flows.balanced(balances):
+        elif not balanced(balances):
             prefix = f"agang/order/{name}/{index}"
             _ = start_thread(
                 lambda: _exchange_flows(prefix, rank, size, fingerprint, checked, give_up),
@@ -107,16 +105,16 @@ def _exchange_flows(
                 if not _await_key(store, f"{prefix}/{peer}", give_up):
                     return  # the gang broke or closed meanwhile: nobody is waiting
                 texts[peer] = store.get(f"{prefix}/{peer}").decode()
-            named = flows.named(texts)
-            store.set(report, json.dumps(named))
+            kept = named(texts)
+            store.set(report, json.dumps(kept))
         else:
             if not _await_key(store, report, give_up):
                 return
-            named = {int(r): text for r, text in json.loads(store.get(report)).items()}
+            kept = {int(r): text for r, text in json.loads(store.get(report)).items()}
     except Exception as exc:
         checked(None, exc)
         return
-    checked(named, None)
+    checked(kept, None)
 
 
 def _exchange(

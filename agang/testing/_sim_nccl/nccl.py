@@ -10,6 +10,7 @@ from types import TracebackType
 import torch
 
 from agang._backends.c10d.backend import C10dBackend
+from agang._collective.gang import gang_over
 from agang._collective.process_group_gang import ProcessGroupGang
 from agang._policy import OnTimeout, make_policy
 from agang.testing._sim_nccl.device import SimDevice, SimEvent, SimStream, Stall
@@ -106,7 +107,7 @@ class SimulatedNccl:
                 runtime=runtime,
                 registered=False,
             )
-            gangs.append(ProcessGroupGang._from_backend(backend, policy))
+            gangs.append(gang_over(ProcessGroupGang, backend, policy))
         return gangs
 
     def pause(self, rank: int) -> None:

@@ -34,7 +34,6 @@ from typing import Any, final
 import anyio
 import torch
 
-from agang._backends import fingerprint as flows
 from agang._backends.contract import (
     Blamed,
     Checked,
@@ -45,11 +44,12 @@ from agang._backends.contract import (
     countdown,
 )
 from agang._backends.cuda.runtime import StreamOrder
-from agang._engine import deadlines as deadline
+from agang._backends.fingerprint import agree
+from agang._engine import deadlines
 from agang._errors import GangError, GangInitError
 from agang._reduce_op import ReduceOp
 from agang._runtime import loops
-from agang._runtime.future import Future
+from agang._runtime.future import Future, finish
 from agang.testing._world.compute import COMPUTE, Arrival
 
 
@@ -67,15 +67,15 @@ class Simulation:
     def schedule(self, callback: Callable[[], None]) -> None:
         """Runs ``callback`` soon on this thread's loop, never inline (rule 4)."""
         if self.latency:
-            driver = deadline.current_driver()
-            deadline.call_at(driver, time.monotonic() + self.latency, callback)
+            driver = deadlines.current_driver()
+            deadlines.call_at(driver, time.monotonic() + self.latency, callback)
             return
         if not loops.call_soon(callback):
             callback()  # no loop here: synchronous callers see it done at once
 
 
 def _settle(future: Future[Any], value: Any, error: BaseException | None) -> None:
-    future._finish(value, error)
+    finish(future, value, error)
 
 
 @dataclass
@@ -135,9 +135,9 @@ class Communicator:
                 return
             del self.checks[index]
         fingerprints = {r: fp for r, (fp, _) in meeting.items()}
-        agree = flows.agree(fingerprints)
+        agreed = agree(fingerprints)
         for _, report in meeting.values():
-            self.world.schedule(functools.partial(report, None if agree else fingerprints, None))
+            self.world.schedule(functools.partial(report, None if agreed else fingerprints, None))
 
     def blame(self, rank: int, number: int, collective: bool) -> dict[int, Progress | None]:
         """Every other rank's answer about op ``number`` (a sequence number, or with

@@ -20,7 +20,7 @@ import torch
 
 import agang
 from agang._policy import WAIT_MODE_ENV, make_policy
-from agang._runtime import brief_wait as _wakeup
+from agang._runtime import brief_wait
 from agang._runtime.future import Future, num_parked
 from agang.testing import FakeWorld, run_world
 
@@ -34,12 +34,12 @@ LONG = 30.0
 def fresh_estimates(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each test starts with no recent op times and no back-off."""
     for name in ("_estimates", "_recent", "_num_missed", "_num_to_skip"):
-        monkeypatch.setattr(_wakeup, name, {})
+        monkeypatch.setattr(brief_wait, name, {})
 
 
 def _long_windows(monkeypatch: pytest.MonkeyPatch, num_bytes: int = 4) -> None:
-    monkeypatch.setattr(_wakeup, "BRIEF_MAX_SECONDS", LONG)
-    _wakeup.record(num_bytes, LONG / 2)
+    monkeypatch.setattr(brief_wait, "BRIEF_MAX_SECONDS", LONG)
+    brief_wait.record(num_bytes, LONG / 2)
 
 
 def _finish_soon(future: Future[Any], value: Any) -> threading.Thread:
@@ -56,7 +56,7 @@ async def test_a_block_returns_once_another_thread_finishes_the_future(
     _long_windows(monkeypatch)
     future: Future[int] = Future("op")
     thread = _finish_soon(future, 7)
-    assert _wakeup.block_briefly(future, 4, issued_at=_now())
+    assert brief_wait.block_briefly(future, 4, issued_at=_now())
     assert future.done()
     assert future._callbacks == []
     assert await future == 7
@@ -68,43 +68,43 @@ async def test_a_block_that_ends_unfinished_leaves_no_callback_and_backs_off(
 ) -> None:
     if anyio_backend[1].get("use_uvloop"):
         pytest.skip("uvloop is never blocked (rule 2)")
-    monkeypatch.setattr(_wakeup, "BRIEF_MAX_SECONDS", 0.001)
-    _wakeup.record(4, 0.0005)
+    monkeypatch.setattr(brief_wait, "BRIEF_MAX_SECONDS", 0.001)
+    brief_wait.record(4, 0.0005)
     future: Future[int] = Future("op")
     key = (4).bit_length()
-    assert not _wakeup.block_briefly(future, 4, issued_at=_now())
+    assert not brief_wait.block_briefly(future, 4, issued_at=_now())
     assert future._callbacks == []
-    assert _wakeup._num_to_skip[key] == 0  # one miss alone changes nothing (rule 3)
-    assert not _wakeup.block_briefly(future, 4, issued_at=_now())
+    assert brief_wait._num_to_skip[key] == 0  # one miss alone changes nothing (rule 3)
+    assert not brief_wait.block_briefly(future, 4, issued_at=_now())
     # Two in a row: the next await of that size parks at once, without blocking.
-    assert _wakeup._num_to_skip[key] == 1
-    assert not _wakeup.block_briefly(future, 4, issued_at=_now())
-    assert (_wakeup._num_missed[key], _wakeup._num_to_skip[key]) == (2, 0)
+    assert brief_wait._num_to_skip[key] == 1
+    assert not brief_wait.block_briefly(future, 4, issued_at=_now())
+    assert (brief_wait._num_missed[key], brief_wait._num_to_skip[key]) == (2, 0)
     # Then it blocks again; a third miss in a row skips the next three.
-    assert not _wakeup.block_briefly(future, 4, issued_at=_now())
-    assert (_wakeup._num_missed[key], _wakeup._num_to_skip[key]) == (3, 3)
+    assert not brief_wait.block_briefly(future, 4, issued_at=_now())
+    assert (brief_wait._num_missed[key], brief_wait._num_to_skip[key]) == (3, 3)
 
 
 @pytest.mark.parametrize(
     ("num_bytes", "why"),
-    [(4, "no recent time for this size"), (_wakeup.BRIEF_MAX_BYTES * 2, "too large")],
+    [(4, "no recent time for this size"), (brief_wait.BRIEF_MAX_BYTES * 2, "too large")],
 )
 async def test_no_block_without_an_estimate_or_for_large_ops(num_bytes: int, why: str) -> None:
     future: Future[int] = Future("op")
     if why == "too large":
-        _wakeup.record(num_bytes, 1e-4)
-    assert not _wakeup.block_briefly(future, num_bytes, issued_at=_now()), why
+        brief_wait.record(num_bytes, 1e-4)
+    assert not brief_wait.block_briefly(future, num_bytes, issued_at=_now()), why
 
 
 async def test_no_block_for_an_op_slower_than_the_bound() -> None:
-    _wakeup.record(4, _wakeup.BRIEF_MAX_SECONDS * 2)
-    assert not _wakeup.block_briefly(Future("op"), 4, issued_at=_now())
+    brief_wait.record(4, brief_wait.BRIEF_MAX_SECONDS * 2)
+    assert not brief_wait.block_briefly(Future("op"), 4, issued_at=_now())
 
 
 async def test_the_estimate_is_a_median_so_one_slow_op_changes_nothing() -> None:
     for seconds in [1e-4] * 5 + [10.0]:
-        _wakeup.record(4, seconds)
-    assert _wakeup._estimates[(4).bit_length()] == 1e-4
+        brief_wait.record(4, seconds)
+    assert brief_wait._estimates[(4).bit_length()] == 1e-4
 
 
 async def test_no_block_while_another_waiter_is_parked(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -114,7 +114,7 @@ async def test_no_block_while_another_waiter_is_parked(monkeypatch: pytest.Monke
         group.start_soon(_await, parked)
         await anyio.sleep(0.01)  # it parks
         assert num_parked() == 1
-        assert not _wakeup.block_briefly(Future("op"), 4, issued_at=_now())
+        assert not brief_wait.block_briefly(Future("op"), 4, issued_at=_now())
         parked._finish(None, None)
     assert num_parked() == 0
 
@@ -127,15 +127,15 @@ async def test_no_block_while_the_loop_has_other_ready_work(
     ran = anyio.Event()
     if options.get("use_uvloop"):
         # uvloop cannot say whether it has ready work: it is never blocked (rule 2).
-        assert not _wakeup.block_briefly(Future("op"), 4, issued_at=_now())
+        assert not brief_wait.block_briefly(Future("op"), 4, issued_at=_now())
         ran.set()
     elif name == "asyncio":
         asyncio.get_running_loop().call_soon(ran.set)
-        assert not _wakeup.block_briefly(Future("op"), 4, issued_at=_now())
+        assert not brief_wait.block_briefly(Future("op"), 4, issued_at=_now())
     else:
         async with anyio.create_task_group() as group:
             group.start_soon(_set, ran)  # runnable, not yet run
-            assert not _wakeup.block_briefly(Future("op"), 4, issued_at=_now())
+            assert not brief_wait.block_briefly(Future("op"), 4, issued_at=_now())
     await ran.wait()
 
 
@@ -179,15 +179,15 @@ async def test_fake_world_deadline_and_cancellation_are_those_of_parking(
     world = FakeWorld(2, op_timeout=0.5)
     # Small ops look fast enough to block for up to 20 ms, in vain (the loop finishes
     # FakeWorld's ops): the await blocks, parks, and is cancelled as a parked one is.
-    monkeypatch.setattr(_wakeup, "BRIEF_MAX_SECONDS", 0.02)
-    _wakeup.record(4, 0.02)
+    monkeypatch.setattr(brief_wait, "BRIEF_MAX_SECONDS", 0.02)
+    brief_wait.record(4, 0.02)
     tensor = torch.zeros(1)
     handle = world[0].all_reduce(tensor)  # rank 1 never joins
     with anyio.move_on_after(0.05):
         await handle
     assert not handle.done()  # the wait was cancelled, not the op
     blocked = not anyio_backend[1].get("use_uvloop")  # uvloop never blocks (rule 2)
-    assert _wakeup._num_missed == ({(4).bit_length(): 1} if blocked else {})
+    assert brief_wait._num_missed == ({(4).bit_length(): 1} if blocked else {})
     with pytest.raises(agang.TensorBusyError):
         world[0].all_reduce(tensor)
     with pytest.raises(agang.GangTimeoutError):
@@ -199,22 +199,22 @@ async def _gloo_rows(gang: agang.Gang) -> dict[str, Any]:
     failed op and a deadline: what each rank saw."""
     report: dict[str, Any] = {"mode": gang.policy.wait_mode}
     caught: list[bool] = []
-    block_briefly = _wakeup.block_briefly
+    block_briefly = brief_wait.block_briefly
 
     def counting(future: Future[Any], num_bytes: int, issued_at: float) -> bool:
         caught.append(block_briefly(future, num_bytes, issued_at))
         return caught[-1]
 
-    _wakeup.block_briefly = counting  # this rank's process only
+    brief_wait.block_briefly = counting  # this rank's process only
     # A loaded test machine may take more than the 1 ms cap per small op, and then
     # nothing would block: a cap of 50 ms keeps the check on catching, not on speed.
-    _wakeup.BRIEF_MAX_SECONDS = 0.05
+    brief_wait.BRIEF_MAX_SECONDS = 0.05
     sums = []
     for step in range(50):
         tensor = torch.full((4,), float(gang.rank + step))
         sums.append((await gang.all_reduce(tensor))[0].item())
     report["sums"] = sums
-    report["estimated"] = bool(_wakeup._estimates)
+    report["estimated"] = bool(brief_wait._estimates)
     report["caught"] = sum(caught)
 
     # A cancelled wait leaves the op running: rank 1 joins only after rank 0 gave up.

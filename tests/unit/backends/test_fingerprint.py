@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agang._backends import fingerprint as flows
+from agang._backends import fingerprint
 
 OP = "all_to_all(split, float32[*, 4])"
 
@@ -21,7 +21,9 @@ matrices = st.integers(1, 6).flatmap(
 
 
 def texts(sends: list[list[int]], receives: list[list[int]]) -> dict[int, str]:
-    return {rank: flows.with_flows(OP, sends[rank], receives[rank]) for rank in range(len(sends))}
+    return {
+        rank: fingerprint.with_flows(OP, sends[rank], receives[rank]) for rank in range(len(sends))
+    }
 
 
 def transposed(rows: list[list[int]]) -> list[list[int]]:
@@ -32,9 +34,11 @@ def transposed(rows: list[list[int]]) -> list[list[int]]:
 def test_sizes_that_agree_balance_to_zero(rows: list[list[int]]) -> None:
     fingerprints = texts(rows, transposed(rows))
 
-    assert flows.balanced([flows.balance(rank, text) for rank, text in fingerprints.items()])
-    assert flows.disagreements(fingerprints) == []
-    assert flows.agree(fingerprints)
+    assert fingerprint.balanced(
+        [fingerprint.balance(rank, text) for rank, text in fingerprints.items()]
+    )
+    assert fingerprint.disagreements(fingerprints) == []
+    assert fingerprint.agree(fingerprints)
 
 
 @given(matrices, st.data())
@@ -49,37 +53,37 @@ def test_any_one_disagreement_unbalances_and_is_named(
     receives[destination][source] = expected
     fingerprints = texts(rows, receives)
 
-    balances = [flows.balance(rank, text) for rank, text in fingerprints.items()]
+    balances = [fingerprint.balance(rank, text) for rank, text in fingerprints.items()]
     assert all(-(2**63) <= value < 2**63 for value in balances)  # what an int64 holds
-    assert not flows.balanced(balances)
-    assert flows.disagreements(fingerprints) == [
+    assert not fingerprint.balanced(balances)
+    assert fingerprint.disagreements(fingerprints) == [
         f"rank {source} sends {rows[source][destination]} rows to rank {destination}, "
         f"which expects {expected}"
     ]
-    assert not flows.agree(fingerprints)
+    assert not fingerprint.agree(fingerprints)
 
 
 def test_a_fingerprint_without_sizes_balances_to_nothing_and_compares_whole() -> None:
-    assert flows.balance(3, "all_reduce(SUM, float32[4])") == 0
-    assert flows.split("all_reduce(SUM, float32[4])") == ("all_reduce(SUM, float32[4])", None)
-    assert not flows.agree({0: "all_reduce(SUM, float32[4])", 1: "barrier()"})
+    assert fingerprint.balance(3, "all_reduce(SUM, float32[4])") == 0
+    assert fingerprint.split("all_reduce(SUM, float32[4])") == ("all_reduce(SUM, float32[4])", None)
+    assert not fingerprint.agree({0: "all_reduce(SUM, float32[4])", 1: "barrier()"})
 
 
 def test_the_call_site_goes_on_the_op_line_and_the_sizes_survive() -> None:
-    text = flows.at_call_site(flows.with_flows(OP, [2, 0], [1, 3]), "train.py:12")
+    text = fingerprint.at_call_site(fingerprint.with_flows(OP, [2, 0], [1, 3]), "train.py:12")
 
-    assert flows.split(text) == (f"{OP} at train.py:12", flows.Flows((2, 0), (1, 3)))
-    assert flows.at_call_site("barrier()", "train.py:9") == "barrier() at train.py:9"
+    assert fingerprint.split(text) == (f"{OP} at train.py:12", fingerprint.Flows((2, 0), (1, 3)))
+    assert fingerprint.at_call_site("barrier()", "train.py:9") == "barrier() at train.py:9"
 
 
 def test_ranks_of_different_ops_never_agree_even_with_sizes_that_do() -> None:
     fingerprints = {
-        0: flows.with_flows(OP, [1, 1], [1, 1]),
-        1: flows.with_flows("all_to_all(split, float32[*, 8])", [1, 1], [1, 1]),
+        0: fingerprint.with_flows(OP, [1, 1], [1, 1]),
+        1: fingerprint.with_flows("all_to_all(split, float32[*, 8])", [1, 1], [1, 1]),
     }
 
-    assert flows.disagreements(fingerprints) == []
-    assert not flows.agree(fingerprints)
+    assert fingerprint.disagreements(fingerprints) == []
+    assert not fingerprint.agree(fingerprints)
 
 
 def test_a_report_names_a_bounded_number_of_pairs_whatever_the_gangs_size() -> None:
@@ -89,16 +93,18 @@ def test_a_report_names_a_bounded_number_of_pairs_whatever_the_gangs_size() -> N
     size = 40
     # Every rank expects one row more from each peer than the peer sends.
     fingerprints = {
-        rank: flows.with_flows(OP, [1] * size, [2 if peer != rank else 1 for peer in range(size)])
+        rank: fingerprint.with_flows(
+            OP, [1] * size, [2 if peer != rank else 1 for peer in range(size)]
+        )
         for rank in range(size)
     }
 
-    kept = flows.named(fingerprints)
+    kept = fingerprint.named(fingerprints)
     context = OpContext(gang="root", rank=0, size=size, op="all_to_all", seq=3, timeout=None)
     message = str(reports.mismatch(context, 3, kept))
 
-    assert len(kept) <= 2 * flows.MAX_NAMED
+    assert len(kept) <= 2 * fingerprint.MAX_NAMED
     assert all(kept[rank] == fingerprints[rank] for rank in kept)
     assert "rank 0 sends 1 rows to rank 1, which expects 2" in message
-    assert message.count("rows to rank") == flows.MAX_NAMED
+    assert message.count("rows to rank") == fingerprint.MAX_NAMED
     assert "; ..." in message

@@ -284,7 +284,7 @@ async def test_an_order_checked_gang_fails_disagreeing_split_sizes_before_any_ro
         assert "split sizes disagree at collective #0" in message
         assert "rank 1 sends 1 rows to rank 0, which expects 2" in message
         assert "Nothing was started" in message
-        assert "test_exchanges.py" in message  # the call site, on the op's line
+        assert "test_uneven.py" in message  # the call site, on the op's line
         assert info.value.fingerprints[rank].endswith(
             ["sends 1,2 receives 1,2", "sends 1,2 receives 2,2"][rank]
         )

@@ -18,7 +18,7 @@ import torch
 import trio
 
 import agang
-from agang._engine import deadlines as _deadline
+from agang._engine import deadlines
 from agang.testing import FakeWorld
 
 TIMEOUT = 0.3
@@ -64,9 +64,9 @@ async def test_re_arming_for_an_earlier_deadline_cancels_the_check_it_replaces(
     """100 ops with ever earlier deadlines re-arm 100 times; each re-arm cancels the
     check before it, so one check is pending at the end, not 100."""
     armed: list[list[bool]] = []  # per armed check: [cancelled?]
-    real_call_at = _deadline.call_at
+    real_call_at = deadlines.call_at
 
-    def counting_call_at(driver: object, when: float, callback: Any) -> _deadline.Cancel:
+    def counting_call_at(driver: object, when: float, callback: Any) -> deadlines.Cancel:
         cancel = real_call_at(driver, when, callback)
         state = [False]
         armed.append(state)
@@ -77,7 +77,7 @@ async def test_re_arming_for_an_earlier_deadline_cancels_the_check_it_replaces(
 
         return counted_cancel
 
-    monkeypatch.setattr(_deadline, "call_at", counting_call_at)
+    monkeypatch.setattr(deadlines, "call_at", counting_call_at)
     world = FakeWorld(2, op_timeout=60.0)
     handles = [world[0].all_reduce(torch.ones(1), timeout=60.0 - i * 0.1) for i in range(100)]
 
@@ -96,7 +96,7 @@ async def test_re_arming_for_an_earlier_deadline_cancels_the_check_it_replaces(
 @pytest.mark.anyio
 async def test_a_cancelled_call_does_not_run_on_the_loop() -> None:
     ran = threading.Event()
-    cancel = _deadline.call_at(_deadline.current_driver(), time.monotonic() + 0.05, ran.set)
+    cancel = deadlines.call_at(deadlines.current_driver(), time.monotonic() + 0.05, ran.set)
     cancel()
     await anyio.sleep(0.3)
     assert not ran.is_set()
@@ -106,9 +106,9 @@ def test_the_timer_thread_runs_calls_in_time_order_and_skips_cancelled_ones() ->
     order: list[str] = []
     done = threading.Event()
     now = time.monotonic()
-    _deadline.call_at(None, now + 0.2, lambda: (order.append("late"), done.set()))
-    _deadline.call_at(None, now + 0.05, lambda: order.append("early"))
-    cancel = _deadline.call_at(None, now + 0.1, lambda: order.append("cancelled"))
+    deadlines.call_at(None, now + 0.2, lambda: (order.append("late"), done.set()))
+    deadlines.call_at(None, now + 0.05, lambda: order.append("early"))
+    cancel = deadlines.call_at(None, now + 0.1, lambda: order.append("cancelled"))
     cancel()
 
     assert done.wait(PATIENCE)
