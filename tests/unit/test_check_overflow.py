@@ -47,7 +47,7 @@ def _page(*blocks: str) -> str:
 def browser_ready() -> None:
     pytest.importorskip("playwright.sync_api", reason="Playwright is not installed")
     if check_overflow._chromium() is None:
-        pytest.skip("no Chromium")
+        pytest.skip("Chromium is not installed (Debian package chromium)")
 
 
 @pytest.mark.usefixtures("browser_ready")
