@@ -72,7 +72,9 @@ Blame.
     the channel do: ``peers`` maps each other rank to its answer, None for one that gave
     none; ``peers`` is None where nobody could be asked, and ``note`` says why.
     ``where(rank)`` names a rank for messages: where it runs, as far as the backend knows;
-    ``explain(error)`` names the lost peer behind a transport's error, where it can.
+    ``explain(error)`` says what lies behind a transport's error, where it can: the
+    peers that gave up first at their deadline (whose abort dropped the connection), and
+    the lost peer the error's address names.
 Deadlines.
     agang's deadlines are the engine's. A backend with a deadline of its own (c10d's
     process-group timeout) keeps it behind agang's: ``allow_timeout(seconds)`` says
@@ -111,6 +113,18 @@ from agang._reduce_op import ReduceOp
 
 #: A gang's state, as a peer's answer to a blame gives it.
 State = Literal["open", "broken", "closed"]
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """What a backend knows behind a transport's error (``Backend.explain``)."""
+
+    #: The peers that gave up first, each with its own timeout's message, as one
+    #: sentence ("rank 0 (...) gave up first: ..."), or "": the true story, which an
+    #: error then leads with.
+    gave_up: str = ""
+    #: Which rank the error's peer address is (" The peer at ... is rank 1 (...)."), or "".
+    lost: str = ""
 
 
 @dataclass(frozen=True)
@@ -307,9 +321,9 @@ class Backend(Protocol):
     def where(self, rank: int) -> str:
         """``rank`` named for a message, with where it runs when known."""
 
-    def explain(self, error: BaseException) -> str:
-        """A sentence to add to ``error``'s message (the lost peer's rank, where the
-        transport's error lets it be known), or ""."""
+    def explain(self, error: BaseException) -> Explanation:
+        """What lies behind ``error``: the peers that gave up first, and the lost peer's
+        rank, where the transport's error lets it be known."""
 
     # Learning of an end.
 

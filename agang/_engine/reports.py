@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 from agang._backends import fingerprint as flows
-from agang._backends.contract import Progress
+from agang._backends.contract import Explanation, Progress
 from agang._errors import CollectiveError, CollectiveMismatchError, GangTimeoutError, OpContext
 
 #: Every peer's answer (None: no answer in time); the whole is None where the peers
@@ -99,10 +99,20 @@ def describe(peers: Peers, where: Callable[[int], str], op: str | None = None) -
     return "Peers: " + "; ".join(parts) + "."
 
 
-def failed(context: OpContext, error: BaseException, explained: str) -> CollectiveError:
-    """A backend's ``error`` as the op's ``CollectiveError``; ``explained``: what the
-    backend adds (who the peer in its message is), or ''."""
-    wrapped = CollectiveError(f"{context.describe()} failed: {error}{explained}", context)
+def failed(context: OpContext, error: BaseException, explained: Explanation) -> CollectiveError:
+    """A backend's ``error`` as the op's ``CollectiveError``, with what the backend knows
+    behind it (``explained``). Where a peer gave up first, the message leads with that
+    (who, on which op, at what deadline, whom it blamed) and leaves the transport's text
+    ("Connection closed by peer ...", the effect of that peer's abort) to ``__cause__``;
+    otherwise the transport's text is all there is, and the message quotes it."""
+    if explained.gave_up:
+        message = (
+            f"{context.describe()} failed because {explained.gave_up}. Its abort closed the "
+            f"connections this op ran on (the transport's error is this error's `__cause__`)."
+        )
+    else:
+        message = f"{context.describe()} failed: {error}{explained.lost}"
+    wrapped = CollectiveError(message, context)
     wrapped.__cause__ = error
     return wrapped
 

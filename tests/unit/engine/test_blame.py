@@ -228,7 +228,13 @@ async def _late_rank(gang: agang.Gang) -> dict[str, Any]:
     try:
         await gang.all_reduce(torch.ones(2), timeout=1.5)
     except agang.GangError as error:
-        return {"type": type(error).__name__, "message": str(error), "pid": os.getpid()}
+        cause = error.__cause__
+        return {
+            "type": type(error).__name__,
+            "message": str(error),
+            "cause": f"{type(cause).__name__}: {cause}",
+            "pid": os.getpid(),
+        }
     return {"type": None, "message": "no error", "pid": os.getpid()}
 
 
@@ -238,9 +244,13 @@ def test_the_late_rank_is_told_who_gave_up_on_which_op_and_whom_it_blamed() -> N
     assert first["type"] == "GangTimeoutError", first
     assert late["type"] == "CollectiveError", late
     message = late["message"]
-    # Who gave up, on which op, at what deadline, and whom it blamed.
-    assert "Rank 0 (" in message, message
+    # It leads with who gave up, on which op, at what deadline, and whom it blamed; the
+    # transport's text ("Connection closed by peer", the abort's effect) is the cause.
+    assert message.startswith("`all_reduce` (seq 1) on gang 'root' (rank 1 of 2, "), message
+    assert "timeout 1.5 s) failed because rank 0 (" in message, message
     assert f"pid {first['pid']}) gave up first: `all_reduce` (seq 1)" in message, message
+    assert "Connection" not in message and "pair.cc" not in message, message
+    assert "Connection closed by peer" in late["cause"], late["cause"]
     assert "timeout 1.5 s) timed out after" in message, message
     assert f"pid {late['pid']}): has not issued it" in message, message
 
