@@ -145,6 +145,10 @@ class Progress:
     #: The op this rank issued at ``asked`` (None: not issued, or too long ago to know):
     #: blame compares it with the asker's, for ranks whose ops went out of step.
     asked_op: str | None = None
+    #: That op's call as its fingerprint's first line (op and every argument the ranks
+    #: must agree on: shapes, dtypes, reduce op, root), where it is still in flight here:
+    #: blame compares it with the asker's, for ranks whose calls disagree.
+    asked_call: str | None = None
     #: Asked by collective number (``asked`` counts collectives only): the number of the
     #: last collective this rank issued (-1: none), which says whether it reached the
     #: one asked about. None: asked by sequence number, as an older rank's answer is.
@@ -164,6 +168,7 @@ class Progress:
             num_in_flight=int(fields["num_in_flight"]),
             state=fields["state"] if fields["state"] in ("open", "broken", "closed") else "open",
             asked_op=None if fields.get("asked_op") is None else str(fields["asked_op"]),
+            asked_call=None if fields.get("asked_call") is None else str(fields["asked_call"]),
             collective=None if fields.get("collective") is None else int(fields["collective"]),
         )
 
