@@ -212,9 +212,20 @@ def mismatch(
         )
     else:
         sides = "; ".join(f"ranks {ranks} issued {fp}" for fp, ranks in groups.items())
-        what = (
-            f"the ranks issued different collectives at collective #{index} of this gang: {sides}"
-        )
+        names = {call.partition("(")[0] for call in groups}
+        calls = list(groups)
+        both = zip(_arguments(calls[0]), _arguments(calls[-1]), strict=False)
+        differing = ", ".join(f"`{a}` against `{b}`" for a, b in both if a != b)
+        if len(names) == 1 and len(groups) == 2 and differing:  # one op, other arguments
+            what = (
+                f"the ranks called `{names.pop()}` with different arguments ({differing}) at "
+                f"collective #{index} of this gang: {sides}"
+            )
+        else:
+            what = (
+                f"the ranks issued different collectives at collective #{index} of this "
+                f"gang: {sides}"
+            )
     return CollectiveMismatchError(
         f"{context.describe()}: {what}. Nothing was started; the gang is now broken.",
         context,

@@ -21,6 +21,7 @@ Rules:
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import math
@@ -42,7 +43,15 @@ from agang._collective.fake_gang import FakeGang
 from agang._collective.process_group_gang import ProcessGroupGang, check_no_open_world
 from agang._errors import GangInitError
 from agang._gang import Gang
-from agang._policy import CheckOrder, GangPolicy, InFlightLimits, OnTimeout, make_policy
+from agang._policy import (
+    CHECKS_ORDER_BY_DEFAULT,
+    CheckOrder,
+    GangPolicy,
+    InFlightLimits,
+    OnTimeout,
+    make_policy,
+    order_check_defaulted,
+)
 from agang._runtime.future import Future
 from agang._runtime.threads import start_thread
 from agang._setup.elastic import Elastic
@@ -345,6 +354,10 @@ def _start(
         stream_ordered=stream_ordered,
         retry=retry,
     )
+    if order_check_defaulted(check_order, env) and not plan.in_process:
+        # Checked by default where a mismatch would kill a process (``_policy``).
+        on = plan.backend in CHECKS_ORDER_BY_DEFAULT
+        plan.policy = dataclasses.replace(plan.policy, check_order=on)
     if elastic is not None and not isinstance(elastic, Elastic):
         raise TypeError(f"`elastic` must be an agang.Elastic or None, but is {elastic!r}.")
     plan.elastic = elastic
@@ -412,7 +425,9 @@ async def init(
             op, root) across ranks before starting it, and raise
             :class:`agang.CollectiveMismatchError` on every rank on a mismatch;
             ``"call_site"`` adds the issuing line (tells swapped equal ops apart). None
-            reads ``AGANG_CHECK_ORDER`` (``1`` or ``call_site``); equal on every rank.
+            reads ``AGANG_CHECK_ORDER`` (``1``, ``0`` or ``call_site``), and where that
+            is unset checks on Gloo (where a mismatch kills a process) and not on NCCL
+            or in process; equal on every rank.
         elastic: Form an elastic gang (:class:`agang.Elastic`) on the store at
             ``MASTER_ADDR:MASTER_PORT``, which no rank hosts (``agang store``).
 
