@@ -14,9 +14,10 @@ Rules:
    network interface, NCCL's settings, the CPU share); every setting made is logged.
 5. On CUDA, the gang's device becomes the calling thread's current device before
    ``init`` returns (CUDA keeps one per host thread, and set-up ran on its own).
-6. One world gang per process: while one is open, an init that would set up a world
-   raises ``GangInitError`` naming it (a second gang over one communicator would number
-   its ops apart, and outlive the group the first destroys); in-process gangs are made.
+6. One gang from init per process: while one is open, a second init raises
+   ``GangInitError`` naming it (a second gang over one communicator would number its
+   ops apart, and outlive the group the first destroys). An in-process gang counts too,
+   so a program behaves the same run as one process as under torchrun.
 """
 
 from __future__ import annotations
@@ -86,6 +87,26 @@ _LIKELY_CAUSES = (
 )
 
 
+#: The in-process gangs init made, while open: a second init is refused meanwhile, on
+#: both paths alike (rule 6).
+_open_local_gangs: list[Gang] = []
+
+
+def _check_no_open_gang() -> None:
+    """Raises ``GangInitError`` naming the gang an earlier init made, if it is still open:
+    the world gang (c10d), or an in-process one. One process has one gang from init at a
+    time, whichever path made it, so a program behaves the same under torchrun as run
+    as one process."""
+    check_no_open_world()
+    for gang in _open_local_gangs:
+        if not gang.closed:
+            raise GangInitError(
+                f"agang.init() was called while the world gang '{gang.name}' (rank "
+                f"{gang.rank} of {gang.size}, in-process) is still open: one process has "
+                "one world gang. Close it first, or keep using it."
+            )
+
+
 class _Plan:
     """Everything init decided before touching the network, and the set-up itself."""
 
@@ -145,9 +166,13 @@ class _Plan:
         return math.inf if self.timeout is None else self.timeout
 
     def local_gang(self) -> Gang:
+        _check_no_open_gang()  # as on the c10d path (rule 6)
         log.info("agang: no multi-rank world in the environment; using an in-process gang.")
         self._bind_caller()
-        return FakeGang(rank=0, size=1, device=self.device, policy=self.policy)
+        gang = FakeGang(rank=0, size=1, device=self.device, policy=self.policy)
+        _open_local_gangs[:] = [g for g in _open_local_gangs if not g.closed]
+        _open_local_gangs.append(gang)
+        return gang
 
     def connect(self) -> ProcessGroupGang:
         """The blocking part (rule 2). Runs on a daemon thread."""
@@ -368,7 +393,7 @@ def _start(
         )
     if plan.in_process and elastic is None:
         return plan, None
-    check_no_open_world()  # rule 6: before anything touches the network
+    _check_no_open_gang()  # rule 6: before anything touches the network
     plan.started = time.monotonic()
     return plan, start_thread(plan.connect, name="init")  # joined at exit: _runtime.threads
 
