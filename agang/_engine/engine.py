@@ -563,7 +563,8 @@ class Engine:
         dropped = [entry.item for entry in self._scheduler.drop_queued()]
         pending: list[Any] = [handle for handle, _ in items if not handle._settled()]
         self._counters.num_failed += len(pending)
-        self._ops_left_in_backend = any(e.started for e in self._scheduler.entries.values())
+        started = any(e.started for e in self._scheduler.entries.values())
+        self._ops_left_in_backend = started or self._checks.any_open()  # checks run there too
         pending.extend(self._room.wake())  # they fail with the others, and re-check
         return pending, dropped
 
@@ -581,9 +582,8 @@ class Engine:
         for future in pending:
             future._finish(None, reports.abandoned(future, self.name, cause))
         for handle, abandon in dropped:
-            abandon(
-                reports.abandoned(handle, self.name, cause)
-            )  # releases their tensors; nothing was started
+            # Releases their tensors; nothing was started.
+            abandon(reports.abandoned(handle, self.name, cause))
         self._checks.drop()  # after: what was held ends ops that the break failed already
         try:
             # A woken waiter may have closed it meanwhile: backends cope with abort after release.
