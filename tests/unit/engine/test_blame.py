@@ -112,7 +112,13 @@ async def _out_of_step(gang: agang.Gang) -> dict[str, Any]:
 
 @pytest.mark.gloo
 def test_blame_names_both_ops_when_the_ranks_issued_different_ones_at_one_number() -> None:
-    reports = run_world(_out_of_step, 3, async_backend="asyncio", timeout=60.0)
+    reports = run_world(
+        _out_of_step,
+        3,
+        async_backend="asyncio",
+        timeout=60.0,
+        init_options={"check_order": False},  # Gloo's default would refuse it at issue
+    )
     first = reports[0]["message"]
     assert "ranks [1, 2] issued another op at this position" in first, first
     assert first.count("issued collective #1 `all_reduce`, not `broadcast`") == 2, first
