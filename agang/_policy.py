@@ -7,6 +7,7 @@ every ordering domain of one program behaves alike.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -28,9 +29,15 @@ _WAIT_MODES = ("park", "block_briefly")
 #: ``op_timeout=None`` (the default): seconds from the op's issue.
 DEFAULT_OP_TIMEOUT = 300.0
 
-#: Environment variable that turns order checking on for every gang (``1``/``0``, or
-#: ``call_site``).
+#: Environment variable that turns order checking on or off for every gang (``1``/``0``,
+#: or ``call_site``).
 CHECK_ORDER_ENV = "AGANG_CHECK_ORDER"
+#: The backends whose gangs check order by default (``check_order=None`` and
+#: ``AGANG_CHECK_ORDER`` unset): on Gloo, a rank that receives more bytes than it expects
+#: (a shape, count or dtype that differs between ranks, in every collective) is killed
+#: by Gloo (SIGABRT), so a mismatch must be found before the op starts. NCCL's mismatch
+#: hangs or garbles instead, which the deadline and its blame report.
+CHECKS_ORDER_BY_DEFAULT = frozenset({"gloo"})
 #: Environment variable that sets every gang's ``wait_mode`` (``park`` or
 #: ``block_briefly``); docs/performance.md ("block_briefly") says when the latter pays.
 WAIT_MODE_ENV = "AGANG_WAIT_MODE"
@@ -81,6 +88,15 @@ class GangPolicy:
     limits: InFlightLimits = InFlightLimits()
     check_order: CheckOrder = False
     wait_mode: WaitMode = "park"
+
+
+def order_check_defaulted(check_order: object, env: Mapping[str, str] | None = None) -> bool:
+    """Whether ``check_order`` is left to the backend's default: None, with
+    ``AGANG_CHECK_ORDER`` unset (or empty) in ``env`` (default ``os.environ``)."""
+    return (
+        check_order is None
+        and not (os.environ if env is None else env).get(CHECK_ORDER_ENV, "").strip()
+    )
 
 
 def make_policy(

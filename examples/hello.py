@@ -8,6 +8,7 @@ or on three local ranks:
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import socket
 import time
@@ -17,8 +18,8 @@ import torch
 import agang
 
 
-async def main() -> None:
-    gang = await agang.init(timeout=60, op_timeout=30)
+async def main(init_timeout: float, op_timeout: float) -> None:
+    gang = await agang.init(timeout=init_timeout, op_timeout=op_timeout)
     rank, size = gang.rank, gang.size
     try:
         # Issued at the call; the sleep below overlaps the communication.
@@ -59,4 +60,21 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0] if __doc__ else None,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=60.0,
+        help="seconds to form the gang",
+    )
+    parser.add_argument(
+        "--op-timeout",
+        type=float,
+        default=30.0,
+        help="each op's deadline (s)",
+    )
+    args = parser.parse_args()
+    asyncio.run(main(args.timeout, args.op_timeout))

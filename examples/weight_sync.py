@@ -292,7 +292,9 @@ class Served:
 
     model: Any = None
     version: int | None = None
-    status: str = "starting"  # then "subscribed", "serving", and "orphaned" at the end
+    # Then "subscribed", "serving", and at the end "done" (the channel closed) or
+    # "orphaned" (it was lost).
+    status: str = "starting"
 
 
 async def run_server(args: argparse.Namespace) -> int:
@@ -348,7 +350,11 @@ async def run_server(args: argparse.Namespace) -> int:
                     version = await subscriber.receive(timeout=5.0)
                 except TimeoutError:
                     continue  # no push for a while: wait on
-                except agang.GangError as error:  # the channel closed, or the trainer died
+                except agang.GangClosedError:  # the trainer closed the channel: the end
+                    served.status = "done"
+                    emit("closed", name=args.name)
+                    return
+                except agang.GangError as error:  # the trainer died, or the store went away
                     served.status = "orphaned"
                     emit("orphaned", name=args.name, why=str(error))
                     return

@@ -72,7 +72,9 @@ Blame.
     the channel do: ``peers`` maps each other rank to its answer, None for one that gave
     none; ``peers`` is None where nobody could be asked, and ``note`` says why.
     ``where(rank)`` names a rank for messages: where it runs, as far as the backend knows;
-    ``explain(error)`` names the lost peer behind a transport's error, where it can.
+    ``explain(error)`` says what lies behind a transport's error, where it can: the
+    peers that gave up first at their deadline (whose abort dropped the connection), and
+    the lost peer the error's address names.
 Deadlines.
     agang's deadlines are the engine's. A backend with a deadline of its own (c10d's
     process-group timeout) keeps it behind agang's: ``allow_timeout(seconds)`` says
@@ -114,6 +116,18 @@ State = Literal["open", "broken", "closed"]
 
 
 @dataclass(frozen=True)
+class Explanation:
+    """What a backend knows behind a transport's error (``Backend.explain``)."""
+
+    #: The peers that gave up first, each with its own timeout's message, as one
+    #: sentence ("rank 0 (...) gave up first: ..."), or "": the true story, which an
+    #: error then leads with.
+    gave_up: str = ""
+    #: Which rank the error's peer address is (" The peer at ... is rank 1 (...)."), or "".
+    lost: str = ""
+
+
+@dataclass(frozen=True)
 class Progress:
     """Where one rank stands on one gang, asked about the op numbered ``asked``: what a
     backend's blame carries from a peer (see "Blame")."""
@@ -131,6 +145,10 @@ class Progress:
     #: The op this rank issued at ``asked`` (None: not issued, or too long ago to know):
     #: blame compares it with the asker's, for ranks whose ops went out of step.
     asked_op: str | None = None
+    #: That op's call as its fingerprint's first line (op and every argument the ranks
+    #: must agree on: shapes, dtypes, reduce op, root), where it is still in flight here:
+    #: blame compares it with the asker's, for ranks whose calls disagree.
+    asked_call: str | None = None
     #: Asked by collective number (``asked`` counts collectives only): the number of the
     #: last collective this rank issued (-1: none), which says whether it reached the
     #: one asked about. None: asked by sequence number, as an older rank's answer is.
@@ -150,6 +168,7 @@ class Progress:
             num_in_flight=int(fields["num_in_flight"]),
             state=fields["state"] if fields["state"] in ("open", "broken", "closed") else "open",
             asked_op=None if fields.get("asked_op") is None else str(fields["asked_op"]),
+            asked_call=None if fields.get("asked_call") is None else str(fields["asked_call"]),
             collective=None if fields.get("collective") is None else int(fields["collective"]),
         )
 
@@ -307,9 +326,9 @@ class Backend(Protocol):
     def where(self, rank: int) -> str:
         """``rank`` named for a message, with where it runs when known."""
 
-    def explain(self, error: BaseException) -> str:
-        """A sentence to add to ``error``'s message (the lost peer's rank, where the
-        transport's error lets it be known), or ""."""
+    def explain(self, error: BaseException) -> Explanation:
+        """What lies behind ``error``: the peers that gave up first, and the lost peer's
+        rank, where the transport's error lets it be known."""
 
     # Learning of an end.
 

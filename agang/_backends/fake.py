@@ -15,7 +15,7 @@ from typing import final
 
 import torch
 
-from agang._backends.contract import Blamed, Checked, Done, ProgressOf
+from agang._backends.contract import Blamed, Checked, Done, Explanation, ProgressOf
 from agang._backends.cuda.runtime import StreamOrder
 from agang._errors import GangError
 from agang._reduce_op import ReduceOp
@@ -233,8 +233,8 @@ class FakeBackend:
     def where(self, rank: int) -> str:
         return f"rank {rank}"
 
-    def explain(self, error: BaseException) -> str:
-        return ""
+    def explain(self, error: BaseException) -> Explanation:
+        return Explanation()
 
     polls = False  # every op reports its own end
 

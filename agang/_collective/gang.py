@@ -161,7 +161,7 @@ class CollectiveGang(Gang):
         self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *, timeout: float | None = None
     ) -> Handle[torch.Tensor]:
         # The hot path, inline: checks cheapest first (the usual tensor builds no message,
-        # SUM needs no dtype check), and the fingerprint is made only where it is compared.
+        # SUM needs no dtype check), and the fingerprint's text is made only when asked.
         tensor = self._group.tensor(tensor, "tensor")
         if op is not _SUM:  # SUM is valid for every dtype a backend takes
             op = check_reduce_op(op)
@@ -181,12 +181,9 @@ class CollectiveGang(Gang):
             tensor,
             seconds,
             lambda done: backend.start_all_reduce(tensor, op, done),
-            # Made only where it is compared (rule 8 of the engine): a closure per op else.
-            fingerprint=(
-                (lambda: f"all_reduce({op.name}, {describe(tensor)})")
-                if engine.checks_order
-                else None
-            ),
+            # A closure, made into text only where it is compared (rule 8 of the engine)
+            # or a peer's blame asks about this op.
+            fingerprint=lambda: f"all_reduce({op.name}, {describe(tensor)})",
         )
 
     @override

@@ -316,15 +316,16 @@ class Expiry:
                 return
             self._batch = list(due)
         asked, asked_op, collective = due[0].seq, due[0].op, due[0].collective
+        call = reports.call_of(due[0].fingerprint)  # compared with the peers' (reports rule 5)
         try:
             owner.backend.start_blame(
                 asked if collective < 0 else collective,
-                lambda peers, note: self._blamed(asked, asked_op, peers, note),
+                lambda peers, note: self._blamed(asked, asked_op, peers, note, call),
                 collective=collective >= 0,
             )
         except Exception as exc:  # the question never left: fail the ops without answers
             log.debug("Gang '%s' could not ask its peers.", owner.name, exc_info=True)
-            self._blamed(asked, asked_op, None, f"asking failed: {exc}")
+            self._blamed(asked, asked_op, None, f"asking failed: {exc}", call)
 
     def _blamed(
         self,
@@ -332,13 +333,22 @@ class Expiry:
         asked_op: str,
         peers: Mapping[int, Progress | None] | None,
         note: str,
+        call: str | None = None,
     ) -> None:
         with self._lock:
             batch, self._batch = self._batch or [], None
         for entry in batch:
             handle, _ = entry.item
             index = entry.check_index if not entry.ready else None
-            self.expire(handle, asked=asked, asked_op=asked_op, peers=peers, note=note, index=index)
+            self.expire(
+                handle,
+                asked=asked,
+                asked_op=asked_op,
+                peers=peers,
+                note=note,
+                index=index,
+                call=call if entry is batch[0] else None,
+            )
 
     def expire(
         self,
@@ -349,9 +359,10 @@ class Expiry:
         peers: Mapping[int, Progress | None] | None,
         note: str,
         index: int | None,
+        call: str | None = None,
     ) -> None:
         """Fails ``handle`` with a ``GangTimeoutError`` naming what the peers said about
-        op ``asked`` (this rank's ``asked_op``)."""
+        op ``asked`` (this rank's ``asked_op``, called as ``call``)."""
         owner = self._owner
         now = time.monotonic()
         in_flight, recent = owner.report_in_flight(now, handle.seq)
@@ -360,7 +371,7 @@ class Expiry:
         if peers is None:
             blamed = f"The peers could not be asked where they stand: {note}."
         else:
-            blamed = reports.describe(peers, where, asked_op)
+            blamed = reports.describe(peers, where, asked_op, call)
             if asked != handle.seq and blamed:
                 blamed = f"{blamed[:-1]} (asked about #{asked}, the oldest late op)."
         error = reports.timed_out(
@@ -375,6 +386,8 @@ class Expiry:
             blamed=blamed,
             peers=dict(peers) if peers is not None else None,
             asked_op=asked_op,
+            disagree=[] if peers is None else reports.disagreeing(peers, asked_op, call),
+            asked_call=call,
         )
 
         def count_timed_out() -> None:

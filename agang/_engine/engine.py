@@ -266,7 +266,7 @@ class Engine:
                 due = None if seconds is None else handle.issued_at + seconds
                 self._admit_locked(handle, start, done, due, fingerprint, False)
             else:
-                due = self._start_now(handle, start, done)
+                due = self._start_now(handle, start, done, fingerprint)
         if self.polls:
             due = self._polling.next_check(due, handle.issued_at)
         if due is not None:
@@ -275,7 +275,9 @@ class Engine:
 
     # ---- The fast path: an op started on the caller's thread (rule 2) ----
 
-    def _start_now(self, handle: Handle[Any], start: Start, done: OpEnd) -> float | None:
+    def _start_now(
+        self, handle: Handle[Any], start: Start, done: OpEnd, fingerprint: Fingerprint | None
+    ) -> float | None:
         """Starts an op that may start (nothing ahead of it) on the caller's thread, with
         the lock held; returns its deadline to arm, or None.
 
@@ -288,7 +290,7 @@ class Engine:
         if self.polls:
             # A polling backend's op never ends inside its start (its end is learned by
             # asking, later): into the core first, then started, with no inline watch.
-            due = self._enter_started(handle, done)
+            due = self._enter_started(handle, done, fingerprint)
             try:
                 start(done)
             except Exception as exc:  # as ``start_guarded``: the op's error
@@ -308,7 +310,7 @@ class Engine:
             self._inline = None
         due = None
         if not done.ended_inline:  # still running: into the core, as started
-            due = self._enter_started(handle, done)
+            due = self._enter_started(handle, done, fingerprint)
         elif done.inline_error is None and not self._ordered_early:
             now = time.monotonic()
             seconds = now - handle.issued_at
@@ -317,20 +319,22 @@ class Engine:
             self._counters.completed(handle.op, seconds)
             finish_unseen(handle, done.output, now)
         else:  # a failure, or ordered first: the general end, as if reported later
-            self._enter_started(handle, done)
+            self._enter_started(handle, done, fingerprint)
             self.complete(handle, done.output, done.inline_error)
         if self._scheduler.num_queued:
             self._drain()
         return due
 
-    def _enter_started(self, handle: Handle[Any], done: OpEnd) -> float | None:
+    def _enter_started(
+        self, handle: Handle[Any], done: OpEnd, fingerprint: Fingerprint | None
+    ) -> float | None:
         """Enters into the core an op started by ``_start_now``; its deadline."""
         seconds = handle.timeout
         issued_at = handle.issued_at
         due = None if seconds is None else issued_at + seconds
         entry = Entry(handle.seq, handle.op, handle.num_bytes, issued_at, due, _started)
         entry.item = (handle, done)
-        entry.collective = collective_of(handle)
+        entry.collective, entry.fingerprint = collective_of(handle), fingerprint
         self._scheduler.admit_started(entry)
         return due
 
@@ -389,6 +393,7 @@ class Engine:
             ready=not checked,
             holds_gate=holds_gate,
             collective=collective_of(handle),
+            fingerprint=fingerprint,
         )
         self._scheduler.admit(entry)
         if checked:
@@ -576,21 +581,13 @@ class Engine:
         dropped = [entry.item for entry in self._scheduler.drop_queued()]
         pending: list[Any] = [handle for handle, _ in items if not settled(handle)]
         self._counters.num_failed += len(pending)
-        self._ops_left_in_backend = any(e.started for e in self._scheduler.entries.values())
+        started = any(e.started for e in self._scheduler.entries.values())
+        self._ops_left_in_backend = started or self._checks.any_open()  # checks run there too
         pending.extend(self._room.wake())  # they fail with the others, and re-check
         return pending, dropped
 
     def break_gang(self, cause: BaseException) -> None:
         """Marks the gang broken by ``cause``, fails what is pending, aborts the backend."""
-
-        def abandoned(what: object) -> BaseException:
-            error = GangBrokenError(
-                f"{what} on gang '{self.name}' was abandoned: the gang broke on an earlier "
-                f"failure: {cause}",
-                cause,
-            )
-            error.__cause__ = cause
-            return error
 
         with self.lock:
             if self.broken is not None or self.closed:
@@ -601,9 +598,10 @@ class Engine:
         # library logs no ERROR for what it raises (a handled deadline printed twice).
         log.info("Gang '%s' (rank %d) is broken: %s", self.name, self.rank, cause)
         for future in pending:
-            finish(future, None, abandoned(future))
+            finish(future, None, reports.abandoned(future, self.name, cause))
         for handle, abandon in dropped:
-            abandon(abandoned(handle))  # releases their tensors; nothing was started
+            # Releases their tensors; nothing was started.
+            abandon(reports.abandoned(handle, self.name, cause))
         self._checks.drop()  # after: what was held ends ops that the break failed already
         try:
             # A woken waiter may have closed it meanwhile: backends cope with abort after release.
@@ -694,7 +692,7 @@ class Engine:
         it is the same op on every rank (rule 5)."""
         with self.lock:
             state: State = "closed" if self.closed else "open" if self.broken is None else "broken"
-            waiting, asked_op = self._scheduler.standing(number, collective)
+            waiting, asked_op, fingerprint = self._scheduler.standing(number, collective)
             return Progress(
                 asked=number,
                 issued=self._next_seq - 1,
@@ -703,6 +701,7 @@ class Engine:
                 num_in_flight=len(self._scheduler.entries),
                 state=state,
                 asked_op=asked_op,
+                asked_call=reports.call_of(fingerprint),
                 collective=self._next_collective - 1 if collective else None,
             )
 

@@ -64,6 +64,11 @@ class OrderChecks:
             self._open.discard(index)
         self._release()
 
+    def any_open(self) -> bool:
+        """Whether a check is still running in the backend (its side channel is busy)."""
+        with self._lock:
+            return bool(self._open)
+
     def failed(self, index: int, apply: Callable[[], None]) -> None:
         """Check ``index`` failed; ``apply`` fails its op, now or once the earlier checks
         have resolved (rule 1)."""

@@ -62,6 +62,9 @@ class Entry:
     started: bool = False
     expired: bool = False
     collective: int = -1  # its number among the gang's collectives; -1: point-to-point
+    # Its call for a peer's blame: a fingerprint (``agang._engine.ops``), text made only
+    # when asked; None where its caller gave none.
+    fingerprint: str | Callable[[], str] | None = None
 
 
 def _deadline_of(entry: Entry) -> float:
@@ -239,23 +242,26 @@ class Scheduler:
         self._gate_holder = None
         return dropped
 
-    def standing(self, number: int, collective: bool) -> tuple[bool, str | None]:
+    def standing(
+        self, number: int, collective: bool
+    ) -> tuple[bool, str | None, str | Callable[[], str] | None]:
         """Whether the op numbered ``number`` (its sequence number, or with ``collective``
-        its number among collectives: rule 6) is in flight, and its name where this rank
-        issued it and still knows it (the flight recorder's); for a peer's blame."""
+        its number among collectives: rule 6) is in flight, its name where this rank
+        issued it and still knows it (the flight recorder's), and its fingerprint while
+        in flight (None else); for a peer's blame."""
         if collective:
             for entry in self.entries.values():  # a blame's rare question: a scan will do
                 if entry.collective == number:
-                    return True, entry.op
+                    return True, entry.op, entry.fingerprint
         else:
             found = self.entries.get(number)
             if found is not None:
-                return True, found.op
+                return True, found.op, found.fingerprint
         position = 5 if collective else 0
         for fields in reversed(self._recent):
             if fields[position] == number:
-                return False, fields[1]
-        return False, None
+                return False, fields[1], None
+        return False, None, None
 
     def recent(self) -> list[Record]:
         return [Record(*fields) for fields in self._recent]

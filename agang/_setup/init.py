@@ -14,13 +14,15 @@ Rules:
    network interface, NCCL's settings, the CPU share); every setting made is logged.
 5. On CUDA, the gang's device becomes the calling thread's current device before
    ``init`` returns (CUDA keeps one per host thread, and set-up ran on its own).
-6. One world gang per process: while one is open, an init that would set up a world
-   raises ``GangInitError`` naming it (a second gang over one communicator would number
-   its ops apart, and outlive the group the first destroys); in-process gangs are made.
+6. One gang from init per process: while one is open, a second init raises
+   ``GangInitError`` naming it (a second gang over one communicator would number its
+   ops apart, and outlive the group the first destroys). An in-process gang counts too,
+   so a program behaves the same run as one process as under torchrun.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import math
@@ -42,7 +44,15 @@ from agang._collective.fake_gang import FakeGang
 from agang._collective.process_group_gang import ProcessGroupGang, check_no_open_world
 from agang._errors import GangInitError
 from agang._gang import Gang
-from agang._policy import CheckOrder, GangPolicy, InFlightLimits, OnTimeout, make_policy
+from agang._policy import (
+    CHECKS_ORDER_BY_DEFAULT,
+    CheckOrder,
+    GangPolicy,
+    InFlightLimits,
+    OnTimeout,
+    make_policy,
+    order_check_defaulted,
+)
 from agang._runtime.future import Future
 from agang._runtime.threads import start_thread
 from agang._setup.elastic import Elastic
@@ -75,6 +85,26 @@ _LIKELY_CAUSES = (
     "a rank was not started or crashed; MASTER_ADDR/MASTER_PORT differ between ranks; "
     "a firewall blocks the port (run `agang doctor` on each node)"
 )
+
+
+#: The in-process gangs init made, while open: a second init is refused meanwhile, on
+#: both paths alike (rule 6).
+_open_local_gangs: list[Gang] = []
+
+
+def _check_no_open_gang() -> None:
+    """Raises ``GangInitError`` naming the gang an earlier init made, if it is still open:
+    the world gang (c10d), or an in-process one. One process has one gang from init at a
+    time, whichever path made it, so a program behaves the same under torchrun as run
+    as one process."""
+    check_no_open_world()
+    for gang in _open_local_gangs:
+        if not gang.closed:
+            raise GangInitError(
+                f"agang.init() was called while the world gang '{gang.name}' (rank "
+                f"{gang.rank} of {gang.size}, in-process) is still open: one process has "
+                "one world gang. Close it first, or keep using it."
+            )
 
 
 class _Plan:
@@ -136,9 +166,13 @@ class _Plan:
         return math.inf if self.timeout is None else self.timeout
 
     def local_gang(self) -> Gang:
+        _check_no_open_gang()  # as on the c10d path (rule 6)
         log.info("agang: no multi-rank world in the environment; using an in-process gang.")
         self._bind_caller()
-        return FakeGang(rank=0, size=1, device=self.device, policy=self.policy)
+        gang = FakeGang(rank=0, size=1, device=self.device, policy=self.policy)
+        _open_local_gangs[:] = [g for g in _open_local_gangs if not g.closed]
+        _open_local_gangs.append(gang)
+        return gang
 
     def connect(self) -> ProcessGroupGang:
         """The blocking part (rule 2). Runs on a daemon thread."""
@@ -345,6 +379,10 @@ def _start(
         stream_ordered=stream_ordered,
         retry=retry,
     )
+    if order_check_defaulted(check_order, env) and not plan.in_process:
+        # Checked by default where a mismatch would kill a process (``_policy``).
+        on = plan.backend in CHECKS_ORDER_BY_DEFAULT
+        plan.policy = dataclasses.replace(plan.policy, check_order=on)
     if elastic is not None and not isinstance(elastic, Elastic):
         raise TypeError(f"`elastic` must be an agang.Elastic or None, but is {elastic!r}.")
     plan.elastic = elastic
@@ -355,7 +393,7 @@ def _start(
         )
     if plan.in_process and elastic is None:
         return plan, None
-    check_no_open_world()  # rule 6: before anything touches the network
+    _check_no_open_gang()  # rule 6: before anything touches the network
     plan.started = time.monotonic()
     return plan, start_thread(plan.connect, name="init")  # joined at exit: _runtime.threads
 
@@ -408,11 +446,14 @@ async def init(
             ``"raise"`` fails only that op, whose tensors stay busy until c10d ends it.
         limits: The in-flight bounds and what a call does past them
             ([`agang.InFlightLimits`][agang.InFlightLimits]); None for 1,024 ops and 1 GiB, queued.
-        check_order: Compare every collective's fingerprint (op, shapes, dtypes, reduce op, root)
-            across ranks before starting it, and raise
-            [`agang.CollectiveMismatchError`][agang.CollectiveMismatchError] on every rank on a
-            mismatch; ``"call_site"`` adds the issuing line (tells swapped equal ops apart). None
-            reads ``AGANG_CHECK_ORDER`` (``1`` or ``call_site``); equal on every rank.
+        check_order: Compare every collective's fingerprint (op, shapes, dtypes, reduce
+            op, root) across ranks before starting it, and raise
+            [`agang.CollectiveMismatchError`][agang.CollectiveMismatchError] on every
+            rank on a mismatch;
+            ``"call_site"`` adds the issuing line (tells swapped equal ops apart). None
+            reads ``AGANG_CHECK_ORDER`` (``1``, ``0`` or ``call_site``), and where that
+            is unset checks on Gloo (where a mismatch kills a process) and not on NCCL
+            or in process; equal on every rank.
         elastic: Form an elastic gang ([`agang.Elastic`][agang.Elastic]) on the store at
             ``MASTER_ADDR:MASTER_PORT``, which no rank hosts (``agang store``).
 

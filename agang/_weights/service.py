@@ -60,7 +60,7 @@ from typing import Any, TypeVar
 import anyio
 import torch
 
-from agang._errors import GangError, one_line
+from agang._errors import GangClosedError, GangError, one_line
 from agang._gang import Gang
 from agang._membership.gangs import GangFactory
 from agang._membership.member import Member
@@ -184,7 +184,16 @@ class Service:
         thread's last look found."""
         return self.upstream.gone
 
-    def _lost(self, why: str) -> GangError:
+    def _lost(self, why: str, *, closed: bool = False) -> GangError:
+        """The service's end: ``GangClosedError`` where the publisher closed the channel
+        (``closed``: a close round came; or the upstream thread saw the close), a normal
+        end, however this subscriber learned of it; else the loss, and why."""
+        if closed or self.upstream.closed_normally:
+            return GangClosedError(
+                f"Subscriber '{self.me.name}': the publisher "
+                f"({self._try(self.channel.publisher, 'unknown')}) closed the channel "
+                f"'{self.channel.name}'; the last version it sent is the last one."
+            )
         return GangError(
             f"Subscriber '{self.me.name}' lost the channel '{self.channel.name}': {why}."
         )
@@ -283,7 +292,8 @@ class Service:
                 self._say(f"moving from epoch {epoch} to epoch {named}")
                 return int(named)
             if what == CLOSE:
-                raise self._lost(self._why_closed())
+                why = self._why_closed()
+                raise self._lost(why, closed=not why.startswith("another publisher"))
             if what != DATA:
                 raise self._lost(f"a round of epoch {epoch} had an unknown header {what}")
             if self._stale(epoch):

@@ -13,7 +13,8 @@ Rules:
    ``receive`` only says which version they hold.
 3. A subscriber that can take no more versions (the publisher closed, went away or
    was replaced, the store went away for longer than its timeout, another subscriber
-   of its name replaced it) makes ``receive`` raise ``GangError`` saying which.
+   of its name replaced it) makes ``receive`` raise ``GangError`` saying which; a
+   ``GangClosedError`` where the publisher closed the channel, a normal end.
 4. *Cancellation.* A ``receive`` cancelled while it copies a version into the tensors
    finishes the copy first (a copy takes milliseconds; half of one would leave the
    tensors holding two versions), and the version it copied is not lost: until a
@@ -37,7 +38,7 @@ import anyio
 import anyio.lowlevel
 import torch
 
-from agang._errors import GangError, GangInitError
+from agang._errors import GangClosedError, GangError, GangInitError
 from agang._membership.gangs import GangFactory
 from agang._membership.member import Member
 from agang._runtime.threads import run_blocking
@@ -284,13 +285,15 @@ class WeightSubscriber:
         Raises:
             TimeoutError: No newer version came in time (the message says where the
                 subscriber stands and when the publisher last beat).
+            GangClosedError: The publisher closed the channel (a normal end), or this
+                subscriber is closed.
             GangError: The subscriber can take no more versions (rule 3).
         """
         seconds = checks.check_deadline(timeout)
         deadline = time.monotonic() + (math.inf if seconds is None else seconds)
         for _ in range(1_000_000):  # each pass waits for news, or ends
             if self._closed:
-                raise GangError(f"Subscriber '{self.name}' is closed.")
+                raise GangClosedError(f"Subscriber '{self.name}' is closed.")
             if self._version is not None and self._version != self._returned:
                 self._returned = self._version  # rule 4: copied, never returned yet
                 return self._version
@@ -301,8 +304,10 @@ class WeightSubscriber:
             if taken >= 0:
                 self._returned = taken
                 return taken
-            if self._service.error is not None:
-                raise GangError(str(self._service.error)) from self._service.error
+            error = self._service.error
+            if error is not None:  # a normal close stays a GangClosedError (rule 3)
+                kind = GangClosedError if isinstance(error, GangClosedError) else GangError
+                raise kind(str(error)) from error
             with anyio.move_on_after(max(0.0, min(deadline - time.monotonic(), 86400.0))):
                 await news
             if time.monotonic() >= deadline:

@@ -71,6 +71,8 @@ class Upstream:
         self.newest = -1
         #: Why the publisher can send no more (closed, fenced, gone), or None.
         self.gone: str | None = None
+        #: ``gone`` is the publisher's close of the channel: a normal end, not a loss.
+        self.closed_normally = False
         #: This subscriber's drop, where it has one: why.
         self.dropped: str | None = None
         #: What went wrong with the store, and since when (monotonic), or None.
@@ -155,10 +157,11 @@ class Upstream:
             return
         if closed is not None:
             publisher = channel.publisher()
+            self.closed_normally = not closed.startswith("another publisher")
             self.gone = (
-                closed
-                if closed.startswith("another publisher")
-                else f"the publisher ({publisher}) closed the channel"
+                f"the publisher ({publisher}) closed the channel"
+                if self.closed_normally
+                else closed
             )
         elif holder is not None and holder != channel.session:
             self.gone = "another publisher opened the channel since (the last one was restarted)"

@@ -136,8 +136,11 @@ INIT_TWICE = """
             second()
         except agang.GangInitError as error:
             refusals.append(str(error))
-    # An in-process gang has no communicator: it is still made.
-    local = agang.init_sync(env={})
+    # Nor an in-process one, while the world gang is open: one gang from init at a time.
+    try:
+        agang.init_sync(env={})
+    except agang.GangInitError as error:
+        refusals.append(str(error))
     lane = anyio.run(first.lane, "side")
     sub = anyio.run(first.create_gang, [0])
     total = first.all_reduce(torch.ones(1)).wait(timeout=30).item()
@@ -153,7 +156,7 @@ INIT_TWICE = """
     again_total = again.all_reduce(torch.ones(1)).wait(timeout=30).item()
     again.close_sync()
     print("REPORT " + __import__("json").dumps({
-        "refusals": refusals, "local": local.size, "total": total,
+        "refusals": refusals, "total": total,
         "closed_refuse": closed_refuse, "again": again_total,
     }))
 """
@@ -166,13 +169,56 @@ def test_init_twice_is_refused_while_the_world_gang_is_open() -> None:
 
     assert result.returncode == 0, result.stderr
     [report] = _reports(result.stdout)
-    assert len(report["refusals"]) == 2, report  # init_sync, then init
+    assert len(report["refusals"]) == 3, report  # init_sync, init, then in-process
     for message in report["refusals"]:
         assert "world gang 'root' (rank 0 of 1, gloo) is still open" in message
         assert "Close it first" in message
-    assert report["local"] == 1
     assert report["total"] == 1.0
     assert report["closed_refuse"] == ["root", "root/lane:side", "root[0]"], report
+    assert report["again"] == 1.0
+    assert "Traceback" not in result.stderr
+
+
+INIT_TWICE_IN_PROCESS = """
+    import anyio, torch, agang
+
+    first = agang.init_sync(env={})  # no launcher: an in-process gang
+    refusals = []
+    world = dict(in_process=False, env={}, timeout=30)
+    seconds = [
+        lambda: agang.init_sync(env={}),
+        lambda: anyio.run(lambda: agang.init(env={})),
+        lambda: agang.init_sync(**world),
+    ]
+    for second in seconds:
+        try:
+            second()
+        except agang.GangInitError as error:
+            refusals.append(str(error))
+    total = first.all_reduce(torch.ones(1)).wait(timeout=30).item()
+    first.close_sync()
+    again = agang.init_sync(env={})  # after close, init works again
+    again_total = again.all_reduce(torch.ones(1)).wait(timeout=30).item()
+    again.close_sync()
+    print("REPORT " + __import__("json").dumps({
+        "refusals": refusals, "name": first.name, "total": total, "again": again_total,
+    }))
+"""
+
+
+def test_init_twice_is_refused_in_process_as_under_a_launcher() -> None:
+    """A second init while the first one's in-process gang is open is refused with the
+    same error as under torchrun (before, it made a second gang in process and was
+    refused only with a world): a program behaves one way, however it is started."""
+    result = _run_program(INIT_TWICE_IN_PROCESS)
+
+    assert result.returncode == 0, result.stderr
+    [report] = _reports(result.stdout)
+    assert len(report["refusals"]) == 3, report  # in-process twice, then a world
+    for message in report["refusals"]:
+        assert f"world gang '{report['name']}' (rank 0 of 1, in-process) is still open" in message
+        assert "Close it first" in message
+    assert report["total"] == 1.0
     assert report["again"] == 1.0
     assert "Traceback" not in result.stderr
 

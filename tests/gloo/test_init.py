@@ -368,13 +368,13 @@ def test_ranks_that_disagree_on_the_world_size_fail_at_once() -> None:
 
 
 def test_a9_check_order_set_on_some_ranks_only_fails_at_once_naming_it() -> None:
-    # Rank 0 checks order (it would make the side group), rank 1 does not: once both
-    # checked in they fail, naming the setting, not at the 30 s deadline with hints
-    # about ranks that never started.
+    # Rank 0 checks order (Gloo's default: it would make the side group), rank 1 turned
+    # it off: once both checked in they fail, naming the setting, not at the 30 s
+    # deadline with hints about ranks that never started.
     port = free_port()
     with ranks() as group:
-        group.start({**_torchrun_env(0, 2, port), "AGANG_CHECK_ORDER": "1"}, [30.0])
-        group.start(_torchrun_env(1, 2, port), [30.0])
+        group.start(_torchrun_env(0, 2, port), [30.0])
+        group.start({**_torchrun_env(1, 2, port), "AGANG_CHECK_ORDER": "0"}, [30.0])
         reports = [r[0] for r in group.reports(60)]
 
     for rank, report in enumerate(reports):

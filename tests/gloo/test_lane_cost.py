@@ -59,8 +59,28 @@ async def _many_lanes(gang: agang.Gang) -> dict[str, Any]:
 def test_400_lanes_close_together_and_leave_no_thread() -> None:
     if resource.getrlimit(resource.RLIMIT_NOFILE)[1] < 4096:
         pytest.skip("400 Gloo lanes need about 2,000 file descriptors per rank")
-    for report in run_world(_many_lanes, 2, timeout=150.0):
+    # Order checking off: with Gloo's default, each lane has a side group as well (its
+    # threads counted apart, in test_a_lane_checks_order_on_a_side_group_of_its_own).
+    options = {"check_order": False}
+    for report in run_world(_many_lanes, 2, timeout=150.0, init_options=options):
         assert round(report["threads_per_lane"]) == 3  # c10d's: a device loop, 2 workers
         assert report["added_python_threads"] <= 0  # none of agang's
         assert report["close"] < 2.0  # before: 5 s, close's bound, with threads alive
         assert report["tasks_left"] <= 0
+
+
+async def _lanes_with_checks(gang: agang.Gang) -> float:
+    tasks = _tasks()
+    lanes = [await gang.lane(f"lane{i}") for i in range(20)]
+    for lane in lanes:
+        await lane.all_reduce(torch.ones(1))
+    per_lane = (_tasks() - tasks) / len(lanes)
+    await gang.close()
+    return per_lane
+
+
+def test_a_lane_checks_order_on_a_side_group_of_its_own() -> None:
+    """Gloo's default order check gives each lane a side group: twice c10d's threads
+    (and connections) per lane, the price of a mismatch that raises, not kills."""
+    for per_lane in run_world(_lanes_with_checks, 2, timeout=150.0):
+        assert round(per_lane) == 6, per_lane  # two groups' device loop and 2 workers

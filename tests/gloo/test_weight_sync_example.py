@@ -72,6 +72,9 @@ def test_a_killed_server_is_dropped_with_why_and_its_respawn_serves_the_last_ver
     assert _served(run.stdout, "s1 (respawned)")[-1] == last, run.stdout
     assert _served(run.stdout, "s1")[-1] < versions[3], run.stdout  # killed before v80
 
+    # The trainer's close is a normal end: no server says it lost the channel.
+    assert "lost the channel" not in run.stdout + run.stderr, run.stdout
+
     pids = ended_pids(run.stdout)
     assert len(pids) == 5  # the store, the trainer, s0, s1, the respawned s1
     assert int(killed.group(1)) in pids

@@ -61,7 +61,10 @@ async def test_every_push_is_exact_and_a_joiner_gets_the_next_push_in_full(
         await publisher.close()
     for server in [*first, late]:
         failed = server.event("failed")
-        assert "closed the channel" in failed["message"], failed
+        # A normal end, as a closed gang is: not a lost channel.
+        assert failed["error"] == "GangClosedError", failed
+        assert "closed the channel 'w'" in failed["message"], failed
+        assert "lost" not in failed["message"], failed
 
 
 async def test_a_server_killed_mid_push_is_dropped_and_a_reopened_one_admitted_again(

@@ -56,6 +56,14 @@ def test_there_are_scripts_to_check() -> None:
     assert {"examples/async_trainer.py", "bench/bench_overhead.py"} <= set(IDS)
 
 
+def test_every_example_parses_its_arguments() -> None:
+    """Every example has a parser, so ``--help`` prints its usage and exits 0 instead of
+    running the demo (``examples/hello.py --help`` ran it)."""
+    examples = sorted(str(path.relative_to(REPO)) for path in (REPO / "examples").glob("*.py"))
+    assert examples
+    assert [path for path in examples if path not in IDS] == []
+
+
 @pytest.mark.parametrize("path", SCRIPTS, ids=IDS)
 def test_every_parser_shows_the_defaults(path: Path) -> None:
     parsers = _calls(path, "ArgumentParser")

@@ -46,6 +46,7 @@ from agang._backends.contract import (
     Blamed,
     Checked,
     Done,
+    Explanation,
     ProgressOf,
     countdown,
     holding,
@@ -385,18 +386,18 @@ class C10dBackend:
             return f"rank {rank} ({self._roster[rank]})" if known else f"rank {rank}"
         return c10d_world.where(self._world_ranks, rank)
 
-    def explain(self, error: BaseException) -> str:
+    def explain(self, error: BaseException) -> Explanation:
         lost = c10d_world.lost_peer(error, self._world_ranks, self._rank, self.where)
         # A peer that gave up at its deadline said so before its abort dropped the
         # connection (mailbox rule 8); off the loop, its letter may be waited for.
         wait = mailbox.NOTICE_SECONDS if lost and loops.current_library() is None else 0.0
         told = mailbox.notices(self._group_name, wait) if self._registered else {}
-        said = "".join(
-            f" R{self.where(rank)[1:]} gave up first: {message}"  # where() says "rank ..."
+        said = "; and ".join(
+            f"{self.where(rank)} gave up first: {message.rstrip('.')}"
             for rank, message in sorted(told.items())
             if rank != self._rank
         )
-        return lost + said
+        return Explanation(gave_up=said, lost=lost)
 
     # Failure and lifecycle.
 

@@ -38,6 +38,7 @@ from agang._backends.contract import (
     Blamed,
     Checked,
     Done,
+    Explanation,
     Progress,
     ProgressOf,
     after_post,
@@ -386,8 +387,8 @@ class FakeWorldBackend:
     def where(self, rank: int) -> str:
         return f"rank {rank}"
 
-    def explain(self, error: BaseException) -> str:
-        return ""
+    def explain(self, error: BaseException) -> Explanation:
+        return Explanation()
 
     polls = False  # every op reports its own end
 

@@ -22,7 +22,7 @@ import torch
 
 import agang
 from agang._backends.contract import Progress
-from agang._engine.reports import absent, describe, out_of_step, verdict
+from agang._engine.reports import absent, describe, disagreeing, out_of_step, verdict
 from agang.testing import FakeWorld, run_world
 
 LATE = "has not issued it (last op issued: #0 `all_reduce`)"
@@ -112,7 +112,13 @@ async def _out_of_step(gang: agang.Gang) -> dict[str, Any]:
 
 @pytest.mark.gloo
 def test_blame_names_both_ops_when_the_ranks_issued_different_ones_at_one_number() -> None:
-    reports = run_world(_out_of_step, 3, async_backend="asyncio", timeout=60.0)
+    reports = run_world(
+        _out_of_step,
+        3,
+        async_backend="asyncio",
+        timeout=60.0,
+        init_options={"check_order": False},  # Gloo's default would refuse it at issue
+    )
     first = reports[0]["message"]
     assert "ranks [1, 2] issued another op at this position" in first, first
     assert first.count("issued collective #1 `all_reduce`, not `broadcast`") == 2, first
@@ -228,7 +234,13 @@ async def _late_rank(gang: agang.Gang) -> dict[str, Any]:
     try:
         await gang.all_reduce(torch.ones(2), timeout=1.5)
     except agang.GangError as error:
-        return {"type": type(error).__name__, "message": str(error), "pid": os.getpid()}
+        cause = error.__cause__
+        return {
+            "type": type(error).__name__,
+            "message": str(error),
+            "cause": f"{type(cause).__name__}: {cause}",
+            "pid": os.getpid(),
+        }
     return {"type": None, "message": "no error", "pid": os.getpid()}
 
 
@@ -238,9 +250,14 @@ def test_the_late_rank_is_told_who_gave_up_on_which_op_and_whom_it_blamed() -> N
     assert first["type"] == "GangTimeoutError", first
     assert late["type"] == "CollectiveError", late
     message = late["message"]
-    # Who gave up, on which op, at what deadline, and whom it blamed.
-    assert "Rank 0 (" in message, message
+    # It leads with who gave up, on which op, at what deadline, and whom it blamed; the
+    # transport's text ("Connection closed by peer", the abort's effect) is the cause.
+    assert message.startswith("`all_reduce` (seq 1) on gang 'root' (rank 1 of 2, "), message
+    assert "timeout 1.5 s) failed because rank 0 (" in message, message
     assert f"pid {first['pid']}) gave up first: `all_reduce` (seq 1)" in message, message
+    assert "Connection" not in message, message
+    assert "pair.cc" not in message, message
+    assert "Connection closed by peer" in late["cause"], late["cause"]
     assert "timeout 1.5 s) timed out after" in message, message
     assert f"pid {late['pid']}): has not issued it" in message, message
 
@@ -298,3 +315,71 @@ async def test_blame_is_right_after_point_to_point_ops_among_some_ranks() -> Non
             f"has not issued it (last op issued: #0 `{op}`; collectives issued: 0)"
         ), peers
     assert reports[2]["absent"] == (0, 1)
+
+
+def test_a_peer_that_issued_the_op_with_other_arguments_is_named_with_them() -> None:
+    """Blame compares the call (the fingerprint's op line: root, reduce op, dtype, shape)
+    where the op is in flight on both ranks, and names the arguments that differ."""
+    mine = "broadcast(source_rank=0, float32[4])"
+    theirs = Progress(
+        asked=1,
+        issued=1,
+        op="broadcast",
+        waiting=True,
+        num_in_flight=1,
+        state="open",
+        asked_op="broadcast",
+        asked_call="broadcast(source_rank=1, float32[4])",
+        collective=1,
+    )
+    same = dataclasses.replace(theirs, asked_call=mine)
+    unknown = dataclasses.replace(theirs, asked_call=None)  # an older rank's answer
+    shape = dataclasses.replace(theirs, asked_call="broadcast(source_rank=0, float32[8])")
+    peers: dict[int, Progress | None] = {1: theirs, 2: same, 3: unknown, 4: shape}
+    assert verdict(theirs, "broadcast", mine) == (
+        "issued it with other arguments: `source_rank=1` where this rank has `source_rank=0`"
+    )
+    assert verdict(same, "broadcast", mine) == WAITING
+    assert verdict(unknown, "broadcast", mine) == WAITING
+    assert verdict(shape, "broadcast", mine).endswith(
+        "`float32[8]` where this rank has `float32[4]`"
+    )
+    assert disagreeing(peers, "broadcast", mine) == [1, 4]
+    assert out_of_step(peers, "broadcast") == []
+    assert Progress.from_text(theirs.to_text()) == theirs
+
+
+async def _broadcast_from_own_rank(gang: agang.Gang) -> dict[str, Any]:
+    """Each rank broadcasts from itself: on Gloo both send and neither receives, so the
+    op hangs until rank 0's deadline (check_order off); rank 1's is far later, so it
+    learns of the mismatch from rank 0's note, when rank 0's abort fails its op."""
+    await gang.all_reduce(torch.ones(2))
+    try:
+        await gang.broadcast(torch.ones(4), source_rank=gang.rank, timeout=2.0 + 28 * gang.rank)
+    except agang.GangError as error:
+        peers = dict(error.peers) if isinstance(error, agang.GangTimeoutError) else {}
+        return {"type": type(error).__name__, "message": str(error), "peers": peers}
+    return {"type": None, "message": "no error"}
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("async_backend", ["asyncio", "uvloop", "trio"])
+def test_ranks_that_broadcast_from_different_roots_are_told_whose_root_differs(
+    async_backend: str,
+) -> None:
+    first, late = run_world(
+        _broadcast_from_own_rank,
+        2,
+        async_backend=async_backend,
+        timeout=60.0,
+        init_options={"check_order": False},
+    )
+    said = "issued it with other arguments: `source_rank=1` where this rank has `source_rank=0`"
+    assert first["type"] == "GangTimeoutError", first
+    assert first["peers"] == {1: said}, first
+    assert "ranks [1] issued this op with other arguments" in first["message"], first
+    assert "waiting for it" not in first["message"], first
+    # The other rank's error leads with rank 0's, which names the root that differs.
+    assert late["type"] == "CollectiveError", late
+    assert "(rank 1 of 2, timeout 30 s) failed because rank 0 (" in late["message"], late
+    assert said in late["message"], late
