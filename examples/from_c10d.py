@@ -13,6 +13,8 @@ environment and store as torchrun does, and prints the calls that agreed.
 
 from __future__ import annotations
 
+import argparse
+
 import torch
 import torch.distributed as dist
 
@@ -200,6 +202,21 @@ async def side_by_side(gang: agang.Gang) -> list[str]:
 
 
 if __name__ == "__main__":
-    results = run_world(side_by_side, 3)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0] if __doc__ else None,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument(
+        "--ranks",
+        type=int,
+        default=3,
+        help="Gloo ranks to run (3 or more: the group example uses ranks 1 and 2)",
+    )
+    args = parser.parse_args()
+    if args.ranks < 3:
+        parser.error(f"`--ranks` must be 3 or more, but is {args.ranks} instead.")
+    results = run_world(side_by_side, args.ranks)
     agreed = dict.fromkeys(name for names in results for name in names)  # in order, once
-    print(f"agang and c10d agree on 3 Gloo ranks, {len(agreed)} calls: {', '.join(agreed)}")
+    print(
+        f"agang and c10d agree on {args.ranks} Gloo ranks, {len(agreed)} calls: {', '.join(agreed)}"
+    )
