@@ -530,10 +530,12 @@ async def test_an_op_that_outlasts_its_poll_budget_is_parked_and_still_ends(
         before = handoffs.num_handoffs()
 
         def resume_once_parked() -> None:
-            # Rank 1 runs again only once rank 0's op was handed to the watcher: on a
-            # loaded machine a fixed 50 ms could pass before the await polled at all.
+            # Rank 1 runs again only once rank 0's op was handed to the watcher (a fixed
+            # 50 ms could pass before the await polled at all) and the awaiting task sleeps
+            # on it (its wake-up registered): resumed between the two, as a loaded machine
+            # once did, the op ended before the task slept, and nothing woke the loop.
             for _ in range(2000):  # 10 s
-                if handoffs.num_handoffs() > before:
+                if handoffs.num_handoffs() > before and handles[0]._callbacks:
                     break
                 time.sleep(0.005)
             sim.resume(1)
