@@ -30,7 +30,9 @@ RECOVERY = 4.0
 SLACK = 1.5
 START_SECONDS = 60.0
 #: A push admits the subscribers registered a publisher's beat (0.2 s) before it.
-ADMISSION = 0.5  # a process's start (torch's import) on a loaded 2-core machine
+#: Ten beats: a loaded machine may hold the publisher's beat thread back past one or two,
+#: and a joiner that is never admitted still fails at once.
+ADMISSION = 2.0
 
 
 class Server(Spawned):

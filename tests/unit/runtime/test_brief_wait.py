@@ -217,13 +217,17 @@ async def _gloo_rows(gang: agang.Gang) -> dict[str, Any]:
     report["estimated"] = bool(brief_wait._estimates)
     report["caught"] = sum(caught)
 
-    # A cancelled wait leaves the op running: rank 1 joins only after rank 0 gave up.
+    # A cancelled wait leaves the op running: rank 1 joins only after rank 0 gave up,
+    # told so on a lane of its own (a sleep of rank 1's was outrun by a loaded machine).
+    told = await gang.lane("told")
     tensor = torch.ones(1)
     if gang.rank == 1:
-        await anyio.sleep(0.5)
+        await told.recv(torch.zeros(1), 0)
     handle = gang.all_reduce(tensor)
     with anyio.move_on_after(0.05) as scope:
         await handle
+    if gang.rank == 0:
+        await told.send(torch.zeros(1), 1)
     report["cancelled"] = scope.cancelled_caught
     report["after_cancel"] = (await handle).item()
 
