@@ -273,13 +273,14 @@ def _cycles(env: dict[str, str], count: int, connection: Any) -> None:
         return sorted(found)
 
     def settled(baseline: dict[str, int]) -> dict[str, int]:
-        # c10d closes the last group's sockets on its own native threads, which may
-        # still be on their way out (CI once counted one socket over, with a thread
-        # fewer than the tolerance below allows): give them 5 s to finish. A socket
-        # leaked per cycle stays, and shows as about +37.
+        # c10d closes the last gang's groups on its own native threads, which may
+        # still be on their way out (CI once counted one socket over; a run beside two
+        # busy loops counted 3 threads and 3 sockets over after 5 s, now that a Gloo
+        # gang has a second group for its order checks): give them 10 s to finish,
+        # threads too. A socket or thread leaked per cycle stays, and shows as +37.
         counted = census()
-        for _ in range(50):
-            if all(counted[key] <= baseline[key] for key in ("fds", "sockets")):
+        for _ in range(100):
+            if all(counted[key] <= baseline[key] for key in ("fds", "sockets", "threads")):
                 break
             time.sleep(0.1)
             counted = census()
@@ -338,9 +339,10 @@ def test_a5_create_and_close_cycles_leak_nothing() -> None:
         one_world = 8
         assert after["fds"] <= before["fds"] + one_world, report
         assert after["sockets"] <= before["sockets"] + one_world, report
-        # One leaked thread per cycle would show as +37 here. At most one more is seen
-        # now and then: a native thread of c10d's last teardown still on its way out.
-        assert after["threads"] <= before["threads"] + 1, report
+        # One leaked thread per cycle would show as +37 here. A loaded machine may still
+        # be ending the last gang's native threads after the settle: at most one gang's
+        # worth, 6 (3 for each of its two Gloo groups: the gang's and its order checks').
+        assert after["threads"] <= before["threads"] + 6, report
 
 
 def test_a_duplicate_rank_fails_at_once() -> None:
