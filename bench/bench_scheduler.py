@@ -19,6 +19,8 @@ Method:
        agang (``gang.all_reduce``) against raw c10d (``async_op=True``, each
        ``work.wait`` run by ``loop.run_in_executor`` on an 8-thread pool), each on
        asyncio and uvloop, each cell on a fresh loop. "idle" is the ticker alone.
+       The gang checks no order there; the agang cells run again in the first phase
+       that checks it (part 3), to show what Gloo's default costs the loop.
     3. Order checking: the ranks re-initialize the gang in phases alternating
        ``check_order=False`` / ``True`` (off, on, off, on; samples pooled per setting)
        and time single all-reduces (4 B, 4 KiB) and the 64 x 4 KiB batch (issued then
@@ -227,10 +229,11 @@ def _run_on(loop_name: str, coroutine: Coroutine[Any, Any, Any]) -> Any:
 
 
 LAG_MODES = ("agang asyncio", "agang uvloop", "threads asyncio", "threads uvloop")
+AGANG_LAG_MODES = LAG_MODES[:2]
 IDLE = "idle"
 
 
-def _loop_lag(gang: agang.Gang, plan: Plan) -> dict[str, Any]:
+def _loop_lag(gang: agang.Gang, plan: Plan, modes: tuple[str, ...] = LAG_MODES) -> dict[str, Any]:
     """Per cell ``"size/N/mode"``: ticker lags and batch seconds, pooled over rounds."""
     most = max(LAG_COUNTS)
     tensors = {size: [torch.zeros(size // 4) for _ in range(most)] for size in plan.lag_sizes}
@@ -249,7 +252,7 @@ def _loop_lag(gang: agang.Gang, plan: Plan) -> dict[str, Any]:
         for size in plan.lag_sizes:
             for count in LAG_COUNTS:
                 repeats = max(1, plan.lag_ops // count)
-                for mode in _rotated(list(LAG_MODES), index):
+                for mode in _rotated(list(modes), index):
                     run(f"{size}/{count}/{mode}", tensors[size][:count], repeats, mode)
     return cells
 
@@ -321,6 +324,9 @@ def _rank_main(plan: Plan) -> dict[str, Any]:
                 with timed("loop lag"):
                     result["lag"] = _loop_lag(gang, plan)
                 result["statistics"] = asdict(gang.statistics())
+            if phase == 1:  # the same cells, agang's only, on a gang that checks order
+                with timed("loop lag, order checked"):
+                    result["lag_checked"] = _loop_lag(gang, plan, AGANG_LAG_MODES)
             with timed("order checking"):
                 samples = asyncio.run(_order_phase(gang, plan))
             for name, values in samples.items():
@@ -377,6 +383,9 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
                 "batch": asdict(Stats.of(cell["batch_seconds"])) if cell["batch_seconds"] else None,
             }
             for key, cell in result["lag"].items()
+        },
+        "lag_checked": {
+            key: asdict(Stats.of(cell["lags"])) for key, cell in result["lag_checked"].items()
         },
         "order": {
             setting: {name: asdict(Stats.of(v)) for name, v in by_name.items()}
@@ -438,6 +447,20 @@ def report(summary: dict[str, Any], result: dict[str, Any], plan: Plan) -> list[
                     verdicts.append(Verdict(f"{mode} p99 lag, {count} x {format_bytes(size)} "
                                             f"(ms)", p99 * 1e3, f"< {LAG_TARGET * 1e3:g}",
                                             p99 < LAG_TARGET))  # fmt: skip
+
+    checked = summary["lag_checked"]
+    print("\n   The agang rows again on a gang that checks order (Gloo's default), lag in ms")
+    print(f"\n{'size':>7} {'N':>5}  {'mode':<16} {'off p99':>8} {'on p99':>8} {'off max':>8} "
+          f"{'on max':>8}")  # fmt: skip
+    for size in plan.lag_sizes:
+        for count in LAG_COUNTS:
+            for mode in AGANG_LAG_MODES:
+                key = f"{size}/{count}/{mode}"
+                off, on = lag[key]["lag"], checked[key]
+                print(
+                    f"{format_bytes(size):>7} {count:>5}  {mode:<16} {ms(off['p99']):>8} "
+                    f"{ms(on['p99']):>8} {ms(off['max']):>8} {ms(on['max']):>8}"
+                )
 
     order = summary["order"]
     print("\n3. Order checking: ms (rank 0); phases off/on alternate, each a fresh gang\n")

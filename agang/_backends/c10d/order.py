@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import struct
 import time
 from collections.abc import Callable
 from typing import Any
@@ -30,11 +31,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from agang._backends.c10d.calls import all_gather_flat
 from agang._backends.contract import Checked
 from agang._backends.fingerprint import balance, balanced, named, split
 from agang._runtime.threads import start_thread
 
-all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_INT64 = struct.Struct("=q")  # native order, as torch.frombuffer reads it
 
 
 def start_order_check(
@@ -53,10 +55,15 @@ def start_order_check(
     ``give_up`` says the gang no longer waits (it broke or closed).
     """
     op, _ = split(fingerprint)
+    # The digest's 8 bytes and the balance, as two int64s (rule 1), built from bytes and
+    # gathered on the group itself rather than through torch.distributed's wrappers: a
+    # check is issued on the event loop's thread for every op, so it is kept lean.
     digest = hashlib.blake2b(op.encode(), digest_size=8).digest()
-    mine = torch.tensor([int.from_bytes(digest, "little", signed=True), balance(rank, fingerprint)])
+    mine = torch.frombuffer(
+        bytearray(digest + _INT64.pack(balance(rank, fingerprint))), dtype=torch.int64
+    )
     gathered = torch.empty(2 * size, dtype=torch.int64)
-    work = all_gather_flat(gathered, mine, group=order_group, async_op=True)
+    work = all_gather_flat(order_group, gathered, mine)
 
     def on_gathered(future: Any) -> None:
         try:
