@@ -53,7 +53,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--workers", type=int, default=4, help="worker processes (1-64)")
-    parser.add_argument("--steps", type=int, default=100, help="training steps in all")
+    parser.add_argument("--steps", type=int, default=200, help="training steps in all")
     parser.add_argument("--kill", type=int, metavar="RANK", help="the rank to SIGKILL")
     parser.add_argument("--at-step", type=int, metavar="S", help="the step it dies at")
     parser.add_argument(

@@ -34,8 +34,8 @@ def test_the_readme_command_recovers_admits_a_replacement_and_learns() -> None:
     assert re.search(r"rank 2 \(pid \d+\) SIGKILLed", run.stdout), run.stdout
     assert "a replacement joined at a step boundary" in run.stdout, run.stdout
     joined_at = int(rows[2][0])
-    assert 20 < joined_at < 100, run.stdout
-    done = re.search(r"loss ([\d.]+) at step 0, ([\d.]+) at step 99", run.stdout)
+    assert 20 < joined_at < 200, run.stdout
+    done = re.search(r"loss ([\d.]+) at step 0, ([\d.]+) at step 199", run.stdout)
     assert done is not None, run.stdout
     assert float(done.group(2)) < 0.5 * float(done.group(1)), run.stdout  # the loss fell
     pids = ended_pids(run.stdout)
@@ -50,7 +50,7 @@ def test_the_readme_command_recovers_admits_a_replacement_and_learns() -> None:
         (["--kill", "4", "--at-step", "5"], "--kill must be a rank from 0 to 3"),
         (["--kill", "1"], "--kill and --at-step go together"),
         (["--respawn"], "--respawn replaces a killed worker"),
-        (["--kill", "1", "--at-step", "100"], "--at-step must be from 0 to --steps - 1 (99)"),
+        (["--kill", "1", "--at-step", "200"], "--at-step must be from 0 to --steps - 1 (199)"),
         (["--workers", "0"], "--workers must be between 1 and 64"),
         (["--workers", "2", "--min-size", "2", "--kill", "0", "--at-step", "1"], "--min-size"),
         (["--op-timeout", "0"], "--op-timeout must be positive"),
