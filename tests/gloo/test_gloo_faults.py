@@ -233,10 +233,18 @@ def test_a_thousand_ops_in_flight_complete_correctly(async_backend: str) -> None
         assert report == {"correct": True, "seqs": True, "in_flight_after": 0}
 
 
+CLOSE_PEER_STAYS = 5.0
+CLOSE_WAKES_WITHIN = 0.5
+
+
 async def _close_with_op_in_flight(gang: agang.Gang) -> dict[str, Any]:
-    """Rank 0 closes its gang while an op that rank 1 never joins is pending."""
+    """Rank 0 closes its gang while an op that rank 1 never joins is pending.
+
+    Rank 1 stays ``CLOSE_PEER_STAYS`` seconds: a waiter that only its exit woke (its
+    connections closing) would wake that late, 10x the bound on a close's wake-up.
+    """
     if gang.rank == 1:
-        await anyio.sleep(1.0)
+        await anyio.sleep(CLOSE_PEER_STAYS)
         return {}
     handle = gang.all_reduce(torch.ones(4))
     outcome: dict[str, Any] = {}
@@ -264,8 +272,8 @@ def test_close_with_an_op_in_flight_wakes_waiters_and_exits_cleanly() -> None:
     # run_world also fails a rank that crashes on its way out after returning.
     report = run_world(_close_with_op_in_flight, 2)[0]
 
-    assert report["woken_after"] < 1.0
-    assert report["close_took"] < 5.0
+    assert report["woken_after"] < CLOSE_WAKES_WITHIN
+    assert report["close_took"] < CLOSE_WAKES_WITHIN
     assert report["refused_after_close"]
 
 
