@@ -180,14 +180,22 @@ def failed(context: OpContext, error: BaseException, explained: Explanation) -> 
     behind it (``explained``). Where a peer gave up first, the message leads with that
     (who, on which op, at what deadline, whom it blamed) and leaves the transport's text
     ("Connection closed by peer ...", the effect of that peer's abort) to ``__cause__``;
-    otherwise the transport's text is all there is, and the message quotes it."""
+    Where the transport names a peer that closed its connection without giving up (it
+    exited, closed its gang or crashed), the message leads with which rank that is and
+    then quotes the transport; otherwise the transport's text is all there is."""
     if explained.gave_up:
         message = (
             f"{context.describe()} failed because {explained.gave_up}. Its abort closed the "
             f"connections this op ran on (the transport's error is this error's `__cause__`)."
         )
+    elif explained.lost:
+        message = (
+            f"{context.describe()} failed: its connection to a peer was lost.{explained.lost} "
+            f"It did not give up on this op at a deadline: it exited, closed its gang or "
+            f"crashed (its own output says which). The transport's error: {error}"
+        )
     else:
-        message = f"{context.describe()} failed: {error}{explained.lost}"
+        message = f"{context.describe()} failed: {error}"
     wrapped = CollectiveError(message, context)
     wrapped.__cause__ = error
     return wrapped

@@ -220,8 +220,16 @@ def test_a_lost_peers_collective_error_names_its_rank() -> None:
     """Gloo names the peer by its socket address; the address each rank checked in
     with says which rank that is (here the only other one on the host)."""
     report = run_world(_peer_closes_under_a_pending_op, 2, async_backend="trio", timeout=60.0)[0]
+    # The story first, then the transport's words.
+    assert report["message"].startswith(
+        "`all_reduce` (seq 1) on gang 'root' (rank 0 of 2, timeout 30 s) failed: its connection "
+        "to a peer was lost. The peer at 127.0.0.1 is rank 1 ("
+    ), report
+    assert "It did not give up on this op at a deadline: it exited, closed its gang" in (
+        report["message"]
+    ), report
+    assert "The transport's error: [" in report["message"], report
     assert "Connection closed by peer [127.0.0.1]" in report["message"], report
-    assert "The peer at 127.0.0.1 is rank 1 (" in report["message"], report
     assert f"pid {report['peer_pid']})." in report["message"], report
 
 
