@@ -547,24 +547,9 @@ class Gang(ABC):
     ) -> Handle[torch.Tensor]:
         """Receives into ``tensor`` what ``source_rank`` sends.
 
-        Example:
-            ```python
-            import asyncio
-
-            import torch
-
-            from agang.testing import FakeWorld
-
-
-            async def step(gang):
-                if gang.rank == 0:
-                    await gang.send(torch.ones(8), destination_rank=1)
-                    return None
-                return (await gang.recv(torch.empty(8), source_rank=0)).sum().item()
-
-
-            assert asyncio.run(FakeWorld(2).run(step)) == [None, 8.0]
-            ```
+        ``tensor`` must have the sent tensor's shape and dtype: order checking does not
+        cover transfers (see the collectives guide). The example under
+        [`send`][agang.Gang.send] shows a matched pair.
         """
 
     @abstractmethod

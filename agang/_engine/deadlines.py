@@ -347,7 +347,7 @@ class Expiry:
                 peers=peers,
                 note=note,
                 index=index,
-                call=call if entry is batch[0] else None,
+                call=call,  # every entry is told about op `asked`, as `asked_op` says
             )
 
     def expire(

@@ -40,6 +40,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from datetime import timedelta
 from typing import Any, Protocol
 
 import torch
@@ -84,7 +85,11 @@ class ElasticGang(ProcessGroupGang):
         policy: GangPolicy,
         stream_ordered: bool,
         waiting: set[str],
+        deadline: float,
     ) -> None:
+        # Order checks' side channel, made by every member (a collective call), by the
+        # formation's deadline rather than c10d's default of 30 minutes.
+        side_seconds = max(1.0, deadline - time.monotonic())
         super().__init__(
             dist.distributed_c10d._get_default_group(),
             device=device,
@@ -93,8 +98,11 @@ class ElasticGang(ProcessGroupGang):
             policy=policy,
             is_world=True,
             stream_ordered=stream_ordered,
-            # Order checks' side channel, made by every member (a collective call).
-            order_group=dist.new_group(backend="gloo") if policy.check_order else None,
+            order_group=(
+                dist.new_group(backend="gloo", timeout=timedelta(seconds=side_seconds))
+                if policy.check_order
+                else None
+            ),
         )
         self._formed = formed
         self._elastic = elastic
@@ -257,7 +265,9 @@ class ElasticGang(ProcessGroupGang):
         # network round trip), which must not hold the event loop.
         waiting = elastic_setup.noticed()  # rule 3: only notices since this reform began
         gang: ElasticGang = await self._blocking(
-            lambda: ElasticGang(formed, elastic=self._elastic, waiting=waiting, **self._settings),
+            lambda: ElasticGang(
+                formed, elastic=self._elastic, waiting=waiting, deadline=deadline, **self._settings
+            ),
             deadline,
         )
         return gang
@@ -320,4 +330,5 @@ def form_first(
         stream_ordered=plan.stream_ordered,
         # Registered and still beating: a joiner that died waiting is not counted.
         waiting=membership.live_joiners(store),
+        deadline=deadline,
     )

@@ -193,15 +193,25 @@ class _Plan:
             if self.backend == "nccl":  # here, not at the first op on the caller's loop
                 connect_eagerly(dist.distributed_c10d._get_default_group(), self.device)
         order_group = None
-        if self.policy.check_order:
-            # The side channel of order checks: a Gloo group over the world, so a check
-            # never queues behind the ops it guards (order checks run on their own channel).
-            seconds = max(1.0, deadline - time.monotonic())
-            order_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=seconds))
-        if self.cancelled.is_set():
+        try:
+            if self.policy.check_order:
+                # The side channel of order checks: a Gloo group over the world, so a
+                # check never queues behind the ops it guards.
+                seconds = max(1.0, deadline - time.monotonic())
+                order_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=seconds))
+            if self.cancelled.is_set():
+                raise InitCancelled
+        except BaseException:
+            # A peer lost while the side group forms, or a cancel: nothing made here is
+            # left behind, so a retry starts from nothing (not a half-made world).
+            for group in [order_group] if order_group is not None else []:
+                try:
+                    dist.destroy_process_group(group)
+                except Exception:  # the error being raised is the one to tell
+                    log.debug("agang: the side group could not be destroyed.", exc_info=True)
             if created:
                 dist.destroy_process_group()
-            raise InitCancelled
+            raise
         return ProcessGroupGang(
             dist.distributed_c10d._get_default_group(),
             device=self.device,
@@ -379,12 +389,14 @@ def _start(
         stream_ordered=stream_ordered,
         retry=retry,
     )
-    if order_check_defaulted(check_order, env) and not plan.in_process:
-        # Checked by default where a mismatch would kill a process (``_policy``).
-        on = plan.backend in CHECKS_ORDER_BY_DEFAULT
-        plan.policy = dataclasses.replace(plan.policy, check_order=on)
     if elastic is not None and not isinstance(elastic, Elastic):
         raise TypeError(f"`elastic` must be an agang.Elastic or None, but is {elastic!r}.")
+    if order_check_defaulted(check_order, env) and (elastic is not None or not plan.in_process):
+        # Checked by default where a mismatch would kill a process (``_policy``). An
+        # elastic gang is always c10d's, whatever WORLD_SIZE says (its founder may be
+        # alone, its joiners not): every member must decide alike.
+        on = plan.backend in CHECKS_ORDER_BY_DEFAULT
+        plan.policy = dataclasses.replace(plan.policy, check_order=on)
     plan.elastic = elastic
     if elastic is not None and plan.world is None:
         raise GangInitError(

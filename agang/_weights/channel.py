@@ -70,6 +70,17 @@ log = logging.getLogger("agang.weights")
 #: How often each side beats (seconds), and how long the publisher must see a
 #: subscriber not beat before it takes it for dead or stopped (``agang._membership.
 #: heartbeat``): seven beats, so that a loaded machine's late beats are not a death.
+
+#: How a session closed by a fence begins its ``closed`` note (``Channel.say_fenced``).
+_FENCED = "another publisher opened the channel"
+
+
+def closed_by_fence(note: str) -> bool:
+    """Whether a session's ``closed`` note says another publisher took the channel
+    (a loss to report), rather than that its publisher closed it (a normal end)."""
+    return note.startswith(_FENCED)
+
+
 BEAT = 0.2
 STALE = 1.5
 DROPS_KEPT = 64
@@ -257,6 +268,11 @@ class Channel:
 
     def say_closed(self, why: str) -> None:
         self._set(self._key("closed"), why)
+
+    def say_fenced(self, fenced: str) -> None:
+        """Closes this session because another publisher took the channel (``fenced``
+        says which): subscribers must report it as a loss, not a normal end."""
+        self.say_closed(f"{_FENCED} ({fenced})")
 
     def closed(self) -> str | None:
         """Why this session's publisher closed, or None while it is open."""

@@ -223,7 +223,7 @@ class Fleet:
         fenced = channel.fenced_by()
         if fenced is not None:
             self.fenced_by = fenced
-            channel.say_closed(f"another publisher opened the channel ({fenced})")
+            channel.say_fenced(fenced)
             return True
         channel.reclaim()
         registered = channel.registered()

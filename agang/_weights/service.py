@@ -67,7 +67,7 @@ from agang._membership.member import Member
 from agang._runtime.future import Future, finish
 from agang._runtime.threads import start_daemon
 from agang._weights.buckets import Buckets, copy_bytes
-from agang._weights.channel import Channel
+from agang._weights.channel import Channel, closed_by_fence
 from agang._weights.epoch import CLOSE, DATA, REFORM, gang_name
 from agang._weights.upstream import Upstream
 
@@ -293,7 +293,7 @@ class Service:
                 return int(named)
             if what == CLOSE:
                 why = self._why_closed()
-                raise self._lost(why, closed=not why.startswith("another publisher"))
+                raise self._lost(why, closed=not closed_by_fence(why))
             if what != DATA:
                 raise self._lost(f"a round of epoch {epoch} had an unknown header {what}")
             if self._stale(epoch):
@@ -465,7 +465,7 @@ class Service:
 
     def _why_closed(self) -> str:
         closed = self._try(self.channel.closed, None)
-        if closed is not None and closed.startswith("another publisher"):
+        if closed is not None and closed_by_fence(closed):
             return closed
         return f"the publisher ({self._try(self.channel.publisher, 'unknown')}) closed the channel"
 

@@ -33,7 +33,7 @@ from agang._errors import one_line
 from agang._membership.heartbeat import Watch
 from agang._membership.member import Member
 from agang._runtime.threads import at_exit, start_daemon
-from agang._weights.channel import BEAT, Channel
+from agang._weights.channel import BEAT, Channel, closed_by_fence
 
 log = logging.getLogger("agang.weights")
 
@@ -157,7 +157,7 @@ class Upstream:
             return
         if closed is not None:
             publisher = channel.publisher()
-            self.closed_normally = not closed.startswith("another publisher")
+            self.closed_normally = not closed_by_fence(closed)
             self.gone = (
                 f"the publisher ({publisher}) closed the channel"
                 if self.closed_normally

@@ -453,13 +453,22 @@ class C10dBackend:
                 # the abort that a failure started end it).
                 self._aborter.abort(self._groups())
                 self._completion.settle_after_abort(self._name, _REPORT_SECONDS)
-            if self._order_group is not None:
-                dist.destroy_process_group(self._order_group)
+            side = self._order_group
+            if side is not None and _still_registered(side):
+                # Not there: the world went first, as for the main group below.
+                try:
+                    dist.destroy_process_group(side)
+                except Exception:  # the main group is still released
+                    log.warning(
+                        "Releasing the order-check group of gang '%s' failed.",
+                        self._name,
+                        exc_info=True,
+                    )
             if not self._registered or not self._owned:
                 pass  # a group double, or a borrowed group: not ours to destroy
             elif self._is_world:
                 dist.destroy_process_group()
-            elif self._pg is not None and self._pg in dist.distributed_c10d._world.pg_map:
+            elif self._pg is not None and _still_registered(self._pg):
                 # Not there: the world went first (a child made while its parent closed).
                 dist.destroy_process_group(self._pg)
         except Exception:
@@ -503,3 +512,9 @@ class C10dBackend:
             order_group=side,
             runtime=self._runtime,
         )
+
+
+def _still_registered(group: dist.ProcessGroup) -> bool:
+    """Whether c10d still knows ``group``: a child made while its parent closed is
+    dropped from c10d's registry when the world goes, and destroying it again raises."""
+    return group in dist.distributed_c10d._world.pg_map

@@ -399,3 +399,22 @@ async def test_a_cancelled_loop_of_awaits_of_finished_ops_stops_within_a_streak(
     assert scope.cancelled_caught
     assert done <= READY_STREAK
     await gang.close()
+
+
+def test_a_pending_future_made_without_its_constructor_sets_what_the_constructor_sets() -> None:
+    """``future.pending`` skips ``__init__`` for speed (a handle per op): it must set
+    every slot the constructor sets, to the same values, so that a slot added to one
+    and not the other fails here rather than as a rare AttributeError."""
+    from agang._runtime import future
+
+    class Sub(future.Future[int]):
+        __slots__ = ()
+
+    made, skipped = future.Future[int]("op"), future.pending(Sub, "op")
+    slots = future.Future.__slots__
+    for slot in slots:
+        assert hasattr(skipped, slot), slot
+        mine, theirs = getattr(made, slot), getattr(skipped, slot)
+        assert type(mine) is type(theirs), slot
+        if slot != "_lock":
+            assert mine == theirs, slot
