@@ -32,7 +32,10 @@ REFORM_TIMEOUT = 10.0
 SETTINGS = {"timeout": 30, "op_timeout": OP_TIMEOUT, "reform_timeout": REFORM_TIMEOUT}
 MIB64 = 16 << 20  # float32 elements in 64 MiB
 FAILURES = ("CollectiveError", "GangBrokenError", "GangTimeoutError")
-LAG_P99 = 0.020
+# A survivor's ticker's p99 over its life: 1-4 ms here alone (2026-11-28, the kills and
+# stops tests, `pytest -n0 -s -k survivors_loops`), 30 ms once with two busy loops beside
+# the suite; a loop that blocks on the store at each poll lags 100 ms and more per tick.
+LAG_P99 = 0.100
 CYCLES = 20
 
 
@@ -494,8 +497,8 @@ def _resources(stats: dict[str, Any]) -> str:
 
 
 def _assert_responsive(stats: list[dict[str, Any]]) -> None:
-    """Each survivor's 10 ms ticker woke within 20 ms of its time at the p99, over its
-    whole life (every fault it lived through)."""
+    """Each survivor's 10 ms ticker woke within ``LAG_P99`` of its time at the p99, over
+    its whole life (every fault it lived through)."""
     for each in stats:
         assert each["ticks"] > 20, each
         assert each["lag_p99"] < LAG_P99, (each, each["spikes"])

@@ -7,6 +7,7 @@ passing and the failing behaviour.
 
 from __future__ import annotations
 
+import gc
 import math
 import threading
 import time
@@ -23,11 +24,19 @@ from agang.testing import run_world
 pytestmark = pytest.mark.gloo
 
 ASYNC_BACKENDS = ["asyncio", "uvloop", "trio"]
-LATE = 2.0
+LATE = 3.0
 
 
 async def _late_peer(gang: agang.Gang) -> dict[str, Any]:
-    """Rank 1 joins an all_reduce 2 s late; rank 0's loop keeps ticking meanwhile."""
+    """Rank 1 joins an all_reduce ``LATE`` s late; rank 0's loop keeps ticking meanwhile.
+
+    A loop blocked by the wait would lag ``LATE``; the bound is a tenth of that. The heap
+    is frozen first, as a latency-minded service does: a full collection of torch's
+    modules takes ~90 ms here, whatever agang does (test_runtime_faults.py's load test),
+    and without the freeze, beside two busy loops, this test once saw a 0.51 s lag.
+    """
+    gc.collect()
+    gc.freeze()
     if gang.rank == 1:
         await anyio.sleep(LATE)
         await gang.all_reduce(torch.ones(3))
