@@ -225,8 +225,9 @@ def test_a_lost_peers_collective_error_names_its_rank() -> None:
         "`all_reduce` (seq 1) on gang 'root' (rank 0 of 2, timeout 30 s) failed: its connection "
         "to a peer was lost. The peer at 127.0.0.1 is rank 1 ("
     ), report
-    assert "It did not give up on this op at a deadline: it exited, closed its gang" in (
-        report["message"]
+    assert (
+        "It did not give up on this op at a deadline: it exited, closed its gang"
+        in (report["message"])
     ), report
     assert "The transport's error: [" in report["message"], report
     assert "Connection closed by peer [127.0.0.1]" in report["message"], report
