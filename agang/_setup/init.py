@@ -204,11 +204,11 @@ class _Plan:
         except BaseException:
             # A peer lost while the side group forms, or a cancel: nothing made here is
             # left behind, so a retry starts from nothing (not a half-made world).
-            for group in [order_group] if order_group is not None else []:
-                try:
-                    dist.destroy_process_group(group)
-                except Exception:  # the error being raised is the one to tell
-                    log.debug("agang: the side group could not be destroyed.", exc_info=True)
+            try:
+                if order_group is not None:
+                    dist.destroy_process_group(order_group)
+            except Exception:  # the error being raised is the one to tell
+                log.debug("agang: the side group could not be destroyed.", exc_info=True)
             if created:
                 dist.destroy_process_group()
             raise

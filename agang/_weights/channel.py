@@ -70,6 +70,9 @@ log = logging.getLogger("agang.weights")
 #: How often each side beats (seconds), and how long the publisher must see a
 #: subscriber not beat before it takes it for dead or stopped (``agang._membership.
 #: heartbeat``): seven beats, so that a loaded machine's late beats are not a death.
+BEAT = 0.2
+STALE = 1.5
+DROPS_KEPT = 64
 
 #: How a session closed by a fence begins its ``closed`` note (``Channel.say_fenced``).
 _FENCED = "another publisher opened the channel"
@@ -81,9 +84,6 @@ def closed_by_fence(note: str) -> bool:
     return note.startswith(_FENCED)
 
 
-BEAT = 0.2
-STALE = 1.5
-DROPS_KEPT = 64
 #: The most news one look pops: a bound on the loop, far above a fleet's churn per beat.
 _NEWS_PER_LOOK = 100_000
 ASK_SECONDS = 0.3
