@@ -428,6 +428,7 @@ async def test_a_barriers_wait_with_a_timeout_raises_when_a_rank_never_comes(
     barrier wait, which hung for ever on the simulation when a rank never came."""
     gangs = sim.gangs()
     work = gangs[0].process_group.barrier()
+    assert isinstance(work, dist.Work)
     started = time.monotonic()
     with pytest.raises(dist.DistBackendError, match="before timing out"):
         work.wait(timedelta(seconds=0.2))

@@ -115,10 +115,12 @@ class SimRuntime:
         return None
 
 
-class SimWork:
-    """The Work of one simulated NCCL op (rules 1 to 3)."""
+class SimWork(dist.Work):
+    """The Work of one simulated NCCL op (rules 1 to 3): a ``dist.Work``, so that code
+    which checks for one (torch's functional collectives, a user's) takes it."""
 
     def __init__(self, part: Part, runtime: SimRuntime, device: SimDevice, *, barrier: bool):
+        super().__init__()
         self._part = part
         self._runtime = runtime
         self._device = device
