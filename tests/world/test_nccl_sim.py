@@ -11,11 +11,13 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import AsyncIterator
+from datetime import timedelta
 from typing import Any
 
 import anyio
 import pytest
 import torch
+import torch.distributed as dist
 from loop_passes import counting
 
 import agang
@@ -416,6 +418,24 @@ async def test_raw_process_groups_and_synchronize_model_a_blocking_caller(
     assert [t.tolist() for t in tensors] == [[3.0] * 3] * 2
     with pytest.raises(ValueError, match="`rank`"):
         sim.synchronize(2)
+    await close_all(*gangs)
+
+
+async def test_a_barriers_wait_with_a_timeout_raises_when_a_rank_never_comes(
+    sim: SimulatedNccl,
+) -> None:
+    """As NCCL's ``Work.wait(timeout)``: agang's init proves a new group with a timed
+    barrier wait, which hung for ever on the simulation when a rank never came."""
+    gangs = sim.gangs()
+    work = gangs[0].process_group.barrier()
+    assert isinstance(work, dist.Work)
+    started = time.monotonic()
+    with pytest.raises(dist.DistBackendError, match="before timing out"):
+        work.wait(timedelta(seconds=0.2))
+    assert time.monotonic() - started < 0.2 * 10
+    late = gangs[1].process_group.barrier()  # the rank comes: both end
+    assert late.wait(timedelta(seconds=BOUND))
+    assert work.wait(timedelta(0))  # zero is no timeout, as c10d's
     await close_all(*gangs)
 
 

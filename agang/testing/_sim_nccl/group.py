@@ -115,10 +115,12 @@ class SimRuntime:
         return None
 
 
-class SimWork:
-    """The Work of one simulated NCCL op (rules 1 to 3)."""
+class SimWork(dist.Work):
+    """The Work of one simulated NCCL op (rules 1 to 3): a ``dist.Work``, so that code
+    which checks for one (torch's functional collectives, a user's) takes it."""
 
     def __init__(self, part: Part, runtime: SimRuntime, device: SimDevice, *, barrier: bool):
+        super().__init__()
         self._part = part
         self._runtime = runtime
         self._device = device
@@ -131,10 +133,21 @@ class SimWork:
         if part.error is not None:
             raise part.error
         if self._barrier:
+            # As NCCL's: a timeout (c10d's zero means none) that passes raises, here
+            # without touching the communicator, which NCCL's watchdog may abort too.
+            seconds = timeout.total_seconds() if timeout else None
             with self._device.cond:
-                self._device.cond.wait_for(lambda: part.done or self._device.closed)
+                ended = self._device.cond.wait_for(
+                    lambda: part.done or part.error is not None or self._device.closed,
+                    timeout=seconds,
+                )
             if part.error is not None:
                 raise part.error
+            if not ended:
+                raise dist.DistBackendError(
+                    f"The simulated barrier ran for {seconds:.3g} s before timing out: "
+                    "not every rank of its communicator reached it."
+                )
             return True
         self._device.enqueue(self._runtime.current_stream(), WaitFor(part))
         return True
