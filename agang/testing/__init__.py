@@ -1,7 +1,7 @@
 """Tools for testing code that uses agang: fake worlds, real local worlds and a
 simulated NCCL."""
 
-from agang.testing._reduce import reduce_tensors as reduce_tensors
+from agang._backends.sim_nccl.reduce import reduce_tensors as reduce_tensors
 from agang.testing._run_world import WorldRunError as WorldRunError
 from agang.testing._run_world import run_world as run_world
 from agang.testing._sim_nccl.nccl import SimulatedNccl as SimulatedNccl

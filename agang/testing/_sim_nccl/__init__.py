@@ -1,2 +1,2 @@
-"""``SimulatedNccl``: NCCL's completion and abort behaviour on a CPU, so the real CUDA
-completion path runs in tests: the device, the communicator group and the kernels."""
+"""``SimulatedNccl`` (every rank in one process) and the switch to the simulation across
+processes (``use_simulated_nccl``); the simulation itself is ``agang._backends.sim_nccl``."""

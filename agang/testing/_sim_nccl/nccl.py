@@ -10,11 +10,11 @@ from types import TracebackType
 import torch
 
 from agang._backends.c10d.backend import C10dBackend
+from agang._backends.sim_nccl.device import SimDevice, SimEvent, SimStream, Stall
+from agang._backends.sim_nccl.group import Communicator, SimProcessGroup, SimRuntime
 from agang._collective.gang import gang_over
 from agang._collective.process_group_gang import ProcessGroupGang
 from agang._policy import OnTimeout, make_policy
-from agang.testing._sim_nccl.device import SimDevice, SimEvent, SimStream, Stall
-from agang.testing._sim_nccl.group import Communicator, SimProcessGroup, SimRuntime
 
 
 class SimulatedNccl:

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 
 from agang._backends.contract import Done
+from agang._backends.sim_nccl.reduce import reduce_tensors
 from agang._errors import GangError
-from agang.testing._reduce import reduce_tensors
 
 
 @dataclass

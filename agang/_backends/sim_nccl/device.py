@@ -27,6 +27,12 @@ The rules it keeps, NCCL's and CUDA's:
    thread hand-offs) fairly. What it cannot show: a kernel's own time (the host thread
    that runs it is busy meanwhile, where a GPU would run it beside the host), and the
    driver's costs (launches, events, interrupts).
+6. *Across processes* (``agang._backends.sim_nccl.wire``), a collective has parts in other
+   processes, which this device cannot see. Its part, once at the head of its stream (and
+   its rank not paused), is launched on the collective's wire, and holds its stream until
+   the wire ends it (``complete``): rule 2's "every rank at the head" is then the wire's
+   to wait for. An abort or the watchdog ends it as rule 3 says, whatever the wire does
+   after; the wire then writes nothing.
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -131,16 +137,39 @@ class Part:
         self.issued_at = time.monotonic()
         self.timeout: float | None = None
         self.communicator: Any = None  # the rank's group, for the watchdog
+        self.index = 0  # its op's place among its communicator's ops of its kind
+        self.launched = False  # handed to the wire (rule 6)
 
 
 class Collective:
     """One op of a communicator, joined by each participant's ``Part``."""
 
-    def __init__(self, kind: str, ranks: list[int], run: Callable[[dict[int, Part]], None]):
+    def __init__(
+        self,
+        kind: str,
+        ranks: list[int],
+        run: Callable[[dict[int, Part]], None],
+        *,
+        options: Any = None,
+        wire: Wire | None = None,
+    ):
         self.kind = kind
         self.ranks = ranks
         self.run = run
+        self.options = options
+        self.wire = wire  # set where its other ranks' parts are in other processes
         self.parts: dict[int, Part] = {}
+
+
+class Wire(Protocol):
+    """What carries a collective to the ranks of other processes (rule 6)."""
+
+    def launch(self, stream: SimStream, part: Part, failure: str | None) -> None:
+        """Runs ``part`` with its peers' parts, then ends it (``SimDevice.complete``);
+        ``failure``: a message that fails the op on every rank instead."""
+
+    def abort(self) -> None:
+        """Closes the wire: what it runs for this rank ends without writing."""
 
 
 _devices: weakref.WeakSet[SimDevice] = weakref.WeakSet()
@@ -327,17 +356,23 @@ class SimDevice:
             except Exception:
                 log.exception("Host work queued on simulated stream %r failed.", stream.name)
         elif isinstance(item, Part):
-            return self._advance_part(item)
+            return self._advance_part(stream, item)
         stream.items.popleft()
         return True
 
-    def _advance_part(self, part: Part) -> bool:
+    def _advance_part(self, stream: SimStream, part: Part) -> bool:
         part.at_head = True
         if part.error is not None:  # failed or aborted: the kernel exits
             part.done = True
             self._pop(part)
             return True
         collective = part.collective
+        if collective.wire is not None:  # rule 6: it holds its stream until the wire ends it
+            if not part.launched:
+                part.launched = True
+                failure = self._failures.popleft() if self._failures else None
+                collective.wire.launch(stream, part, failure)
+            return False
         parts = collective.parts
         ready = len(parts) == len(collective.ranks) and all(
             p.at_head and p.error is None and p.rank not in self.paused for p in parts.values()
@@ -359,6 +394,26 @@ class SimDevice:
             p.done = True
             self._pop(p)
         return True
+
+    def complete(
+        self, part: Part, run: Callable[[], None] | None, error: BaseException | None
+    ) -> None:
+        """Ends ``part``, which the wire ran (rule 6): ``run`` writes its outputs, or
+        ``error`` fails it. Nothing is written where an abort or the watchdog ended the
+        part first (its kernel has exited)."""
+        with self.cond:
+            if part.done or part.error is not None:
+                return
+            if error is None and run is not None:
+                try:
+                    with torch.no_grad():
+                        run()
+                except Exception as exc:
+                    error = exc
+            part.error = error
+            part.done = True
+            self._pop(part)
+            self.run_what_can_run()
 
     def _pop(self, part: Part) -> None:
         for stream in self.streams:

@@ -21,9 +21,9 @@ from typing import Any
 import torch
 
 from agang._backends.c10d.calls import to_c10d
+from agang._backends.sim_nccl.device import Part
+from agang._backends.sim_nccl.reduce import reduce_tensors
 from agang._reduce_op import ReduceOp
-from agang.testing._reduce import reduce_tensors
-from agang.testing._sim_nccl.device import Part
 
 Kernel = Callable[[dict[int, Part]], None]
 

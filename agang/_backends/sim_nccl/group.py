@@ -41,7 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from agang.testing._sim_nccl.device import (
+from agang._backends.sim_nccl.device import (
     Collective,
     HostFn,
     Part,
@@ -49,8 +49,10 @@ from agang.testing._sim_nccl.device import (
     SimEvent,
     SimStream,
     WaitFor,
+    Wire,
 )
-from agang.testing._sim_nccl.kernels import kernel_for
+from agang._backends.sim_nccl.kernels import kernel_for
+from agang._runtime import threads
 
 log = logging.getLogger("agang.testing")
 
@@ -174,11 +176,14 @@ class SimWork(dist.Work):
 
 
 class Communicator:
-    """What the ranks of one simulated communicator share: its ops, matched by order."""
+    """What the ranks of one simulated communicator share: its ops, matched by order.
+    Across processes each process has its own, and its ``wire`` carries the ops to the
+    others."""
 
-    def __init__(self, name: str, size: int) -> None:
+    def __init__(self, name: str, size: int, *, wire: Wire | None = None) -> None:
         self.name = name
         self.size = size
+        self.wire = wire
         self.collectives: dict[Any, Collective] = {}
         self.counts: dict[Any, int] = {}
 
@@ -227,6 +232,8 @@ class SimProcessGroup:
             for part in pending:
                 device.fail(part, dist.DistBackendError("NCCL communicator was aborted."))
             device.cond.wait_for(lambda: device.closed or all(p.done for p in pending))
+        if self._communicator.wire is not None:
+            self._communicator.wire.abort()
 
     def shutdown(self) -> None:
         self.abort()
@@ -247,6 +254,9 @@ class SimProcessGroup:
         for part in self._parts:
             self._device.fail(part, error)
         self._aborted = True
+        wire = self._communicator.wire
+        if wire is not None:  # not on the device thread, which holds the device's lock
+            threads.start_daemon(wire.abort, name="agang-sim-nccl-watchdog-abort")
 
     def _tear_down_if_asked(self, why: str) -> None:
         """Rule 6: c10d's watchdog, under a tear-down mode, ends the process."""
@@ -288,9 +298,19 @@ class SimProcessGroup:
             index = communicator.counts.get((key, self._rank), 0)
             communicator.counts[(key, self._rank)] = index + 1
             everyone = list(range(communicator.size)) if ranks is None else ranks
-            collective = communicator.collectives.get((key, index))
+            if communicator.wire is not None and everyone != [self._rank]:
+                # Its other parts are in other processes: the wire meets them there.
+                collective: Collective | None = Collective(
+                    kind,
+                    everyone,
+                    kernel_for(kind, options),
+                    options=options,
+                    wire=communicator.wire,
+                )
+            else:
+                collective = communicator.collectives.get((key, index))
             if collective is None:
-                collective = Collective(kind, everyone, kernel_for(kind, options))
+                collective = Collective(kind, everyone, kernel_for(kind, options), options=options)
                 communicator.collectives[(key, index)] = collective
             if collective.kind != kind:
                 raise RuntimeError(
@@ -300,8 +320,9 @@ class SimProcessGroup:
             part = Part(collective, self._rank, inputs, outputs)
             part.timeout = self._timeout
             part.communicator = self
+            part.index = index
             collective.parts[self._rank] = part
-            if len(collective.parts) == len(collective.ranks):
+            if collective.wire is None and len(collective.parts) == len(collective.ranks):
                 del communicator.collectives[(key, index)]
             self._parts = [p for p in self._parts if not p.done] + [part]
             # The communicator's stream waits for the caller's current stream first.
