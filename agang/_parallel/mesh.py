@@ -50,6 +50,7 @@ from agang._collective.gang import gang_over
 from agang._collective.process_group_gang import ProcessGroupGang, open_world_gang
 from agang._gang import Gang
 from agang._policy import GangPolicy
+from agang._setup import simulation
 
 DIMENSIONS = ("pp", "dp", "rdp", "sdp", "tp")
 # The grid's axes (rule 5); dp spans rdp and sdp.
@@ -78,7 +79,7 @@ def _borrow(
     backend = C10dBackend(
         group,
         device=device,
-        kind=str(dist.get_backend(group)),
+        kind=simulation.kind_of(str(dist.get_backend(group))),
         name=name,
         is_world=False,
         owned=False,

@@ -78,7 +78,7 @@ from agang._membership import store as stores
 from agang._membership.heartbeat import start_beat
 from agang._membership.member import Member
 from agang._runtime import fork
-from agang._setup import membership
+from agang._setup import membership, simulation
 from agang._setup.env import WorldInfo
 from agang._setup.rendezvous import prove
 
@@ -493,14 +493,14 @@ def make_group(formed: Formed, backend: str, deadline: float, device: Any) -> No
     seconds = max(1.0, deadline - time.monotonic())
     try:
         dist.init_process_group(
-            backend,
+            simulation.c10d_name(backend),
             store=dist.PrefixStore(  # type: ignore[attr-defined]
                 membership.epoch_key(formed.epoch, "pg"), formed.store
             ),
             rank=formed.rank,
             world_size=len(formed.members),
             timeout=timedelta(seconds=seconds),
-            device_id=device if backend == "nccl" else None,
+            device_id=device if device.type == "cuda" else None,
         )
         prove(deadline)
     except Exception as error:

@@ -55,6 +55,7 @@ from agang._policy import (
 )
 from agang._runtime.future import Future
 from agang._runtime.threads import start_thread
+from agang._setup import simulation
 from agang._setup.elastic import Elastic
 from agang._setup.elastic_gang import form_first
 from agang._setup.env import WorldInfo, world_from_env
@@ -138,8 +139,9 @@ class _Plan:
             raise TypeError(f"`in_process` must be a bool or None, but is {in_process!r} instead.")
         self.env = os.environ if env is None else env
         self.world = world if world is not None else world_from_env(self.env)
+        simulation.install_if_requested(self.env)
         self.device = resolve_device(device, backend, self.world)
-        self.backend = resolve_backend(backend, self.device)
+        self.backend = resolve_backend(backend, self.device, simulated=simulation.active())
         single = self.world is None or self.world.world_size == 1
         self.in_process = single if in_process is None else in_process
         if not self.in_process and self.world is None:
@@ -190,7 +192,7 @@ class _Plan:
         else:
             log.info("agang: torch.distributed is already initialized; wrapping its world.")
             c10d_world.forget()
-            if self.backend == "nccl":  # here, not at the first op on the caller's loop
+            if self.device.type == "cuda":  # here, not at the first op on the caller's loop
                 connect_eagerly(dist.distributed_c10d._get_default_group(), self.device)
         order_group = None
         try:
@@ -239,7 +241,10 @@ class _Plan:
             cancelled=self.cancelled,
             on_missing=self._note_missing,
             link=link,
-            settings={"check_order": str(self.policy.check_order), "backend": self.backend},
+            settings={
+                "check_order": str(self.policy.check_order),
+                "backend": simulation.check_in_name(self.backend),
+            },
         )
 
     def _make_group(self, world: WorldInfo, deadline: float) -> None:
@@ -267,12 +272,12 @@ class _Plan:
                 )
             call_c10d(
                 dist.init_process_group,
-                self.backend,
+                simulation.c10d_name(self.backend),
                 store=dist.PrefixStore(f"{self.prefix}/pg", store),  # type: ignore[attr-defined]
                 rank=world.rank,
                 world_size=world.world_size,
                 timeout=timedelta(seconds=max(1.0, deadline - time.monotonic())),
-                device_id=self.device if self.backend == "nccl" else None,
+                device_id=self.device if self.device.type == "cuda" else None,
             )
             end_round(store, world, self.prefix)
         except BaseException as error:

@@ -110,13 +110,19 @@ def _local_gpu(world: WorldInfo | None) -> int:
     return local_rank % torch.cuda.device_count()
 
 
-def resolve_backend(backend: object, device: torch.device) -> str:
-    """The c10d backend: ``backend`` if given and it fits ``device``, else by device."""
+def resolve_backend(backend: object, device: torch.device, *, simulated: bool = False) -> str:
+    """The c10d backend: ``backend`` if given and it fits ``device``, else by device.
+    ``simulated``: NCCL is the simulation (``agang._setup.simulation``), on the CPU."""
     if backend is None:
-        return "nccl" if device.type == "cuda" else "gloo"
+        return "nccl" if device.type == "cuda" or simulated else "gloo"
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"`backend` must be 'gloo', 'nccl' or None, but is {backend!r} instead.")
-    if backend == "nccl" and device.type != "cuda":
+    if backend == "nccl" and simulated and device.type != "cpu":
+        raise ValueError(
+            f"`device` must be the CPU for the simulated 'nccl' backend (AGANG_SIM_NCCL=1), "
+            f"but is {device} instead."
+        )
+    if backend == "nccl" and device.type != "cuda" and not simulated:
         raise ValueError(
             f"`device` must be a CUDA device for the 'nccl' backend, but is {device} instead."
         )
@@ -138,7 +144,8 @@ def prepare_process(
     check_master_reachable(world.master_addr, world.world_size, world.local_world_size)
     apply_interface(world.master_addr, os.environ, nccl=backend == "nccl")
     if backend == "nccl":
-        torch.cuda.set_device(device)
+        if device.type == "cuda":  # not the simulation's CPU
+            torch.cuda.set_device(device)
         apply_nccl_settings(os.environ)
     local = world.local_world_size or 1
     if local > 1 and "OMP_NUM_THREADS" not in env:

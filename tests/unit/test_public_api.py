@@ -121,7 +121,10 @@ def test_exports_are_re_exported_from_private_modules(
     for name in expected:
         value = getattr(package, name)
         module = value.__module__
-        assert module.startswith(f"{package.__name__}._"), f"{name} is defined in {module}"
+        # A testing tool may live below the testing package, where set-up uses it too
+        # (``reduce_tensors``: the simulated NCCL's kernels, under ``agang._backends``).
+        private = module.startswith((f"{package.__name__}._", "agang._"))
+        assert private, f"{name} is defined in {module}"
         assert inspect.getdoc(value), f"{name} has no docstring"
 
 

@@ -133,6 +133,8 @@ class C10dBackend:
         self._backstop = 0.0
         self._stopped = False  # aborted or released: give up every wait of ours
         self._aborter = Aborter()
+        # A simulated NCCL group (``agang._backends.sim_nccl``) brings its device's runtime.
+        runtime = runtime or getattr(process_group, "agang_device_runtime", None)
         self._runtime: DeviceRuntime = torch_runtime() if runtime is None else runtime
         self._registered = registered
         self._progress: ProgressOf | None = None  # what this gang answers blames with

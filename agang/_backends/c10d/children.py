@@ -75,7 +75,7 @@ async def create_groups(
     global_ranks = [dist.get_global_rank(parent, r) for r in members]
     timeout = timedelta(seconds=backstop)
     options: Any = None
-    if high_priority and kind == "nccl":
+    if high_priority and kind == "nccl" and hasattr(dist, "ProcessGroupNCCL"):  # not simulated
         options = dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)
 
     def split() -> dist.ProcessGroup | None:  # rule 1
@@ -85,7 +85,7 @@ async def create_groups(
         return group
 
     # Rule 2: the NCCL group is made connected; the side Gloo group has no device.
-    nccl_device = device if kind == "nccl" and device is not None else None
+    nccl_device = device if device is not None and device.type == "cuda" else None
 
     def new_group(
         backend: str | None, pg_options: Any, *, members_only: bool = False

@@ -13,6 +13,11 @@ Rules:
    pending kernels as NCCL's do, then close the wire.
 4. Torch calls that c10d makes only from C++ get only ``wait`` and ``get_future`` of its
    Work (c10d wraps a Python Work so); agang calls every method from Python.
+5. Every op of c10d's base class that agang or torch's functions call is overridden here,
+   under each of its names: one left to the base reaches a C++ group with no backend
+   ("No backend type associated with device type cpu"). The others (the list forms of
+   reduce-scatter and all-to-all, the coalesced forms, ``monitored_barrier``) are not
+   simulated and fail so.
 """
 
 from __future__ import annotations
@@ -136,6 +141,28 @@ class SimNcclProcessGroup(dist.ProcessGroup):
         opts: Any = None,
     ) -> SimWork:
         return self._sim.all_to_all_single(output, input, output_split_sizes, input_split_sizes)
+
+    # c10d's newer names of the single-tensor ops, which its C++ base also has.
+
+    def all_gather_single(
+        self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
+    ) -> SimWork:
+        return self._sim.all_gather_single(output, input, opts)
+
+    def reduce_scatter_single(
+        self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
+    ) -> SimWork:
+        return self._reduce_scatter_base(output, input, opts)
+
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: list[int],
+        input_split_sizes: list[int],
+        opts: Any = None,
+    ) -> SimWork:
+        return self.alltoall_base(output, input, output_split_sizes, input_split_sizes, opts)
 
     def reduce(  # type: ignore[override]  # c10d's overloads: the one c10d calls
         self, tensors: list[torch.Tensor], opts: Any = None

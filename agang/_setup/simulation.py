@@ -1,0 +1,58 @@
+"""The simulated NCCL across processes, where a launch asks for it: NCCL's behaviour on
+a laptop's CPU, one rank per process, under torchrun or any launcher.
+
+Rules:
+1. ``AGANG_SIM_NCCL=1`` in a rank's environment, or ``agang.testing.use_simulated_nccl()``
+   called before ``agang.init``, makes NCCL the simulation (``agang._backends.sim_nccl``):
+   ``init``'s default backend is then ``"nccl"`` (also on a machine without CUDA), its
+   device the CPU, and its groups those of the c10d backend ``agang_sim_nccl`` (the name
+   ``"nccl"`` is c10d's own, and refuses a torch without NCCL). Inside agang the kind is
+   ``"nccl"``: every NCCL path of agang (polling, stream order, abort) runs unchanged.
+2. Any other value than unset, empty, ``0`` or ``1`` is refused, naming the variable.
+3. A rank checks in with the backend ``nccl-sim``, so real and simulated ranks refuse to
+   form one world.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from agang._backends.sim_nccl.c10d_group import SIM_NCCL_BACKEND
+from agang._backends.sim_nccl.process import ProcessSimulation
+
+#: The variable that asks for the simulation (rule 1).
+ENV = "AGANG_SIM_NCCL"
+
+
+def requested(env: Mapping[str, str]) -> bool:
+    """Whether ``env`` asks for the simulation (rules 1 and 2)."""
+    value = env.get(ENV, "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{ENV} must be 1 (simulate NCCL) or 0, but is {value!r} instead.")
+    return value == "1"
+
+
+def install_if_requested(env: Mapping[str, str]) -> None:
+    """Installs the process's simulation where ``env`` asks for it (rule 1)."""
+    if requested(env):
+        ProcessSimulation.install()
+
+
+def active() -> bool:
+    """Whether this process simulates NCCL."""
+    return ProcessSimulation.current() is not None
+
+
+def c10d_name(backend: str) -> str:
+    """c10d's name of agang's ``backend`` in this process (rule 1)."""
+    return SIM_NCCL_BACKEND if backend == "nccl" and active() else backend
+
+
+def kind_of(c10d_backend: str) -> str:
+    """agang's kind of c10d's backend name (rule 1)."""
+    return "nccl" if c10d_backend == SIM_NCCL_BACKEND else c10d_backend
+
+
+def check_in_name(backend: str) -> str:
+    """The backend a rank checks in with (rule 3)."""
+    return "nccl-sim" if backend == "nccl" and active() else backend
