@@ -136,11 +136,13 @@ class Cluster:
         control: Control,
         size: int,
         overrides: dict[int, dict[str, Any]] | None = None,
+        env: dict[str, str] | None = None,
         **init: Any,
     ) -> None:
         self.control = control
         self.size = size
         self.init = init
+        self.env = env or {}  # more variables for every rank (AGANG_SIM_NCCL)
         self.started: list[subprocess.Popen[str]] = []
         self.pids: list[int] = []
         try:
@@ -163,6 +165,7 @@ class Cluster:
             RANK=str(rank),
             WORLD_SIZE=str(self.size),
             LOCAL_RANK="0",
+            **self.env,
         )
         self.pids.append(worker.pid)
         return worker

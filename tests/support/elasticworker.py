@@ -101,6 +101,7 @@ class Rank:
             size=gang.size,
             took=took,
             decided_in=decided_in,
+            backend=gang.backend,
         )
 
     async def reform(self, seconds: float) -> None:
