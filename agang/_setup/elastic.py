@@ -493,7 +493,7 @@ def make_group(formed: Formed, backend: str, deadline: float, device: Any) -> No
     seconds = max(1.0, deadline - time.monotonic())
     try:
         dist.init_process_group(
-            simulation.c10d_name(backend),
+            simulation.c10d_name(backend, device),
             store=dist.PrefixStore(  # type: ignore[attr-defined]
                 membership.epoch_key(formed.epoch, "pg"), formed.store
             ),

@@ -139,9 +139,9 @@ class _Plan:
             raise TypeError(f"`in_process` must be a bool or None, but is {in_process!r} instead.")
         self.env = os.environ if env is None else env
         self.world = world if world is not None else world_from_env(self.env)
-        simulation.install_if_requested(self.env)
+        simulated = simulation.install_if_requested(self.env)
         self.device = resolve_device(device, backend, self.world)
-        self.backend = resolve_backend(backend, self.device, simulated=simulation.active())
+        self.backend = resolve_backend(backend, self.device, simulated=simulated)
         single = self.world is None or self.world.world_size == 1
         self.in_process = single if in_process is None else in_process
         if not self.in_process and self.world is None:
@@ -243,7 +243,7 @@ class _Plan:
             link=link,
             settings={
                 "check_order": str(self.policy.check_order),
-                "backend": simulation.check_in_name(self.backend),
+                "backend": simulation.check_in_name(self.backend, self.device),
             },
         )
 
@@ -272,7 +272,7 @@ class _Plan:
                 )
             call_c10d(
                 dist.init_process_group,
-                simulation.c10d_name(self.backend),
+                simulation.c10d_name(self.backend, self.device),
                 store=dist.PrefixStore(f"{self.prefix}/pg", store),  # type: ignore[attr-defined]
                 rank=world.rank,
                 world_size=world.world_size,

@@ -11,11 +11,17 @@ Rules:
 2. Any other value than unset, empty, ``0`` or ``1`` is refused, naming the variable.
 3. A rank checks in with the backend ``nccl-sim``, so real and simulated ranks refuse to
    form one world.
+4. The choice is made where it is asked for (``init``'s environment; a weights channel's
+   ``open``, by the process's), never by what an earlier call installed: a process that
+   simulated NCCL once (a test) still runs Gloo where the variable is unset. NCCL on the
+   CPU is the simulation, since real NCCL never runs there.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+
+import torch
 
 from agang._backends.sim_nccl.c10d_group import SIM_NCCL_BACKEND
 from agang._backends.sim_nccl.process import ProcessSimulation
@@ -32,20 +38,18 @@ def requested(env: Mapping[str, str]) -> bool:
     return value == "1"
 
 
-def install_if_requested(env: Mapping[str, str]) -> None:
-    """Installs the process's simulation where ``env`` asks for it (rule 1)."""
+def install_if_requested(env: Mapping[str, str]) -> bool:
+    """Installs the process's simulation where ``env`` asks for it (rule 1); whether it
+    did."""
     if requested(env):
         ProcessSimulation.install()
+        return True
+    return False
 
 
-def active() -> bool:
-    """Whether this process simulates NCCL."""
-    return ProcessSimulation.current() is not None
-
-
-def c10d_name(backend: str) -> str:
-    """c10d's name of agang's ``backend`` in this process (rule 1)."""
-    return SIM_NCCL_BACKEND if backend == "nccl" and active() else backend
+def c10d_name(backend: str, device: torch.device) -> str:
+    """c10d's name of agang's ``backend`` on ``device`` (rule 4)."""
+    return SIM_NCCL_BACKEND if backend == "nccl" and device.type == "cpu" else backend
 
 
 def kind_of(c10d_backend: str) -> str:
@@ -53,6 +57,6 @@ def kind_of(c10d_backend: str) -> str:
     return "nccl" if c10d_backend == SIM_NCCL_BACKEND else c10d_backend
 
 
-def check_in_name(backend: str) -> str:
+def check_in_name(backend: str, device: torch.device) -> str:
     """The backend a rank checks in with (rule 3)."""
-    return "nccl-sim" if backend == "nccl" and active() else backend
+    return "nccl-sim" if backend == "nccl" and device.type == "cpu" else backend

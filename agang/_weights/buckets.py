@@ -77,6 +77,7 @@ class Buckets:
         self.plan = plan
         self.layout = plan.buckets()
         self._tensors = list(tensors.values())
+        self._device = self._tensors[0].device  # every tensor's (``checks``): staging there too
         self._bytes = [as_bytes(t) if t.numel() else None for t in self._tensors]
         self.in_place = in_place
         self.wire: list[torch.Tensor] = []
@@ -88,7 +89,7 @@ class Buckets:
                 self.wire.append(view)
                 self._owned.append(False)
             else:
-                self.wire.append(torch.zeros(nbytes, dtype=torch.uint8))
+                self.wire.append(torch.zeros(nbytes, dtype=torch.uint8, device=self._device))
                 self._owned.append(True)
         self.header = self.wire[0][:HEADER_BYTES].view(torch.int64)[:HEADER_WORDS]
         # Rule 5: each bucket's copies, (buffer piece, tensor piece) pairs; none for a
@@ -117,7 +118,7 @@ class Buckets:
         """Gives bucket ``index`` a new buffer of its own, filled like a packed one from
         then on (rule 6). The old buffer (or tensor) is left to the op that holds it."""
         _, nbytes, parts = self.layout[index]
-        wire = torch.zeros(nbytes, dtype=torch.uint8)
+        wire = torch.zeros(nbytes, dtype=torch.uint8, device=self._device)
         pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         for tensor_index, offset, size in parts:
             tensor_bytes = self._bytes[tensor_index]

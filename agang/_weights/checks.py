@@ -19,6 +19,8 @@ MAX_NAME = 128
 _NAME = re.compile(r"[A-Za-z0-9._:-]+")
 _NAME_RULE = f"a non-empty str of at most {MAX_NAME} letters, digits and '._-:' (no '/' or spaces)"
 _INT64_LIMIT = 2**63
+#: The devices a channel's tensors may be on: a transport reaches each (``site``).
+_DEVICES = ("cpu", "cuda")
 
 
 def check_tensors(tensors: object) -> dict[str, torch.Tensor]:
@@ -58,7 +60,7 @@ def check_tensors(tensors: object) -> dict[str, torch.Tensor]:
                 f"`tensors['{name}']` must not be a lazy conjugated or negated view: call "
                 f".resolve_conj() or .resolve_neg() first."
             )
-        if tensor.device.type == "cpu":  # the others are refused below
+        if tensor.device.type in _DEVICES:  # the others are refused below
             _check_storage(name, tensor)
         if device is None:
             device = tensor.device
@@ -69,12 +71,16 @@ def check_tensors(tensors: object) -> dict[str, torch.Tensor]:
             )
         checked[name] = tensor
     assert device is not None
-    if device.type != "cpu":
+    if device.type not in _DEVICES:
         raise ValueError(
-            f"`tensors` must be on the CPU in this version of agang's weights (Gloo), but "
-            f"are on {device}."
+            f"`tensors` must be on the CPU (Gloo) or a CUDA GPU (NCCL), but are on {device}."
         )
     return checked
+
+
+def device_of(tensors: dict[str, torch.Tensor]) -> torch.device:
+    """The one device of ``check_tensors``' result."""
+    return next(iter(tensors.values())).device
 
 
 def _check_kind(name: str, tensor: torch.Tensor) -> None:

@@ -24,6 +24,10 @@ Rules:
    into each name's tensor; one that ties names the publisher does not is refused at
    ``open`` (one tensor cannot hold two values). Two names whose memory overlaps
    without being the same view are refused too: no order of copies keeps both.
+5. *One transport per channel*: the publisher's (``agang._weights.site``: NCCL for
+   tensors on a GPU or on the simulated NCCL, Gloo for CPU tensors) is part of the stored
+   plan, and a subscriber whose tensors would take another is refused at ``open``,
+   naming both sides' devices.
 """
 
 from __future__ import annotations
@@ -63,13 +67,21 @@ class Plan:
     bucket_bytes: int
     #: Per tensor, the index of the first tensor it is (itself where it is not tied).
     aliases: tuple[int, ...] = ()
+    #: What moves the bytes, ``"gloo"`` or ``"nccl"``: one per channel (rule 5); not part
+    #: of the fingerprint, which says what moves, not how.
+    transport: str = "gloo"
 
     def __post_init__(self) -> None:
         if not self.aliases:
             object.__setattr__(self, "aliases", tuple(range(len(self.entries))))
 
     @classmethod
-    def of(cls, tensors: dict[str, torch.Tensor], bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Plan:
+    def of(
+        cls,
+        tensors: dict[str, torch.Tensor],
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        transport: str = "gloo",
+    ) -> Plan:
         if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int):
             raise TypeError(f"`bucket_bytes` must be an int, but is {bucket_bytes!r}.")
         if bucket_bytes < 1024:
@@ -79,7 +91,7 @@ class Plan:
             for name, t in tensors.items()
         )
         sizes = tuple(t.numel() * t.element_size() for t in tensors.values())
-        return cls(entries, sizes, bucket_bytes, _aliases(tensors))
+        return cls(entries, sizes, bucket_bytes, _aliases(tensors), transport)
 
     @property
     def fingerprint(self) -> str:
@@ -112,6 +124,7 @@ class Plan:
                 "tensors": [[n, d, list(s)] for n, d, s in self.entries],
                 "sizes": list(self.sizes),
                 "aliases": list(self.aliases),
+                "transport": self.transport,
             }
         )
 
@@ -121,7 +134,11 @@ class Plan:
         entries = tuple((str(n), str(d), tuple(int(x) for x in s)) for n, d, s in data["tensors"])
         aliases = tuple(int(x) for x in data.get("aliases", ()))
         plan = cls(
-            entries, tuple(int(x) for x in data["sizes"]), int(data["bucket_bytes"]), aliases
+            entries,
+            tuple(int(x) for x in data["sizes"]),
+            int(data["bucket_bytes"]),
+            aliases,
+            str(data.get("transport", "gloo")),
         )
         if plan.fingerprint != data["fingerprint"]:
             raise ValueError("the stored plan does not match its own fingerprint")

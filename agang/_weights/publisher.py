@@ -195,8 +195,8 @@ class WeightPublisher:
         name = checks.check_channel(channel)
         seconds = checks.check_deadline(timeout)
         key = checks.check_secret(secret)
-        plan = Plan.of(checked, bucket_bytes)
-        site = Site.of(store, host, port, name, "weights publisher")
+        site = Site.of(store, host, port, name, "weights publisher", checks.device_of(checked))
+        plan = Plan.of(checked, bucket_bytes, site.transport)
         return await cls._open(checked, plan, name, seconds, key, site)
 
     @classmethod

@@ -1,20 +1,29 @@
 """Where a channel lives: its store, and how each epoch's gang is made.
 
-Production's site is an ``agang store`` at ``HOST:PORT`` and Gloo epoch gangs over it
+Production's site is an ``agang store`` at ``HOST:PORT`` and epoch gangs over it
 (``Site.of``); agang's tests run the same publisher and subscribers on an in-process
 store and simulated gangs (``agang.testing``), so the round protocol is exercised
 without a process of its own.
+
+The transport follows the tensors' device: NCCL epoch gangs for tensors on a GPU, Gloo
+for tensors on the CPU, except where this process runs the simulated NCCL
+(``AGANG_SIM_NCCL=1``: its CPU tensors stand for a GPU's, as ``agang.init``'s do).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from agang._membership import store as stores
 from agang._membership.gangs import GangFactory
+from agang._setup import simulation
 from agang._setup.epoch_gang import GlooEpochGangs
+from agang._setup.nccl_epoch_gang import NcclEpochGangs
 
 
 @dataclass(frozen=True)
@@ -26,15 +35,20 @@ class Site:
         connect: A new client of the store, made by a deadline (monotonic seconds);
             called again after the store was lost.
         factory: Makes each epoch's gang.
+        transport: ``"gloo"`` or ``"nccl"``: what the factory's gangs run on.
     """
 
     address: str
     connect: Callable[[float], Any]
     factory: GangFactory
+    transport: str = "gloo"
 
     @classmethod
-    def of(cls, store: str, host: str, port: int, channel: str, who: str) -> Site:
-        """The ``agang store`` at ``store`` (``host``:``port``), with Gloo epoch gangs."""
+    def of(
+        cls, store: str, host: str, port: int, channel: str, who: str, device: torch.device
+    ) -> Site:
+        """The ``agang store`` at ``store`` (``host``:``port``), with epoch gangs for
+        tensors on ``device`` (module docstring)."""
         need = f"The weights channel '{channel}' needs"
 
         def connect(until: float) -> Any:
@@ -42,4 +56,6 @@ class Site:
                 host, port, until, need=need, who=who, op_seconds=stores.OP_SECONDS
             )
 
-        return cls(store, connect, GlooEpochGangs(host))
+        if device.type == "cuda" or simulation.requested(os.environ):
+            return cls(store, connect, NcclEpochGangs(device), "nccl")
+        return cls(store, connect, GlooEpochGangs(host), "gloo")

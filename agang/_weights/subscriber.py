@@ -144,7 +144,8 @@ class WeightSubscriber:
         seconds = checks.check_deadline(timeout, default=60.0)
         in_place = checks.check_bool(in_place, name="in_place")
         key = checks.check_secret(secret)
-        site = Site.of(store, host, port, channel_name, f"subscriber '{named}'")
+        device = checks.device_of(checked)
+        site = Site.of(store, host, port, channel_name, f"subscriber '{named}'", device)
         return await cls._open(checked, channel_name, named, seconds, in_place, key, site)
 
     @classmethod
@@ -194,7 +195,16 @@ class WeightSubscriber:
         except BaseException:
             given_up.set()
             raise
-        mine = Plan.of(tensors, theirs.bucket_bytes)
+        mine = Plan.of(tensors, theirs.bucket_bytes, site.transport)
+        if mine.transport != theirs.transport:  # plan rule 5
+            raise ValueError(
+                f"`tensors` are on {checks.device_of(tensors)}, which channel '{channel}' "
+                f"cannot carry: its publisher ({found.publisher()}) moves them over "
+                f"{theirs.transport}, and "
+                f"tensors here move over {mine.transport}. Both sides of a channel must "
+                f"hold their tensors where one transport reaches them (GPUs: NCCL; CPUs: "
+                f"Gloo). Subscriber '{name}' was refused."
+            )
         difference = mine.difference(theirs)
         if difference is not None:
             raise ValueError(

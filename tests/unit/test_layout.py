@@ -161,7 +161,8 @@ PRIVATE_ACCESSES: dict[str, list[str]] = {
         "_backends/c10d/calls.py: group._get_backend",
         "_backends/cuda/runtime.py: process_group._get_backend",
     ],
-    "an epoch's Gloo group made on a store of its own, bound to one interface, as "
+    "an epoch's Gloo (or NCCL) group made on a store of its own, bound to one interface "
+    "(or device), as "
     "torch.distributed's new_group makes one inside (its public path needs a default "
     "group, which an epoch gang must not have)": [
         "_setup/epoch_gang.py: dist.ProcessGroupGloo._Options",
@@ -170,6 +171,10 @@ PRIVATE_ACCESSES: dict[str, list[str]] = {
         "_setup/epoch_gang.py: group._register_backend",
         "_setup/epoch_gang.py: group._set_default_backend",
         "_setup/epoch_gang.py: group._set_group_name",
+        "_setup/nccl_epoch_gang.py: options._timeout",
+        "_setup/nccl_epoch_gang.py: group._register_backend",
+        "_setup/nccl_epoch_gang.py: group._set_default_backend",
+        "_setup/nccl_epoch_gang.py: group._set_group_name",
     ],
     "a forked child's asyncio loop gets a selector and self-pipe of its own, sharing "
     "none with the parent's (asyncio has no public way)": [

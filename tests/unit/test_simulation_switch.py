@@ -38,7 +38,13 @@ def test_without_it_nccl_still_needs_a_cuda_device() -> None:
         resolve_backend("nccl", torch.device("cpu"))
 
 
-def test_c10d_names_and_kinds() -> None:
+def test_nccl_on_the_cpu_is_the_simulation_by_name_and_at_check_in() -> None:
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    assert simulation.c10d_name("nccl", cpu) == "agang_sim_nccl"
+    assert simulation.c10d_name("nccl", gpu) == "nccl"
+    assert simulation.c10d_name("gloo", cpu) == "gloo"
     assert simulation.kind_of("agang_sim_nccl") == "nccl"
     assert simulation.kind_of("gloo") == "gloo"
-    assert simulation.c10d_name("gloo") == "gloo"
+    # Real and simulated ranks check in differently, so they refuse one another.
+    assert simulation.check_in_name("nccl", cpu) == "nccl-sim"
+    assert simulation.check_in_name("nccl", gpu) == "nccl"

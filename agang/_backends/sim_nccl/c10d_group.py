@@ -73,7 +73,7 @@ class SimNcclProcessGroup(dist.ProcessGroup):
     ) -> None:
         super().__init__(rank, size)  # type: ignore[call-arg]  # the stubs omit this form
         self._name = name
-        self._wire = GlooWire(store, rank, size, device, name) if size > 1 else None
+        self._wire = GlooWire(store, rank, size, device, name, timeout) if size > 1 else None
         self._communicator = Communicator(name, size, wire=self._wire)
         self._sim = SimProcessGroup(self._communicator, rank, runtime, device)
         self._sim.set_timeout(timeout)

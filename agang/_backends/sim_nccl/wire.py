@@ -29,8 +29,10 @@ own to the communicator's wire (``device`` rule 6), which keeps NCCL's rules:
    and write nothing, as NCCL's kernels wait for a peer that never comes; what ends them
    is this rank's abort or its watchdog (``device`` rule 3), which then closes the wire
    (``abort``): its connections close, its lanes' waits fail and the lanes end.
-6. Gloo's own timeout is a day: a Gloo wait that times out closes every connection of
-   its group, which NCCL never does on its own.
+6. Gloo's own timeout is the communicator's set-up deadline while the wire connects (a
+   missing member fails the set-up, as an eagerly connected NCCL communicator does), then
+   a day: a Gloo wait that times out closes every connection of its group, which NCCL
+   never does on its own.
 """
 
 from __future__ import annotations
@@ -130,16 +132,26 @@ class GlooWire:
         size: The communicator's size.
         device: This process's simulated device.
         name: The communicator's name, for messages.
+        connect_timeout: How long making it waits for every rank (rule 6).
     """
 
-    def __init__(self, store: Any, rank: int, size: int, device: SimDevice, name: str) -> None:
+    def __init__(
+        self,
+        store: Any,
+        rank: int,
+        size: int,
+        device: SimDevice,
+        name: str,
+        connect_timeout: timedelta = GLOO_TIMEOUT,
+    ) -> None:
         self.device = device
         self.name = name
         self.rank = rank
         self.size = size
         self.closed = False
         prefixed = dist.PrefixStore("wire", store)  # type: ignore[attr-defined]
-        self._gloo: Any = dist.ProcessGroupGloo(prefixed, rank, size, GLOO_TIMEOUT)
+        self._gloo: Any = dist.ProcessGroupGloo(prefixed, rank, size, connect_timeout)
+        self._gloo.set_timeout(GLOO_TIMEOUT)  # rule 6: connected
         self._lanes: dict[SimStream, _Lane] = {}
         self._abort_lock = threading.Lock()
         _wires.add(self)
@@ -283,7 +295,7 @@ class GlooWire:
         if self.closed:
             raise _Lost("the wire was closed")
         try:
-            work.wait()
+            work.wait(GLOO_TIMEOUT)
         except Exception as error:
             raise _Lost(str(error)) from error
 

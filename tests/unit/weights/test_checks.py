@@ -213,7 +213,7 @@ REFUSED: dict[str, tuple[Any, str]] = {
         lambda: torch.randn(2, 3, 4, 4).to(memory_format=torch.channels_last),
         "must be contiguous",
     ),
-    "meta": (lambda: torch.empty(8, device="meta"), "must be on the CPU"),
+    "meta": (lambda: torch.empty(8, device="meta"), "must be on the CPU (Gloo) or a CUDA GPU"),
 }
 if torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
     REFUSED["mkldnn"] = (lambda: torch.randn(8).to_mkldnn(), "has layout torch._mkldnn")
