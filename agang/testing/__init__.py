@@ -5,6 +5,7 @@ from agang._backends.sim_nccl.reduce import reduce_tensors as reduce_tensors
 from agang.testing._run_world import WorldRunError as WorldRunError
 from agang.testing._run_world import run_world as run_world
 from agang.testing._sim_nccl.nccl import SimulatedNccl as SimulatedNccl
+from agang.testing._sim_nccl.processes import use_simulated_nccl as use_simulated_nccl
 from agang.testing._world.gang import FakeWorld as FakeWorld
 from agang.testing._world.gang import FakeWorldGang as FakeWorldGang
 
@@ -15,4 +16,5 @@ __all__ = [
     "WorldRunError",
     "reduce_tensors",
     "run_world",
+    "use_simulated_nccl",
 ]

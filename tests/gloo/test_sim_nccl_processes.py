@@ -25,7 +25,7 @@ from agang._backends.sim_nccl.c10d_group import SIM_NCCL_BACKEND
 from agang._backends.sim_nccl.process import ProcessSimulation
 from agang._backends.sim_nccl.reduce import reduce_tensors
 from agang._reduce_op import ReduceOp
-from agang.testing import WorldRunError, run_world
+from agang.testing import WorldRunError, run_world, use_simulated_nccl
 
 pytestmark = pytest.mark.gloo
 
@@ -256,3 +256,29 @@ def test_a_transfer_whose_sizes_disagree_fails_on_both_ranks_and_both_live_on() 
         assert "rank 0 sent 16 bytes to rank 1, which receives 12 bytes" in seen["error"], seen
         assert seen["after"] == 2.0, seen
         assert seen["wire threads"] == [], seen  # destroy closed the wire
+
+
+def _raw_torch_program() -> list[float]:
+    """A user's program on torch.distributed alone, with the public switch."""
+    dist.init_process_group(use_simulated_nccl())
+    tensor = torch.full((2,), float(dist.get_rank() + 1))
+    work = dist.all_reduce(tensor, async_op=True)
+    assert work is not None
+    _wait(work)
+    dist.destroy_process_group()
+    return tensor.tolist()
+
+
+def test_a_raw_torch_program_runs_on_the_public_switch() -> None:
+    assert run_world(_raw_torch_program, 2, make_gang=False, timeout=RUN_TIMEOUT) == [
+        [3.0, 3.0],
+        [3.0, 3.0],
+    ]
+
+
+@pytest.mark.parametrize(
+    ("value", "error"), [(-1.0, ValueError), ("10", TypeError), (True, TypeError)]
+)
+def test_the_switch_refuses_a_bad_watchdog_timeout_naming_it(value: Any, error: type) -> None:
+    with pytest.raises(error, match="`watchdog_timeout` must be"):
+        use_simulated_nccl(watchdog_timeout=value)

@@ -66,6 +66,7 @@ TESTING_API = {
     "WorldRunError",
     "reduce_tensors",
     "run_world",
+    "use_simulated_nccl",
 }
 
 PACKAGES = [(agang, AGANG_API), (agang.testing, TESTING_API)]
