@@ -4,8 +4,9 @@ that is wedged.
 
 It sits above set-up and the membership layer (``agang._membership``: the store, the
 member record, epochs, beats) and below the public face, which re-exports its classes.
-Its rounds run on each epoch's [`agang.Gang`][agang.Gang], made by a factory (Gloo over the
-store in production), through the gang's public interface only.
+Its rounds run on each epoch's [`agang.Gang`][agang.Gang], made by a factory (over the
+store in production: Gloo for CPU tensors, NCCL for a GPU's, ``agang._weights.site``),
+through the gang's public interface only.
 
 - ``agang._weights.plan``: the fingerprinted plan (names, order, shapes, dtypes,
   tied tensors) that both sides agree on before bytes move, and its buckets.

@@ -2,7 +2,7 @@
 
 Rules:
 1. Each epoch runs on a gang of its own, made by the channel's factory
-   (``agang._membership.gangs``): a Gloo group over the store in production, never
+   (``agang._membership.gangs``): a Gloo or NCCL group over the store in production, never
    the process's default group, so that a trainer or a server that has a gang of its
    own keeps it. The channel's rounds use the gang's public interface only.
 2. The round's header is bucket 0's first ``HEADER_WORDS`` int64 words: what the round
