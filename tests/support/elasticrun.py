@@ -137,12 +137,16 @@ class Cluster:
         size: int,
         overrides: dict[int, dict[str, Any]] | None = None,
         env: dict[str, str] | None = None,
+        own_hosts: bool = False,
         **init: Any,
     ) -> None:
         self.control = control
         self.size = size
         self.init = init
         self.env = env or {}  # more variables for every rank (AGANG_SIM_NCCL)
+        # Each rank claims a host of its own (NCCL_HOSTID): real NCCL then takes two
+        # ranks of one communicator on one GPU, over its socket transport.
+        self.own_hosts = own_hosts
         self.started: list[subprocess.Popen[str]] = []
         self.pids: list[int] = []
         try:
@@ -166,6 +170,7 @@ class Cluster:
             WORLD_SIZE=str(self.size),
             LOCAL_RANK="0",
             **self.env,
+            **({"NCCL_HOSTID": f"agang-rank-{len(self.pids)}"} if self.own_hosts else {}),
         )
         self.pids.append(worker.pid)
         return worker

@@ -29,6 +29,7 @@ then, unless the command says ``reform_after: false``, reforms as a training loo
 from __future__ import annotations
 
 import faulthandler
+import functools
 import gc
 import json
 import logging
@@ -186,7 +187,9 @@ async def _all_reduce(rank: Rank, command: dict[str, Any]) -> None:
         gang = rank.gang
         value = float(gang.rank + 1 + step)
         # Filling and checking 64 MiB takes the loop tens of ms: done on a thread.
-        tensor = await anyio.to_thread.run_sync(torch.full, (numel,), value)
+        # On the gang's device: a GPU's under NCCL (the device check's real-NCCL run).
+        fill = functools.partial(torch.full, (numel,), value, device=gang.device)
+        tensor = await anyio.to_thread.run_sync(fill)
         try:
             handle = gang.all_reduce(tensor)
             await rank.say("issued", step=step)
@@ -207,7 +210,9 @@ def _all_equal(tensor: torch.Tensor, value: float) -> bool:
 
 async def _recv(rank: Rank, command: dict[str, Any]) -> None:
     try:
-        handle = rank.gang.recv(torch.empty(4), source_rank=command["source"])
+        handle = rank.gang.recv(
+            torch.empty(4, device=rank.gang.device), source_rank=command["source"]
+        )
         await rank.say("issued", step=0)
         await handle
     except agang.GangError as error:
@@ -258,7 +263,7 @@ async def _old(rank: Rank, command: dict[str, Any]) -> None:
     for _ in range(command.get("calls", 5)):
         try:
             with anyio.fail_after(5):
-                await gang.all_reduce(torch.ones(4))
+                await gang.all_reduce(torch.ones(4, device=gang.device))
             outcomes.append("succeeded")
         except agang.GangError as error:
             outcomes.append(type(error).__name__)

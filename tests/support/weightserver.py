@@ -110,7 +110,7 @@ async def read_line() -> str:
 
 async def serve_once(args: argparse.Namespace) -> None:
     shapes = model(0, b_rows=args.b_rows, big=args.big)
-    tensors = {k: torch.zeros_like(v) for k, v in shapes.items()}
+    tensors = {k: torch.zeros_like(v, device=args.device) for k, v in shapes.items()}
     try:
         subscriber = await WeightSubscriber.open(
             tensors,
@@ -131,7 +131,7 @@ async def serve_once(args: argparse.Namespace) -> None:
             say(event="failed", error=type(error).__name__, message=str(error))
             break
         expected = model(version, b_rows=args.b_rows, big=args.big)
-        exact = all(torch.equal(tensors[k], expected[k]) for k in tensors)
+        exact = all(torch.equal(tensors[k].cpu(), expected[k]) for k in tensors)
         say(event="received", version=version, exact=exact)
     await subscriber.close()
 
@@ -173,6 +173,7 @@ def main() -> None:
     parser.add_argument("--b-rows", type=int, default=4)
     parser.add_argument("--big", type=int, default=64 * 1024, help="elements of 'big'")
     parser.add_argument("--in-place", action="store_true")
+    parser.add_argument("--device", default="cpu", help="where a server's tensors are")
     parser.add_argument("--on-stdin", action="store_true", help="open at each stdin line")
     parser.add_argument("--timeout", type=float, default=20.0)
     parser.add_argument("--clock-skew", type=float, default=0.0, help="seconds (read above)")
