@@ -15,9 +15,11 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+from datetime import timedelta
 
 import anyio
 import pytest
+import torch.distributed as dist
 from weightfleet import (
     ADMISSION,
     PUSH_TIMEOUT,
@@ -70,6 +72,16 @@ async def test_every_push_over_nccl_is_exact_and_a_killed_server_is_dropped_then
             server.received(3)
     finally:
         await publisher.close()
+    # The epochs' NCCL groups (their wires' Gloo keys) leave nothing in the store.
+    keys = _keys(store)
+    print(f"the store after close: {keys}")
+    assert [key for key in keys if "/wire/" in key or key.endswith("/0")] == [], keys
+
+
+def _keys(address: str) -> list[str]:
+    host, port = address.rsplit(":", 1)
+    client = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=10))
+    return sorted(client.list_keys())
 
 
 async def test_a_server_whose_tensors_take_gloo_is_refused_naming_both_transports(
