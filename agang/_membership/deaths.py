@@ -92,7 +92,7 @@ def report(store: Any, notice: Notice) -> int:
     for key in store.list_keys():
         if not key.startswith(_DIRECTORY):
             continue
-        entry = store.get(key).decode() if store.check([key]) else ""
+        entry = stores.read(store, key) or ""  # its listener may stop meanwhile
         prefix, _, rank = entry.rpartition("\n")
         if not prefix or not rank.isdigit():
             continue

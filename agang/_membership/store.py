@@ -19,8 +19,17 @@ Rules (every call may block: call them off the event loop):
    first ops delayed past 2 s by TCP's retransmits, and failed though the store was
    there. Elastic set-up keeps the attempt's own timeout (its steps are bounded by
    the reform's deadline, on threads given up on there).
-4. *A key that may be missing* is read after a check (``read``, ``lines``), never waited
-   for: a missing key is an answer (None, or no lines), not a wait.
+4. *A key that may be missing* is read in one op that never waits (``read``, ``lines``):
+   a missing key is an answer (None, or no lines), not a wait. Never a ``get``, even
+   after a ``check`` that found the key: another client may delete it in between (the
+   publisher deletes a drop its subscriber reads at every beat), and c10d's ``get``
+   then waits for the key for the client's whole timeout holding the client, so every
+   thread that shares it waits too (a weights subscriber's beat, its close, and in one
+   process the publisher's fleet and close: a test's close hung 35 s on one such read).
+   The op is a ``compare_set`` that expects a value no one writes (``_ABSENT``): where
+   the key is missing it writes nothing and answers that value back; else it answers
+   the key's value (and where the key held that very value, writes it over with
+   itself). One round trip, atomic: the value read is the key's at that instant.
 """
 
 from __future__ import annotations
@@ -142,11 +151,16 @@ def _connect_once(host: str, port: int, seconds: float) -> Any:
     )
 
 
+#: What ``read`` expects under a key: no value agang or c10d writes (rule 4).
+_ABSENT = "\x00agang: no such key\x00"
+_ABSENT_BYTES = _ABSENT.encode()
+
+
 def read(store: Any, key: str) -> str | None:
-    """``key``'s value, or None where the store does not hold it (rule 4)."""
-    if not store.check([key]):
-        return None
-    return str(store.get(key).decode())
+    """``key``'s value, or None where the store does not hold it: one op that never
+    waits, even where another client deletes the key meanwhile (rule 4)."""
+    value = bytes(store.compare_set(key, _ABSENT, _ABSENT))
+    return None if value == _ABSENT_BYTES else value.decode()
 
 
 def lines(store: Any, key: str) -> list[str]:

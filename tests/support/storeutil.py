@@ -1,4 +1,5 @@
-"""An ``agang store`` process for tests, and line-by-line readers of processes' output."""
+"""An ``agang store`` process for tests, line-by-line readers of processes' output, and a
+store client whose key another client deletes as it is read."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -147,3 +148,28 @@ def wait_until_stopped(pid: int, seconds: float = 5.0) -> None:
                 return
         time.sleep(0.01)
     raise AssertionError(f"pid {pid} was not stopped within {seconds} s")
+
+
+class DeletedAsItIsRead:
+    """``store`` (a c10d client), where ``other`` (another client) deletes ``key`` right
+    after this one's first op on it returned: a reader racing a deleter, such as a
+    subscriber's upstream reading its drop while the publisher's fleet deletes it."""
+
+    def __init__(self, store: Any, other: Any, key: str) -> None:
+        self.store = store
+        self._other = other
+        self._key = key
+        self.deleted = False
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        op = getattr(self.store, name)
+
+        def call(*args: Any) -> Any:
+            result = op(*args)
+            keys = args[0] if args and isinstance(args[0], list) else args[:1]
+            if self._key in keys and not self.deleted:
+                self.deleted = True
+                self._other.delete_key(self._key)
+            return result
+
+        return call
