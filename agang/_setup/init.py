@@ -139,7 +139,7 @@ class _Plan:
             raise TypeError(f"`in_process` must be a bool or None, but is {in_process!r} instead.")
         self.env = os.environ if env is None else env
         self.world = world if world is not None else world_from_env(self.env)
-        simulated = simulation.install_if_requested(self.env)
+        simulated = simulation.install_if_requested(self.env) or simulation.world_is_simulated()
         self.device = resolve_device(device, backend, self.world)
         self.backend = resolve_backend(backend, self.device, simulated=simulated)
         single = self.world is None or self.world.world_size == 1

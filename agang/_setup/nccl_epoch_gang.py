@@ -7,10 +7,14 @@ its errors name members, c10d's timeout sits behind agang's deadlines). What NCC
 1. The communicator is connected when the gang is made, on the caller's thread (set-up's
    own, never a round's loop): a missing member fails the round's set-up within its
    deadline, not the first broadcast of the round.
-2. An NCCL communicator never shrinks: a member dropped from a round leaves its gang
+2. NCCL's settings are agang's (``agang._setup.process``: the watchdog's error handling
+   that leaves the process alive, and the rest), applied where the user left them unset,
+   before the group is made: a trainer or server that opens a channel without
+   ``agang.init`` gets them too.
+3. An NCCL communicator never shrinks: a member dropped from a round leaves its gang
    aborted (its kernels exit) and closed, and the next round runs on a new communicator,
    as every membership change already makes a new epoch gang.
-3. On a GPU the group is c10d's ``ProcessGroupNCCL`` on the channel's device, and its one
+4. On a GPU the group is c10d's ``ProcessGroupNCCL`` on the channel's device, and its one
    store key is its communicator's id (``0``, c10d's counter of the group's communicators;
    read from c10d's source, not yet measured on a GPU). On the CPU, which real NCCL never
    runs on, it is the simulated NCCL's (``AGANG_SIM_NCCL=1``): a ``SimNcclProcessGroup``
@@ -21,6 +25,7 @@ its errors name members, c10d's timeout sits behind agang's deadlines). What NCC
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any, final
@@ -36,6 +41,7 @@ from agang._collective.gang import gang_over
 from agang._collective.process_group_gang import ProcessGroupGang
 from agang._membership.member import Member
 from agang._policy import make_policy
+from agang._setup.process import apply_nccl_settings
 
 
 @final
@@ -61,11 +67,14 @@ class NcclEpochGangs:
         timeout: float,
         op_timeout: float | None,
     ) -> ProcessGroupGang:
+        # The settings agang.init makes (c10d's watchdog must not end the process before
+        # a round's deadline aborts the communicator), for a process that never called it.
+        apply_nccl_settings(os.environ)
         group_store = dist.PrefixStore(prefix, store)  # type: ignore[attr-defined]
         size = len(members)
         backstop = timedelta(seconds=max(1.0, timeout))
         group: dist.ProcessGroup
-        if self._device.type == "cpu":  # rule 3; connected when made (rule 1)
+        if self._device.type == "cpu":  # rule 4; connected when made (rule 1)
             simulation = ProcessSimulation.install()
             group = SimNcclProcessGroup(
                 group_store,
@@ -95,7 +104,7 @@ class NcclEpochGangs:
         return gang_over(ProcessGroupGang, backend, policy)
 
     def rendezvous_keys(self, size: int) -> list[str]:
-        if self._device.type == "cpu":  # rule 3
+        if self._device.type == "cpu":  # rule 4
             return [f"wire/0/{rank}" for rank in range(size)]
         return ["0"]
 
@@ -103,7 +112,7 @@ class NcclEpochGangs:
 def _nccl_group(
     store: Any, rank: int, size: int, timeout: timedelta, name: str, device: torch.device
 ) -> dist.ProcessGroup:
-    """The epoch's NCCL group on ``device``, connected (rules 1 and 3)."""
+    """The epoch's NCCL group on ``device``, connected (rules 1 and 4)."""
     options = dist.ProcessGroupNCCL.Options()
     options._timeout = timeout
     nccl = dist.ProcessGroupNCCL(store, rank, size, options)

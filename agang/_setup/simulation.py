@@ -2,8 +2,8 @@
 a laptop's CPU, one rank per process, under torchrun or any launcher.
 
 Rules:
-1. ``AGANG_SIM_NCCL=1`` in a rank's environment, or ``agang.testing.use_simulated_nccl()``
-   called before ``agang.init``, makes NCCL the simulation (``agang._backends.sim_nccl``):
+1. ``AGANG_SIM_NCCL=1`` in a rank's environment (or a world already made on the simulation,
+   which ``agang.init`` wraps), makes NCCL the simulation (``agang._backends.sim_nccl``):
    ``init``'s default backend is then ``"nccl"`` (also on a machine without CUDA), its
    device the CPU, and its groups those of the c10d backend ``agang_sim_nccl`` (the name
    ``"nccl"`` is c10d's own, and refuses a torch without NCCL). Inside agang the kind is
@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
+import torch.distributed as dist
 
 from agang._backends.sim_nccl.c10d_group import SIM_NCCL_BACKEND
 from agang._backends.sim_nccl.process import ProcessSimulation
@@ -45,6 +46,11 @@ def install_if_requested(env: Mapping[str, str]) -> bool:
         ProcessSimulation.install()
         return True
     return False
+
+
+def world_is_simulated() -> bool:
+    """Whether torch.distributed's world is made already, on the simulation (rule 1)."""
+    return bool(dist.is_initialized() and dist.get_backend() == SIM_NCCL_BACKEND)
 
 
 def c10d_name(backend: str, device: torch.device) -> str:

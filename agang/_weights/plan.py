@@ -25,7 +25,8 @@ Rules:
    ``open`` (one tensor cannot hold two values). Two names whose memory overlaps
    without being the same view are refused too: no order of copies keeps both.
 5. *One transport per channel*: the publisher's (``agang._weights.site``: NCCL for
-   tensors on a GPU or on the simulated NCCL, Gloo for CPU tensors) is part of the stored
+   tensors on a GPU, the simulated NCCL's own for CPU tensors under ``AGANG_SIM_NCCL=1``,
+   Gloo for other CPU tensors) is part of the stored
    plan, and a subscriber whose tensors would take another is refused at ``open``,
    naming both sides' devices.
 """
@@ -67,7 +68,8 @@ class Plan:
     bucket_bytes: int
     #: Per tensor, the index of the first tensor it is (itself where it is not tied).
     aliases: tuple[int, ...] = ()
-    #: What moves the bytes, ``"gloo"`` or ``"nccl"``: one per channel (rule 5); not part
+    #: What moves the bytes, ``"gloo"``, ``"nccl"`` or ``"nccl-sim"`` (the simulated NCCL):
+    #: one per channel (rule 5); not part
     #: of the fingerprint, which says what moves, not how.
     transport: str = "gloo"
 

@@ -627,7 +627,8 @@ class WeightPublisher:
                 handles.append(
                     gang.broadcast(buckets.wire[index], 0, timeout=bound(deadline, 0.001))
                 )
-            acks = [torch.zeros(2, dtype=torch.int64) for _ in self._members]
+            # On the gang's device (NCCL takes no other): bucket 0's.
+            acks = [torch.zeros_like(buckets.header[:2]) for _ in self._members]
             for rank, ack in enumerate(acks, 1):
                 handles.append(gang.recv(ack, rank, timeout=bound(deadline, 0.001)))
         except GangError as error:

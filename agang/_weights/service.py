@@ -324,7 +324,8 @@ class Service:
                 # Whole now, whatever becomes of the confirmation (rule 2).
                 self.ready = int(version)
                 try:
-                    ack = torch.tensor([version, epoch], dtype=torch.int64)
+                    on = buckets.wire[0].device  # the gang's (NCCL: the GPU)
+                    ack = torch.tensor([version, epoch], dtype=torch.int64, device=on)
                     confirming = gang.send(ack, 0, timeout=self.timeout or math.inf)
                 except GangError as error:
                     return await self._after_failure(epoch, one_line(error))

@@ -35,7 +35,8 @@ class Site:
         connect: A new client of the store, made by a deadline (monotonic seconds);
             called again after the store was lost.
         factory: Makes each epoch's gang.
-        transport: ``"gloo"`` or ``"nccl"``: what the factory's gangs run on.
+        transport: ``"gloo"``, ``"nccl"`` or ``"nccl-sim"``: what the factory's gangs
+            run on.
     """
 
     address: str
@@ -56,6 +57,8 @@ class Site:
                 host, port, until, need=need, who=who, op_seconds=stores.OP_SECONDS
             )
 
-        if device.type == "cuda" or simulation.requested(os.environ):
+        if device.type == "cuda":
             return cls(store, connect, NcclEpochGangs(device), "nccl")
+        if simulation.requested(os.environ):  # its own name: it never meets a real NCCL
+            return cls(store, connect, NcclEpochGangs(device), "nccl-sim")
         return cls(store, connect, GlooEpochGangs(host), "gloo")

@@ -122,3 +122,30 @@ def test_a_two_process_program_runs_under_torchrun_on_the_simulation() -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     assert "agang hello: 2 rank(s) on nccl" in done.stdout, done.stdout
     assert "all_reduce of 1..2: 3 (expected 3)" in done.stdout, done.stdout
+
+
+def _wrapped() -> tuple[str, list[float]]:
+    """A world the program made on the simulation itself, then wrapped by agang.init
+    (without the variable): agang must run it as NCCL, not trust Work futures as Gloo's."""
+    import anyio
+    import torch.distributed as dist
+
+    import agang
+    from agang.testing import use_simulated_nccl
+
+    dist.init_process_group(use_simulated_nccl())
+
+    async def main() -> tuple[str, list[float]]:
+        gang = await agang.init(timeout=60.0, op_timeout=30.0)
+        try:
+            total = await gang.all_reduce(torch.full((4,), float(gang.rank + 1)))
+            return gang.backend, total.tolist()
+        finally:
+            await gang.close()
+
+    return anyio.run(main)
+
+
+def test_a_world_made_on_the_simulation_is_wrapped_as_nccl() -> None:
+    results = run_world(_wrapped, 2, make_gang=False, timeout=90.0)
+    assert results == [("nccl", [3.0] * 4)] * 2

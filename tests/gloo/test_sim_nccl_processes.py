@@ -282,3 +282,26 @@ def test_a_raw_torch_program_runs_on_the_public_switch() -> None:
 def test_the_switch_refuses_a_bad_watchdog_timeout_naming_it(value: Any, error: type) -> None:
     with pytest.raises(error, match="`watchdog_timeout` must be"):
         use_simulated_nccl(watchdog_timeout=value)
+
+
+def _unreadable_input() -> dict[str, Any]:
+    group = _world()
+    rank = group.rank()
+    # Rank 0's input cannot be read as bytes (a sparse tensor): the op fails on both
+    # ranks alike, and the next op still meets (the wire stays in step).
+    tensor = torch.ones(2).to_sparse() if rank == 0 else torch.ones(2)
+    work = group.allreduce([tensor])
+    deadline = time.monotonic() + 30
+    while not work.is_completed() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    after = torch.ones(1)
+    _wait(group.allreduce([after]))
+    dist.destroy_process_group()
+    return {"error": repr(work.exception()), "after": after.item()}
+
+
+def test_an_input_that_cannot_be_read_fails_the_op_on_every_rank_and_the_next_meets() -> None:
+    results = run_world(_unreadable_input, 2, make_gang=False, timeout=RUN_TIMEOUT)
+    for seen in results:
+        assert "rank 0's inputs could not be read" in seen["error"], seen
+        assert seen["after"] == 2.0, seen

@@ -15,6 +15,8 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import threading
+import time
 from datetime import timedelta
 
 import anyio
@@ -47,7 +49,7 @@ async def test_every_push_over_nccl_is_exact_and_a_killed_server_is_dropped_then
 ) -> None:
     publisher = await open_publisher(store)
     try:
-        assert publisher.plan.transport == "nccl"
+        assert publisher.plan.transport == "nccl-sim"
         servers = [serve(started, store, f"s{i}", env=SIM) for i in range(3)]
         pids = [server.opened() for server in servers]
         assert (await push(publisher, 1)).delivered == ("s0", "s1", "s2")
@@ -72,10 +74,21 @@ async def test_every_push_over_nccl_is_exact_and_a_killed_server_is_dropped_then
             server.received(3)
     finally:
         await publisher.close()
+    # Every epoch's communicator was shut down: its wire's threads are gone.
+    assert await _wire_threads_after(10.0) == []
     # The epochs' NCCL groups (their wires' Gloo keys) leave nothing in the store.
     keys = _keys(store)
     print(f"the store after close: {keys}")
     assert [key for key in keys if "/wire/" in key or key.endswith("/0")] == [], keys
+
+
+async def _wire_threads_after(seconds: float) -> list[str]:
+    deadline = time.monotonic() + seconds
+    while True:
+        alive = [t.name for t in threading.enumerate() if t.name.startswith("agang-sim-nccl-wire")]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        await anyio.sleep(0.05)
 
 
 def _keys(address: str) -> list[str]:
@@ -95,7 +108,7 @@ async def test_a_server_whose_tensors_take_gloo_is_refused_naming_both_transport
         refused = gloo.event("refused", "opened", timeout=START_SECONDS)
         assert refused["error"] == "ValueError", refused
         message = refused["message"]
-        assert "moves them over nccl, and tensors here move over gloo" in message, message
+        assert "moves them over nccl-sim, and tensors here move over gloo" in message, message
         report = await push(publisher, 1)
         assert report.delivered == ("good",), report
         good.received(1)

@@ -466,8 +466,14 @@ class C10dBackend:
                         self._name,
                         exc_info=True,
                     )
-            if not self._registered or not self._owned:
-                pass  # a group double, or a borrowed group: not ours to destroy
+            if not self._owned:
+                pass  # a borrowed group: not ours to destroy
+            elif not self._registered:
+                if self._kind == "nccl" and self._pg is not None:
+                    # An NCCL group of agang's own registered nowhere (an epoch's): its
+                    # communicator shut down as destroy would. NCCL's destructor would
+                    # warn; a simulated one's wire would stay open, its threads alive.
+                    self._pg.shutdown()
             elif self._is_world:
                 dist.destroy_process_group()
             elif self._pg is not None and _still_registered(self._pg):

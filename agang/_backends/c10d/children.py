@@ -75,7 +75,7 @@ async def create_groups(
     global_ranks = [dist.get_global_rank(parent, r) for r in members]
     timeout = timedelta(seconds=backstop)
     options: Any = None
-    if high_priority and kind == "nccl" and hasattr(dist, "ProcessGroupNCCL"):  # not simulated
+    if high_priority and kind == "nccl" and hasattr(dist, "ProcessGroupNCCL"):  # a CUDA build
         options = dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)
 
     def split() -> dist.ProcessGroup | None:  # rule 1

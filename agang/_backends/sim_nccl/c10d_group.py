@@ -17,7 +17,10 @@ Rules:
    under each of its names: one left to the base reaches a C++ group with no backend
    ("No backend type associated with device type cpu"). The others (the list forms of
    reduce-scatter and all-to-all, the coalesced forms, ``monitored_barrier``) are not
-   simulated and fail so.
+   simulated and fail so. ``batch_isend_irecv`` runs, but torch coalesces it only on its
+   own ``ProcessGroup`` class, not on a plugin's: its transfers run one after another on
+   the communicator's stream, so two ranks that each send, then receive, in one batch
+   wait for each other (agang's ``exchange`` coalesces, and does not).
 """
 
 from __future__ import annotations
@@ -31,11 +34,21 @@ import torch.distributed as dist
 from agang._backends.sim_nccl.device import SimDevice
 from agang._backends.sim_nccl.group import Communicator, SimProcessGroup, SimRuntime, SimWork
 from agang._backends.sim_nccl.wire import GlooWire
+from agang._runtime import fork
 
 #: The name of the c10d backend of the simulation.
 SIM_NCCL_BACKEND = "agang_sim_nccl"
 
 _simulation: tuple[SimDevice, SimRuntime] | None = None
+
+
+def _forget_in_child() -> None:
+    # The parent's device (and its thread) is not the child's: it installs its own.
+    global _simulation
+    _simulation = None
+
+
+fork.on_fork_in_child(_forget_in_child)
 
 
 def register(device: SimDevice, runtime: SimRuntime) -> None:

@@ -108,7 +108,7 @@ def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
 
 
 def _bytes(tensor: torch.Tensor) -> torch.Tensor:
-    flat = tensor.detach().contiguous().reshape(-1)
+    flat = tensor.detach().resolve_conj().resolve_neg().contiguous().reshape(-1)
     if flat.numel() == 0:
         return torch.empty(0, dtype=torch.uint8)
     return flat.view(torch.uint8)

@@ -76,6 +76,9 @@ class _Description:
     inputs: Layout
     outputs: Layout
     failure: str | None
+    #: Why this rank could not give its part (its inputs did not encode): every rank
+    #: fails the op with it, and the wire stays in step.
+    error: str | None = None
 
 
 class _Lane:
@@ -200,8 +203,13 @@ class GlooWire:
             outputs=Layout.of(part.outputs),
             failure=failure,
         )
+        try:
+            data = encode(part.inputs)
+        except Exception as unreadable:  # its part fails on every rank, the wire in step
+            mine.inputs = Layout.of(None)
+            mine.error = f"rank {self.rank}'s inputs could not be read: {unreadable}"
+            data = encode(None)
         header = pickle.dumps(mine)
-        data = encode(part.inputs)
         lengths = torch.zeros(2 * self.size, dtype=torch.int64)
         self._wait(all_gather_flat(self._gloo, lengths, torch.tensor([len(header), data.numel()])))
         longest = int((lengths[0::2] + lengths[1::2]).max())
@@ -239,6 +247,9 @@ class GlooWire:
         """The error every rank fails the op with where the ranks' accounts disagree
         (rule 3), or None."""
         first = descriptions[0]
+        for description in descriptions:
+            if description.error is not None:
+                return RuntimeError(f"Simulated NCCL: on '{self.name}', {description.error}.")
         for rank, description in enumerate(descriptions):
             if description.failure is not None:
                 return part.communicator.async_error(description.failure)  # type: ignore[no-any-return]
@@ -260,15 +271,23 @@ class GlooWire:
         peer = _other(part, self.rank)
         tag = 3 * part.index
         if part.inputs is not None:  # the sender
-            data = encode(part.inputs)
+            try:
+                data = encode(part.inputs)
+            except Exception as unreadable:  # the receiver is told (a count of -1); both fail
+                self._wait(self._gloo.send([torch.tensor([-1, part.index])], peer, tag))
+                reason = (
+                    f"Simulated NCCL: rank {self.rank} could not read what it sends: {unreadable}"
+                )
+                self.device.complete(part, None, RuntimeError(reason))
+                return
             header = torch.tensor([data.numel(), part.index])
             self._wait(self._gloo.send([header], peer, tag))
             answer = torch.zeros(1, dtype=torch.int64)
             self._wait(self._gloo.recv([answer], peer, tag + 1))
             expected = int(answer)
             if expected != data.numel():
-                error = _size_error(self.rank, peer, data.numel(), expected)
-                self.device.complete(part, None, error)
+                mismatch = _size_error(self.rank, peer, data.numel(), expected)
+                self.device.complete(part, None, mismatch)
                 return
             self._wait(self._gloo.send([data], peer, tag + 2))
             self.device.complete(part, None, None)
@@ -276,7 +295,12 @@ class GlooWire:
         layout = Layout.of(part.outputs)
         header = torch.zeros(2, dtype=torch.int64)
         self._wait(self._gloo.recv([header], peer, tag))
-        sent = int(header[0])
+        sent, index = (int(n) for n in header)
+        if sent < 0 or index != part.index:  # the sender failed (and waits for no answer)
+            why = "could not read what it sends" if sent < 0 else f"sent transfer #{index}"
+            reason = f"Simulated NCCL: rank {peer} {why}, to this rank's #{part.index}"
+            self.device.complete(part, None, RuntimeError(reason))
+            return
         self._wait(self._gloo.send([torch.tensor([layout.nbytes])], peer, tag + 1))
         if sent != layout.nbytes:
             self.device.complete(part, None, _size_error(peer, self.rank, sent, layout.nbytes))
