@@ -45,7 +45,9 @@ Rules:
    close, so no byte read later leaves), and the next push starts a new epoch with the
    same members. A server then holds the cancelled version whole or not at all
    (staging; in place, its tensors may hold parts of it until the next version
-   comes). Cancelled while it admitted subscribers, the next push admits them.
+   comes). Cancelled while it admitted subscribers, the next push admits them: an
+   epoch whose go was said has its gang made, and then closed, by the thread that said
+   it, since its members wait in that gang's rendezvous (``_go_and_make``).
 7. *The store.* A push needs the store only where the membership changes or a round
    fails; where the store failed or did not answer, the push raises ``GangError``
    naming it, within its deadline and the recovery bound. The fleet connects again
@@ -463,11 +465,8 @@ class WeightPublisher:
                 continue
             missing = [m for m in members if m.uid not in came]
             if not missing:
-                await self._blocking(
-                    functools.partial(self._channel.say_go, epoch, True), _STEP_SECONDS, "go"
-                )
                 try:
-                    self._gang = await self._make_gang(epoch, members, deadline)
+                    self._gang = await self._go_and_make(epoch, members, deadline)
                 except (GangError, RuntimeError) as error:
                     if isinstance(error, StoreTrouble):
                         raise
@@ -502,23 +501,38 @@ class WeightPublisher:
         self._fleet.set_members([])
         return lost
 
-    async def _make_gang(self, epoch: int, members: list[Member], deadline: float) -> Gang:
-        """``epoch``'s gang, made on a thread; one made for a push that was cancelled
-        meanwhile is closed (``agang._weights.blocking`` rule 2)."""
+    async def _go_and_make(self, epoch: int, members: list[Member], deadline: float) -> Gang:
+        """Says go for ``epoch`` and makes its gang, one step on one thread; a gang made
+        for a push that was cancelled meanwhile is closed (``agang._weights.blocking``
+        rule 2). One step: the members that read go wait in the gang's rendezvous until
+        the publisher comes, or their timeout, so a go said must be followed by the
+        making, whatever becomes of the push: one cancelled as its thread said go, in a
+        step of its own, left them there for the subscribers' timeout, and the next push
+        dropped them for not checking in to its epoch (rule 6)."""
         everyone = [self._me, *members]
-        make = functools.partial(
-            self._factory,
-            self._channel.group_store(),
-            self._channel.group_prefix(epoch),
-            rank=0,
-            members=everyone,
-            name=gang_name(self._channel.name, self._channel.session, epoch),
-            timeout=bound(deadline),
-            op_timeout=self._timeout,
-        )
+        channel = self._channel
+
+        def go_and_make() -> Gang:
+            try:
+                channel.say_go(epoch, True)
+            except Exception as error:  # the store's (rule 7), not the group's
+                raise StoreTrouble(
+                    f"The weights channel could not finish go: the store at "
+                    f"{channel.address} failed ({one_line(error).rstrip('.')})."
+                ) from error
+            return self._factory(
+                channel.group_store(),
+                channel.group_prefix(epoch),
+                rank=0,
+                members=everyone,
+                name=gang_name(channel.name, channel.session, epoch),
+                timeout=bound(deadline),
+                op_timeout=self._timeout,
+            )
+
         gang: Gang = await blocking(
-            make,
-            bound(deadline) + 2.0,
+            go_and_make,
+            _STEP_SECONDS + bound(deadline) + 2.0,
             what=f"making epoch {epoch}'s group",
             store=self._channel.address,
             abandoned=lambda made: made.close_sync(),

@@ -365,6 +365,42 @@ async def test_a_push_cancelled_while_it_admits_leaves_the_channel_working(
         assert delivered == {s.name for s in servers}, (delay, delivered, reports[-3:])
 
 
+async def test_a_push_cancelled_as_it_says_go_leaves_its_members_free(
+    channel: Channel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Cancelled while its thread says go, the push leaves that thread to make the
+    epoch's group (for nobody: it is closed), so the members that read go are not left
+    in the group's rendezvous until their timeout: the next push delivers to them. It
+    dropped them instead ("did not come to make its group"), and the pushes after it
+    found no member for the subscribers' timeout (the 50 ms cancel of the test above)."""
+    entered = threading.Event()
+    proceed = threading.Event()
+    say_go = channel_keys.Channel.say_go
+
+    def held_go(self: channel_keys.Channel, epoch: int, go: bool) -> None:
+        if go and not proceed.is_set():
+            entered.set()
+            proceed.wait(PATIENCE)  # the cancel comes while the go is being said
+        say_go(self, epoch, go)
+
+    monkeypatch.setattr(channel_keys.Channel, "say_go", held_go)
+    weights = model(0)
+    pub = await channel.publisher(weights)
+    server = await channel.subscriber(zeros(), "s")
+    with anyio.CancelScope() as scope:
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(pub.push, 1)
+            assert await anyio.to_thread.run_sync(entered.wait, PATIENCE)
+            scope.cancel()
+    proceed.set()
+    write(weights, 2)
+    report = await pub.push(2)
+    assert report.delivered == ("s",), report
+    assert report.dropped == {}, report
+    assert await server.receive(timeout=PATIENCE) == 2
+    assert holds(server._tensors) == 2
+
+
 async def test_a_cancelled_receive_keeps_the_version_and_returns_it_next(channel: Channel) -> None:
     size = 1 << 19  # 2 MiB of 'a': above the copy done on the loop, so on a thread
     weights = model(0, size)
