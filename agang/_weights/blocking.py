@@ -45,6 +45,14 @@ class StoreTrouble(GangError):
     """A store call failed, or did not end within its bound (rule 1)."""
 
 
+def store_trouble(what: str, store: str, error: BaseException) -> StoreTrouble:
+    """The error of ``what``, which the store at ``store`` failed with ``error``."""
+    return StoreTrouble(
+        f"The weights channel could not finish {what}: the store at {store} failed "
+        f"({one_line(error).rstrip('.')})."
+    )
+
+
 async def blocking(
     fn: Callable[[], T],
     seconds: float,
@@ -70,10 +78,7 @@ async def blocking(
     except Exception as error:
         if not store_op:
             raise
-        raise StoreTrouble(
-            f"The weights channel could not finish {what}: the store at {store} failed "
-            f"({one_line(error).rstrip('.')})."
-        ) from error
+        raise store_trouble(what, store, error) from error
     except BaseException:  # cancelled
         _hand_over(future, abandoned)
         raise

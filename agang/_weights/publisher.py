@@ -1,8 +1,6 @@
-"""The trainer's side: ``WeightPublisher``.
-
-Why one module of this size: the push is one protocol (admission, the round, its
-recovery, and what a cancel leaves), whose steps share the publisher's state; split,
-each half would read the other's fields.
+"""The trainer's side: ``WeightPublisher``. Why one module of this size: the push is
+one protocol (admission, the round, its recovery, and what a cancel leaves), whose steps
+share the publisher's state; split, each half would read the other's fields.
 
 Rules:
 1. *Membership at round boundaries.* A push first takes what the fleet saw since the
@@ -79,7 +77,7 @@ from agang._membership.gangs import GangFactory
 from agang._membership.member import Member
 from agang._runtime.threads import run_blocking, start_daemon
 from agang._weights import checks
-from agang._weights.blocking import StoreTrouble, blocking, bound, run_sync
+from agang._weights.blocking import StoreTrouble, blocking, bound, run_sync, store_trouble
 from agang._weights.buckets import Buckets
 from agang._weights.channel import Channel
 from agang._weights.epoch import CLOSE, DATA, REFORM, gang_name
@@ -509,28 +507,24 @@ class WeightPublisher:
         making, whatever becomes of the push: one cancelled as its thread said go, in a
         step of its own, left them there for the subscribers' timeout, and the next push
         dropped them for not checking in to its epoch (rule 6)."""
-        everyone = [self._me, *members]
         channel = self._channel
 
         def go_and_make() -> Gang:
             try:
                 channel.say_go(epoch, True)
             except Exception as error:  # the store's (rule 7), not the group's
-                raise StoreTrouble(
-                    f"The weights channel could not finish go: the store at "
-                    f"{channel.address} failed ({one_line(error).rstrip('.')})."
-                ) from error
+                raise store_trouble("go", channel.address, error) from error
             return self._factory(
                 channel.group_store(),
                 channel.group_prefix(epoch),
                 rank=0,
-                members=everyone,
+                members=[self._me, *members],
                 name=gang_name(channel.name, channel.session, epoch),
                 timeout=bound(deadline),
                 op_timeout=self._timeout,
             )
 
-        gang: Gang = await blocking(
+        return await blocking(
             go_and_make,
             _STEP_SECONDS + bound(deadline) + 2.0,
             what=f"making epoch {epoch}'s group",
@@ -538,7 +532,6 @@ class WeightPublisher:
             abandoned=lambda made: made.close_sync(),
             store_op=False,
         )
-        return gang
 
     def _epoch_alone(self, epoch: int) -> None:
         """``epoch`` has no subscriber: the publisher alone, and no group (blocking)."""
@@ -565,13 +558,17 @@ class WeightPublisher:
         gang, self._gang = self._gang, None
         if gang is None:
             return
-        if not gang.closed:
-            self._renew_held()
-            header = self._buckets.header
-            header.copy_(torch.tensor([what, version, self._epoch + 1, 0]))
-            with contextlib.suppress(GangError):  # a member gone: the abort told the others
-                await gang.broadcast(self._buckets.wire[0], 0, timeout=5.0)
-        await gang.close()
+        self._renew_held()
+        self._abandoned.append(gang)  # cancelled mid-broadcast, its op may hold bucket 0
+        try:
+            if not gang.closed:
+                header = self._buckets.header
+                header.copy_(torch.tensor([what, version, self._epoch + 1, 0]))
+                with contextlib.suppress(GangError):  # a member gone: the abort told them
+                    await gang.broadcast(self._buckets.wire[0], 0, timeout=5.0)
+        finally:
+            with anyio.CancelScope(shield=True):  # cancelled or not, the gang is closed
+                await gang.close()
 
     # Rules 2, 3: the round and its recovery.
 

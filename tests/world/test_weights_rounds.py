@@ -401,6 +401,39 @@ async def test_a_push_cancelled_as_it_says_go_leaves_its_members_free(
     assert holds(server._tensors) == 2
 
 
+async def test_a_push_cancelled_as_it_tells_the_old_epoch_to_reform_closes_that_epoch(
+    channel: Channel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Cancelled inside the REFORM broadcast of ``_leave_epoch`` (held here until the
+    cancel): the old epoch's gang is closed all the same, not left open holding bucket 0,
+    and the next pushes admit everyone."""
+    pub = await channel.publisher(model(0), deadline=30.0)
+    first = await channel.subscriber(zeros(), "first")
+    assert (await pub.push(1)).delivered == ("first",)
+    old = pub._gang
+    assert old is not None
+    broadcast = type(old).broadcast
+
+    async def held(gang: Any, *args: Any, **kwargs: Any) -> Any:
+        if gang is old:
+            await anyio.sleep(PATIENCE)  # a REFORM that does not end before the cancel
+        return await broadcast(gang, *args, **kwargs)
+
+    monkeypatch.setattr(type(old), "broadcast", held)
+    await channel.subscriber(zeros(), "joiner")  # the next push moves to a new epoch
+    assert await cancelled_after(0.3, lambda: pub.push(2)) is None
+    assert old.closed  # before: left open, its broadcast holding bucket 0
+    monkeypatch.undo()
+    delivered: set[str] = set()
+    give_up_at = time.monotonic() + PATIENCE
+    for version in range(3, 100):
+        delivered |= set((await pub.push(version)).delivered)
+        if delivered == {first.name, "joiner"} or time.monotonic() > give_up_at:
+            break
+        await anyio.sleep(0.05)
+    assert delivered == {first.name, "joiner"}
+
+
 async def test_a_cancelled_receive_keeps_the_version_and_returns_it_next(channel: Channel) -> None:
     size = 1 << 19  # 2 MiB of 'a': above the copy done on the loop, so on a thread
     weights = model(0, size)
