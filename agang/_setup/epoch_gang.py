@@ -74,28 +74,49 @@ class GlooEpochGangs:
         size = len(members)
         backstop = timedelta(seconds=max(1.0, timeout))
         gloo = _gloo_group(group_store, rank, size, backstop, self._store_host)
-        group = dist.ProcessGroup(group_store, rank, size)
-        group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)
-        group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
-        group._set_group_name(name)  # type: ignore[arg-type]  # a GroupName is a str
-        backend = C10dBackend(
-            group,
-            device=torch.device("cpu"),
-            kind="gloo",
-            name=name,
-            is_world=False,
-            registered=False,
-            roster=[f"'{m.name}', {m.where}" for m in members],
-        )
-        policy = make_policy(
-            op_timeout=math.inf if op_timeout is None else op_timeout,
-            on_timeout="abort",
-            check_order=False,
-        )
-        return gang_over(ProcessGroupGang, backend, policy)
+        cpu = torch.device("cpu")
+        group = wrap(gloo, dist.ProcessGroup.BackendType.GLOO, group_store, cpu, name)
+        return epoch_gang_over(group, cpu, "gloo", name, members, op_timeout)
 
     def rendezvous_keys(self, size: int) -> list[str]:
         return [f"0/{rank}" for rank in range(size)]  # rule 5
+
+
+def wrap(backend: Any, kind: Any, store: Any, device: torch.device, name: str) -> dist.ProcessGroup:
+    """A group of c10d's ``backend`` (of ``kind``) on ``device``, registered nowhere, as
+    ``new_group`` makes one inside (rule 1)."""
+    group = dist.ProcessGroup(store, backend.rank(), backend.size())
+    group._register_backend(device, kind, backend)
+    group._set_default_backend(kind)
+    group._set_group_name(name)  # type: ignore[arg-type]  # a GroupName is a str
+    return group
+
+
+def epoch_gang_over(
+    group: dist.ProcessGroup,
+    device: torch.device,
+    kind: str,
+    name: str,
+    members: Sequence[Member],
+    op_timeout: float | None,
+) -> ProcessGroupGang:
+    """The gang over an epoch's ``group`` (rules 1, 2 and 4): agang's deadlines, a timeout
+    that aborts, members named by name and where they run."""
+    backend = C10dBackend(
+        group,
+        device=device,
+        kind=kind,
+        name=name,
+        is_world=False,
+        registered=False,
+        roster=[f"'{m.name}', {m.where}" for m in members],
+    )
+    policy = make_policy(
+        op_timeout=math.inf if op_timeout is None else op_timeout,
+        on_timeout="abort",
+        check_order=False,
+    )
+    return gang_over(ProcessGroupGang, backend, policy)
 
 
 def _gloo_group(

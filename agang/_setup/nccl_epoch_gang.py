@@ -24,7 +24,6 @@ its errors name members, c10d's timeout sits behind agang's deadlines). What NCC
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Sequence
 from datetime import timedelta
@@ -33,14 +32,12 @@ from typing import Any, final
 import torch
 import torch.distributed as dist
 
-from agang._backends.c10d.backend import C10dBackend
 from agang._backends.c10d.calls import connect_eagerly
 from agang._backends.sim_nccl.c10d_group import SimNcclProcessGroup
 from agang._backends.sim_nccl.process import ProcessSimulation
-from agang._collective.gang import gang_over
 from agang._collective.process_group_gang import ProcessGroupGang
 from agang._membership.member import Member
-from agang._policy import make_policy
+from agang._setup.epoch_gang import epoch_gang_over, wrap
 from agang._setup.process import apply_nccl_settings
 
 
@@ -87,21 +84,7 @@ class NcclEpochGangs:
             )
         else:
             group = _nccl_group(group_store, rank, size, backstop, name, self._device)
-        backend = C10dBackend(
-            group,
-            device=self._device,
-            kind="nccl",
-            name=name,
-            is_world=False,
-            registered=False,
-            roster=[f"'{m.name}', {m.where}" for m in members],
-        )
-        policy = make_policy(
-            op_timeout=math.inf if op_timeout is None else op_timeout,
-            on_timeout="abort",
-            check_order=False,
-        )
-        return gang_over(ProcessGroupGang, backend, policy)
+        return epoch_gang_over(group, self._device, "nccl", name, members, op_timeout)
 
     def rendezvous_keys(self, size: int) -> list[str]:
         if self._device.type == "cpu":  # rule 4
@@ -116,9 +99,6 @@ def _nccl_group(
     options = dist.ProcessGroupNCCL.Options()
     options._timeout = timeout
     nccl = dist.ProcessGroupNCCL(store, rank, size, options)
-    group = dist.ProcessGroup(store, rank, size)
-    group._register_backend(device, dist.ProcessGroup.BackendType.NCCL, nccl)
-    group._set_default_backend(dist.ProcessGroup.BackendType.NCCL)
-    group._set_group_name(name)  # type: ignore[arg-type]  # a GroupName is a str
+    group = wrap(nccl, dist.ProcessGroup.BackendType.NCCL, store, device, name)
     connect_eagerly(group, device)
     return group

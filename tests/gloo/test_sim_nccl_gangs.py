@@ -8,6 +8,7 @@ user's program runs unchanged under torchrun with the variable set.
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
@@ -81,10 +82,12 @@ def test_a_world_on_the_simulation_runs_agang_s_nccl_path(async_backend: str) ->
         }, rank
 
 
-async def _killed(gang: Gang) -> tuple[str, str, float]:
+async def _killed(gang: Gang, signum: int = signal.SIGKILL) -> tuple[str, str, float]:
     await gang.all_reduce(torch.ones(2))
     if gang.rank == 2:
-        os.kill(os.getpid(), signal.SIGKILL)
+        if signum == signal.SIGSTOP:  # woken 4 s later, long after its peers gave up
+            subprocess.Popen(["sh", "-c", f"sleep 4; kill -CONT {os.getpid()}"])  # noqa: ASYNC220  # returns at once
+        os.kill(os.getpid(), signum)
     started = time.monotonic()
     try:
         await gang.all_reduce(torch.ones(2), timeout=1.0)
@@ -93,14 +96,23 @@ async def _killed(gang: Gang) -> tuple[str, str, float]:
     return "no error", "", time.monotonic() - started
 
 
-def test_a_killed_rank_fails_the_survivors_op_at_its_deadline_naming_the_rank() -> None:
-    # NCCL's kernels wait for a dead peer (it is not seen at once, as on Gloo): the
-    # survivors' deadline ends the op, and blame finds the rank that does not answer.
-    with pytest.raises(WorldRunError) as caught:
-        run_world(_killed, 3, backend="nccl", env=SIM, timeout=90.0)
-    assert set(caught.value.failures) == {2}, caught.value.failures
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stopped"])
+def test_a_killed_or_stopped_rank_fails_the_survivors_op_at_its_deadline_naming_it(
+    signum: int,
+) -> None:
+    # NCCL's kernels wait for a dead or stopped peer (not seen at once, as a kill is on
+    # Gloo): the survivors' deadline ends the op, and blame finds who does not answer.
+    run = functools.partial(_killed, signum=signum)
+    if signum == signal.SIGKILL:
+        with pytest.raises(WorldRunError) as caught:
+            run_world(run, 3, backend="nccl", env=SIM, timeout=90.0)
+        assert set(caught.value.failures) == {2}, caught.value.failures
+        results = caught.value.results
+    else:  # the woken rank finds its gang given up on, and says so
+        results = dict(enumerate(run_world(run, 3, backend="nccl", env=SIM, timeout=90.0)))
+        assert results[2][0] in ("GangTimeoutError", "GangBrokenError", "CollectiveError")
     for rank in (0, 1):
-        kind, message, seconds = caught.value.results[rank]
+        kind, message, seconds = results[rank]
         assert kind == "GangTimeoutError", message
         assert "rank 2 (" in message, message
         assert "no answer (dead, stopped, or cut off from the store)" in message, message

@@ -176,9 +176,6 @@ PRIVATE_ACCESSES: dict[str, list[str]] = {
         "_setup/epoch_gang.py: group._set_default_backend",
         "_setup/epoch_gang.py: group._set_group_name",
         "_setup/nccl_epoch_gang.py: options._timeout",
-        "_setup/nccl_epoch_gang.py: group._register_backend",
-        "_setup/nccl_epoch_gang.py: group._set_default_backend",
-        "_setup/nccl_epoch_gang.py: group._set_group_name",
     ],
     "a forked child's asyncio loop gets a selector and self-pipe of its own, sharing "
     "none with the parent's (asyncio has no public way)": [

@@ -156,26 +156,9 @@ class SimNcclProcessGroup(dist.ProcessGroup):
         return self._sim.all_to_all_single(output, input, output_split_sizes, input_split_sizes)
 
     # c10d's newer names of the single-tensor ops, which its C++ base also has.
-
-    def all_gather_single(
-        self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
-    ) -> SimWork:
-        return self._sim.all_gather_single(output, input, opts)
-
-    def reduce_scatter_single(
-        self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
-    ) -> SimWork:
-        return self._reduce_scatter_base(output, input, opts)
-
-    def all_to_all_single(
-        self,
-        output: torch.Tensor,
-        input: torch.Tensor,
-        output_split_sizes: list[int],
-        input_split_sizes: list[int],
-        opts: Any = None,
-    ) -> SimWork:
-        return self.alltoall_base(output, input, output_split_sizes, input_split_sizes, opts)
+    all_gather_single = _allgather_base
+    reduce_scatter_single = _reduce_scatter_base  # type: ignore[assignment]  # c10d names its arguments otherwise
+    all_to_all_single = alltoall_base  # type: ignore[assignment]  # c10d overloads it
 
     def reduce(  # type: ignore[override]  # c10d's overloads: the one c10d calls
         self, tensors: list[torch.Tensor], opts: Any = None
