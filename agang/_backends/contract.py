@@ -125,6 +125,10 @@ class Explanation:
     gave_up: str = ""
     #: Which rank the error's peer address is (" The peer at ... is rank 1 (...)."), or "".
     lost: str = ""
+    #: What a watcher reported of a lost peer (a death notice: "rank 2 (...) was
+    #: reported dead by ...: why"), or "": the true story where the transport only saw
+    #: a connection drop.
+    reported: str = ""
 
 
 @dataclass(frozen=True)

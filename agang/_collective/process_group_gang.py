@@ -60,7 +60,9 @@ def _forget_in_child() -> None:
     global _registry_lock
     _registry_lock = threading.Lock()  # a parent thread may have held it at the fork
     # Up at the fork: the world group is the parent's, and c10d must forget it here.
-    up = any(gang._c10d_group() is not None for gang in _open_world_gangs)
+    up = any(
+        gang._c10d_group() is not None and gang._registered_world for gang in _open_world_gangs
+    )
     _open_world_gangs.clear()
     if up:
         disown_groups(forget_world=True)
@@ -84,6 +86,9 @@ class ProcessGroupGang(CollectiveGang):
             stream, instead of finished on the device.
         order_group: The side Gloo group of order checks; required when the policy
             checks order.
+        registered: Whether torch.distributed knows the group; False for a private
+            world (``is_world`` over a group registered nowhere, as ``agang.ray`` forms
+            it: the process's default group stays the user's).
     """
 
     def __init__(
@@ -97,6 +102,7 @@ class ProcessGroupGang(CollectiveGang):
         is_world: bool,
         stream_ordered: bool = False,
         order_group: dist.ProcessGroup | None = None,
+        registered: bool = True,
     ) -> None:
         if policy.check_order and order_group is None:
             raise ValueError("`order_group` must be given when the policy checks order.")
@@ -108,8 +114,10 @@ class ProcessGroupGang(CollectiveGang):
             is_world=is_world,
             stream_ordered=stream_ordered,
             order_group=order_group,
+            registered=registered,
         )
         super().__init__(c10d, policy)
+        self._registered_world = is_world and registered
         if is_world:
             with _registry_lock:
                 check_no_open_world()

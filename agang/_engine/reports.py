@@ -183,7 +183,11 @@ def failed(context: OpContext, error: BaseException, explained: Explanation) -> 
     Where the transport names a peer that closed its connection without giving up (it
     exited, closed its gang or crashed), the message leads with which rank that is and
     then quotes the transport; otherwise the transport's text is all there is."""
-    if explained.gave_up:
+    if explained.reported:
+        message = (
+            f"{context.describe()} failed: {explained.reported}. The transport's error: {error}"
+        )
+    elif explained.gave_up:
         message = (
             f"{context.describe()} failed because {explained.gave_up}. Its abort closed the "
             f"connections this op ran on (the transport's error is this error's `__cause__`)."

@@ -54,12 +54,19 @@ Rules (blocking, on set-up threads; never on the loop):
    fail at their next op or step boundary, not at their next reform. A newcomer on the
    restarted store cannot know of them until one of them has looked; after that,
    formation 0 there is refused.
+9. *Namespaces.* A gang formed under a namespace (``agang.ray``'s: one per gang of a
+   job, on the job's one store) keeps every key under that prefix, so gangs of a job
+   never meet; its process groups are registered nowhere (``make_group(private=
+   True)``, on the epoch gangs' makers), so the default group, if any, stays its
+   owner's. Death notices' directory stays at the store's root (the watcher that
+   files a notice knows no gang), so a listener names its mailbox by its full key.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -80,7 +87,10 @@ from agang._membership.member import Member
 from agang._runtime import fork
 from agang._setup import membership, simulation
 from agang._setup.env import WorldInfo
-from agang._setup.rendezvous import prove
+from agang._setup.epoch_gang import gloo_group
+from agang._setup.nccl_epoch_gang import nccl_group
+from agang._setup.process import apply_nccl_settings
+from agang._setup.rendezvous import BARRIER_SECONDS, prove
 
 log = logging.getLogger("agang.setup")
 
@@ -236,26 +246,51 @@ class Formed:
     members: list[Member]
     #: The job's id on the store (membership rule 6): checked at each reform (rule 8).
     job: str
+    #: The gang's keys' prefix on the store (rule 9); "" for ``agang.init``'s gang.
+    namespace: str = ""
+    #: The store's client without the prefix, where the directory of death notices'
+    #: listeners lives (None: ``store`` itself, unprefixed).
+    root: Any = None
 
     @property
     def rank(self) -> int:
         return next(i for i, c in enumerate(self.members) if c.uid == self.me.uid)
 
+    @property
+    def root_store(self) -> Any:
+        return self.store if self.root is None else self.root
 
-def connect_store(world: WorldInfo, deadline: float) -> Any:
+    def full_key(self, key: str) -> str:
+        """``key`` of the gang's store as a key of the root store (rule 9)."""
+        return f"{self.namespace}/{key}" if self.namespace else key
+
+
+def connect_store(world: WorldInfo, deadline: float, namespace: str = "") -> tuple[Any, Any]:
     """A client of the store that outlives the ranks (rule 1), retried until ``deadline``
-    (``agang._membership.store``, rules 1 and 2; rule 4 here)."""
-    return stores.connect(
+    (``agang._membership.store``, rules 1 and 2; rule 4 here), and the gang's view of it
+    (under ``namespace``, rule 9; the client itself where there is none)."""
+    root = stores.connect(
         world.master_addr,
         world.master_port,
         deadline,
         need="An elastic gang needs",
         who=f"rank {world.rank}",
     )
+    if not namespace:
+        return root, root
+    return root, dist.PrefixStore(namespace, root)  # type: ignore[attr-defined]
 
 
-def first_formation(store: Any, world: WorldInfo, elastic: Elastic, deadline: float) -> Formed:
-    """Formation 0, or, where it already happened, the next reform as a joiner."""
+def first_formation(
+    store: Any,
+    world: WorldInfo,
+    elastic: Elastic,
+    deadline: float,
+    namespace: str = "",
+    root: Any = None,
+) -> Formed:
+    """Formation 0, or, where it already happened, the next reform as a joiner; ``store``
+    is the gang's view of the store, under ``namespace`` of ``root`` (rule 9)."""
     me = membership.me(world.rank)
     if membership.current_epoch(store) is None:
         if world.world_size < elastic.min_size:
@@ -277,11 +312,19 @@ def first_formation(store: Any, world: WorldInfo, elastic: Elastic, deadline: fl
             alive=lambda indices: set(),
         )
         if members is not None:
-            return _formed(world, store, me, 0, members)
-    return join(world, store, me, elastic, deadline)
+            return _formed(world, store, me, 0, members, namespace, root)
+    return join(world, store, me, elastic, deadline, namespace, root)
 
 
-def join(world: WorldInfo, store: Any, me: Member, elastic: Elastic, deadline: float) -> Formed:
+def join(
+    world: WorldInfo,
+    store: Any,
+    me: Member,
+    elastic: Elastic,
+    deadline: float,
+    namespace: str = "",
+    root: Any = None,
+) -> Formed:
     """Waits, as a joiner, for the next reform that admits this process; tells the
     current members' responders that it waits (``waiting_to_join``). Gives up at
     ``deadline``, saying why, and so that no reform waits for it any more. Beats while
@@ -289,7 +332,9 @@ def join(world: WorldInfo, store: Any, me: Member, elastic: Elastic, deadline: f
     stop = _beat_while_waiting(store, me)
     try:
         membership.register_joiner(store, me)
-        return _wait_for_admission(world, store, me, elastic, deadline)
+        formed = _wait_for_admission(world, store, me, elastic, deadline)
+        formed.namespace, formed.root = namespace, root
+        return formed
     except GangInitError:
         with contextlib.suppress(Exception):  # a store gone: no reform waits for it either
             membership.withdraw_joiner(store, me)
@@ -374,7 +419,7 @@ def reform_membership(
     """The members of the next epoch, decided with the survivors and joiners (the old
     gang still open, so its responder answers the others' pings); where ``formed``'s
     group was never ``made``, with those that checked in to make it (rule 3)."""
-    store = connect_store(formed.world, deadline)  # rule 4
+    root, store = connect_store(formed.world, deadline, formed.namespace)  # rule 4
     membership.check_job(store, formed.job, formed.epoch, formed.world.store_address)  # rule 8
     old_epoch_store = dist.PrefixStore(  # type: ignore[attr-defined]
         membership.epoch_key(formed.epoch, "blame"), store
@@ -412,11 +457,21 @@ def reform_membership(
         alive=alive,
     )
     if members is None:  # this process came after the decision: wait for the next one
-        return join(formed.world, store, formed.me, elastic, deadline)
-    return Formed(formed.world, store, formed.me, following, members, formed.job)
+        return join(formed.world, store, formed.me, elastic, deadline, formed.namespace, root)
+    return Formed(
+        formed.world, store, formed.me, following, members, formed.job, formed.namespace, root
+    )
 
 
-def _formed(world: WorldInfo, store: Any, me: Member, epoch: int, members: list[Member]) -> Formed:
+def _formed(
+    world: WorldInfo,
+    store: Any,
+    me: Member,
+    epoch: int,
+    members: list[Member],
+    namespace: str = "",
+    root: Any = None,
+) -> Formed:
     """``me``'s place in ``epoch`` of the job the store holds, whose id was written
     before any member list (membership rule 6)."""
     job = membership.job_of(store)
@@ -425,7 +480,7 @@ def _formed(world: WorldInfo, store: Any, me: Member, epoch: int, members: list[
             f"The store at {world.store_address} holds elastic epochs but no job id: "
             f"every process of the job must run the same agang."
         )
-    return Formed(world, store, me, epoch, members, job)
+    return Formed(world, store, me, epoch, members, job, namespace, root)
 
 
 @contextlib.contextmanager
@@ -471,9 +526,12 @@ def _wait_for_check_ins(formed: Formed, until: float, deadline: float) -> None:
         time.sleep(_CHECK_IN_POLL)
 
 
-def make_group(formed: Formed, backend: str, deadline: float, device: Any) -> None:
-    """The epoch's process group (rule 2); raises ``TransientSetupError`` where a member
-    is gone (rule 3)."""
+def make_group(
+    formed: Formed, backend: str, deadline: float, device: Any, private: bool = False
+) -> dist.ProcessGroup | None:
+    """The epoch's process group (rule 2): the default group, or where ``private``, one
+    registered nowhere that is returned (rule 9); raises ``TransientSetupError`` where a
+    member is gone (rule 3)."""
     # The epoch's world, for the c10d backend: its mailboxes live on the epoch's prefix
     # (rule 2), and no member hosts the store (rule 1).
     c10d_world.publish(
@@ -484,6 +542,7 @@ def make_group(formed: Formed, backend: str, deadline: float, device: Any) -> No
             store_override=dist.PrefixStore(  # type: ignore[attr-defined]
                 membership.epoch_key(formed.epoch, "blame"), formed.store
             ),
+            rank=formed.rank if private else None,
         )
     )
     membership.check_in(formed.store, formed.epoch, formed.me)
@@ -491,6 +550,8 @@ def make_group(formed: Formed, backend: str, deadline: float, device: Any) -> No
     # Every member is alive and making the group: give it the rest of the deadline (a
     # loaded machine may take seconds to connect them).
     seconds = max(1.0, deadline - time.monotonic())
+    if private:
+        return _private_group(formed, backend, device, seconds, deadline)
     try:
         dist.init_process_group(
             simulation.c10d_name(backend, device),
@@ -515,3 +576,46 @@ def make_group(formed: Formed, backend: str, deadline: float, device: Any) -> No
         formed.rank,
         len(formed.members),
     )
+    return None
+
+
+def private_name(formed: Formed, part: str = "") -> str:
+    """The c10d name of a private world's group of ``formed``'s epoch: the same on every
+    member (blame's questions name a gang by it), and no other epoch's or gang's."""
+    return f"{formed.namespace or 'agang'}/epoch{formed.epoch}{part}"
+
+
+def _private_group(
+    formed: Formed, backend: str, device: Any, seconds: float, deadline: float
+) -> dist.ProcessGroup:
+    """The epoch's group registered nowhere (rule 9), proven by a barrier."""
+    store = dist.PrefixStore(  # type: ignore[attr-defined]
+        membership.epoch_key(formed.epoch, "pg"), formed.store
+    )
+    size, timeout, name = len(formed.members), timedelta(seconds=seconds), private_name(formed)
+    group: dist.ProcessGroup | None = None
+    try:
+        if backend == "gloo":
+            group = gloo_group(store, formed.rank, size, timeout, formed.world.master_addr, name)
+        else:
+            apply_nccl_settings(os.environ)
+            group = nccl_group(store, formed.rank, size, timeout, name, device)
+        options = dist.BarrierOptions()
+        wait = max(0.1, min(BARRIER_SECONDS, deadline - time.monotonic()))
+        options.timeout = timedelta(seconds=wait)
+        group.barrier(options).wait(timedelta(seconds=wait))
+    except Exception as error:
+        if group is not None:
+            with contextlib.suppress(Exception):  # the error being raised is the one to tell
+                group.abort()
+        raise TransientSetupError(
+            f"Epoch {formed.epoch}'s group could not be made (a member may be gone): {error}"
+        ) from error
+    log.info(
+        "agang: elastic epoch %d of %s formed: rank %d of %d.",
+        formed.epoch,
+        formed.namespace,
+        formed.rank,
+        size,
+    )
+    return group

@@ -33,12 +33,25 @@ Rules:
    epoch breaks the gang at once, naming the member and the watcher's why, so that every
    op that waits on it fails now, not at its deadline; the next reform leaves it out
    without pinging it. A notice that names this member itself is logged and ignored.
+7. *A private world* (``agang.ray``'s gangs): the same gang over groups registered
+   nowhere, its keys under a namespace of the store, so that the process's default
+   group, if it has one, stays its owner's, and gangs of one job share one store.
+   It answers blame as a world does (its ranks are the process's world ranks), and
+   a process has one world gang, private or not. c10d makes sub-groups only of its
+   default group: a private world has no sub-gangs or lanes.
+8. *A watcher's word over a dropped connection.* Where a watcher reports the members'
+   deaths (``expect_death_notices``: agang.ray's keeper), an op that failed on a lost
+   connection waits up to ``DEATH_NOTICE_SECONDS`` (off the loop) for the notice
+   naming who died, and says that instead: the transport's "Connection closed by
+   peer" and the watcher's notice come tens of milliseconds apart, in either order,
+   and only the notice says who and why. Without a watcher nothing waits.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import threading
 import time
 from datetime import timedelta
 from typing import Any, Protocol
@@ -48,7 +61,7 @@ import torch.distributed as dist
 from typing_extensions import override
 
 from agang._backends.c10d import mailbox
-from agang._backends.c10d.backend import backstop_for
+from agang._backends.c10d.backend import C10dBackend, backstop_for
 from agang._backends.c10d.retry import TransientSetupError
 from agang._collective.process_group_gang import ProcessGroupGang
 from agang._errors import GangBrokenError, GangInitError, one_line
@@ -58,6 +71,7 @@ from agang._runtime.threads import run_blocking
 from agang._setup import elastic as elastic_setup
 from agang._setup import membership
 from agang._setup.env import WorldInfo
+from agang._setup.epoch_gang import gloo_group
 from agang._validate import check_deadline
 
 log = logging.getLogger("agang.setup")
@@ -86,23 +100,29 @@ class ElasticGang(ProcessGroupGang):
         stream_ordered: bool,
         waiting: set[str],
         deadline: float,
+        group: dist.ProcessGroup | None = None,
+        name: str = "root",
     ) -> None:
         # Order checks' side channel, made by every member (a collective call), by the
         # formation's deadline rather than c10d's default of 30 minutes.
         side_seconds = max(1.0, deadline - time.monotonic())
+        side: dist.ProcessGroup | None = None
+        if policy.check_order:
+            side = (
+                dist.new_group(backend="gloo", timeout=timedelta(seconds=side_seconds))
+                if group is None
+                else _private_side_group(formed, side_seconds)
+            )
         super().__init__(
-            dist.distributed_c10d._get_default_group(),
+            dist.distributed_c10d._get_default_group() if group is None else group,
             device=device,
             backend=backend,
-            name="root",
+            name=name,
             policy=policy,
             is_world=True,
             stream_ordered=stream_ordered,
-            order_group=(
-                dist.new_group(backend="gloo", timeout=timedelta(seconds=side_seconds))
-                if policy.check_order
-                else None
-            ),
+            order_group=side,
+            registered=group is None,  # rule 7: a private world's group is registered nowhere
         )
         self._formed = formed
         self._elastic = elastic
@@ -111,7 +131,11 @@ class ElasticGang(ProcessGroupGang):
             "device": device,
             "policy": policy,
             "stream_ordered": stream_ordered,
+            "name": name,
         }
+        self._private = group is not None
+        self._heard: dict[int, str] = {}  # rule 8: per rank, the notice that named it
+        self._heard_news = threading.Condition()
         self._waiting = set(waiting)
         self._lost: GangBrokenError | None = None  # rule 5
         # Rules 4, 5: this process's mailbox tells the newest epoch's gang (this one).
@@ -126,9 +150,9 @@ class ElasticGang(ProcessGroupGang):
         responder = mailbox.current()
         if responder is None:  # no store to answer on: nothing can reach it either
             return None
-        prefix = membership.epoch_key(self._formed.epoch, "blame")
+        prefix = self._formed.full_key(membership.epoch_key(self._formed.epoch, "blame"))
         return deaths.Listening(
-            self._formed.store, prefix, responder.world_rank, self._member_gone, responder
+            self._formed.root_store, prefix, responder.world_rank, self._member_gone, responder
         )
 
     def _member_gone(self, notice: deaths.Notice) -> None:
@@ -145,6 +169,11 @@ class ElasticGang(ProcessGroupGang):
         if not gone:
             return
         elastic_setup.say_dead({m.uid for m in gone})
+        with self._heard_news:  # rule 8
+            for member in gone:
+                rank = self._formed.members.index(member)
+                self._heard[rank] = f"rank {rank} ({member.where}) was {notice.describe()}"
+            self._heard_news.notify_all()
         ranks = ", ".join(f"rank {self._formed.members.index(m)} ({m.where})" for m in gone)
         cause = GangBrokenError(
             f"Gang '{self.name}' (epoch {self.epoch}) lost {ranks}: {notice.describe()}. "
@@ -152,6 +181,19 @@ class ElasticGang(ProcessGroupGang):
             None,
         )
         self._engine.break_gang(cause)
+
+    def _expect_notices(self) -> None:
+        """Rule 8: a watcher reports this gang's members' deaths."""
+        backend = self._backend
+        assert isinstance(backend, C10dBackend)
+        backend.hear_deaths(self._deaths_heard)
+
+    def _deaths_heard(self, seconds: float) -> str:
+        """What death notices said of this gang's members, waited for up to ``seconds``
+        (rule 8); "" for nothing."""
+        with self._heard_news:
+            self._heard_news.wait_for(lambda: bool(self._heard), timeout=seconds)
+            return "; ".join(text for _, text in sorted(self._heard.items()))
 
     @override
     async def close(self) -> None:
@@ -242,11 +284,13 @@ class ElasticGang(ProcessGroupGang):
         with elastic_setup.closing(formed):  # rule 1: the others wait for a member that closes
             await self.close()
         backend, device = self._settings["backend"], self._settings["device"]
+        make = functools.partial(
+            elastic_setup.make_group, backend=backend, device=device, private=self._private
+        )
         while True:
             try:
-                await self._blocking(
-                    functools.partial(elastic_setup.make_group, formed, backend, deadline, device),
-                    deadline,
+                group = await self._blocking(
+                    functools.partial(make, formed, deadline=deadline), deadline
                 )
                 break
             except TransientSetupError as error:
@@ -266,7 +310,12 @@ class ElasticGang(ProcessGroupGang):
         waiting = elastic_setup.noticed()  # rule 3: only notices since this reform began
         gang: ElasticGang = await self._blocking(
             lambda: ElasticGang(
-                formed, elastic=self._elastic, waiting=waiting, deadline=deadline, **self._settings
+                formed,
+                elastic=self._elastic,
+                waiting=waiting,
+                deadline=deadline,
+                group=group,
+                **self._settings,
             ),
             deadline,
         )
@@ -305,15 +354,25 @@ class Plan(Protocol):
 
 
 def form_first(
-    plan: Plan, world: WorldInfo, elastic: elastic_setup.Elastic, deadline: float
+    plan: Plan,
+    world: WorldInfo,
+    elastic: elastic_setup.Elastic,
+    deadline: float,
+    *,
+    namespace: str = "",
+    name: str = "root",
 ) -> ElasticGang:
     """``agang.init(elastic=...)``'s set-up (on its thread): formation 0, or the next
-    reform as a joiner; a group that cannot be made is formed again (rule 1)."""
-    store = elastic_setup.connect_store(world, deadline)
-    formed = elastic_setup.first_formation(store, world, elastic, deadline)
+    reform as a joiner; a group that cannot be made is formed again (rule 1). With a
+    ``namespace``, a private world under that prefix of the store (rule 7)."""
+    root, store = elastic_setup.connect_store(world, deadline, namespace)
+    formed = elastic_setup.first_formation(store, world, elastic, deadline, namespace, root)
+    private = bool(namespace)
     while True:
         try:
-            elastic_setup.make_group(formed, plan.backend, deadline, plan.device)
+            group = elastic_setup.make_group(
+                formed, plan.backend, deadline, plan.device, private=private
+            )
             break
         except TransientSetupError as error:
             if time.monotonic() >= deadline:
@@ -331,4 +390,26 @@ def form_first(
         # Registered and still beating: a joiner that died waiting is not counted.
         waiting=membership.live_joiners(store),
         deadline=deadline,
+        group=group,
+        name=name,
     )
+
+
+def _private_side_group(formed: elastic_setup.Formed, seconds: float) -> dist.ProcessGroup:
+    """A private world's side Gloo group of order checks, beside its group (rule 7)."""
+    store = dist.PrefixStore(  # type: ignore[attr-defined]
+        membership.epoch_key(formed.epoch, "order"), formed.store
+    )
+    return gloo_group(
+        store,
+        formed.rank,
+        len(formed.members),
+        timedelta(seconds=seconds),
+        formed.world.master_addr,
+        elastic_setup.private_name(formed, "/order"),
+    )
+
+
+def expect_death_notices(gang: ElasticGang) -> None:
+    """Says that a watcher reports ``gang``'s members' deaths (rule 8)."""
+    gang._expect_notices()

@@ -71,12 +71,9 @@ class GlooEpochGangs:
         op_timeout: float | None,
     ) -> ProcessGroupGang:
         group_store = dist.PrefixStore(prefix, store)  # type: ignore[attr-defined]
-        size = len(members)
         backstop = timedelta(seconds=max(1.0, timeout))
-        gloo = _gloo_group(group_store, rank, size, backstop, self._store_host)
-        cpu = torch.device("cpu")
-        group = wrap(gloo, dist.ProcessGroup.BackendType.GLOO, group_store, cpu, name)
-        return epoch_gang_over(group, cpu, "gloo", name, members, op_timeout)
+        group = gloo_group(group_store, rank, len(members), backstop, self._store_host, name)
+        return epoch_gang_over(group, torch.device("cpu"), "gloo", name, members, op_timeout)
 
     def rendezvous_keys(self, size: int) -> list[str]:
         return [f"0/{rank}" for rank in range(size)]  # rule 5
@@ -119,7 +116,17 @@ def epoch_gang_over(
     return gang_over(ProcessGroupGang, backend, policy)
 
 
-def _gloo_group(
+def gloo_group(
+    store: Any, rank: int, size: int, timeout: timedelta, store_host: str, name: str
+) -> dist.ProcessGroup:
+    """A Gloo group registered nowhere (rule 1), made on ``store`` (the epoch's prefix)
+    and bound to the interface that reaches the store (rule 3); blocks until every rank
+    came, or ``timeout`` passed."""
+    gloo = _gloo_backend(store, rank, size, timeout, store_host)
+    return wrap(gloo, dist.ProcessGroup.BackendType.GLOO, store, torch.device("cpu"), name)
+
+
+def _gloo_backend(
     store: Any, rank: int, size: int, timeout: timedelta, store_host: str
 ) -> dist.ProcessGroupGloo:
     """The epoch's Gloo group on the interface that reaches the store (rule 3)."""

@@ -68,22 +68,8 @@ class NcclEpochGangs:
         # a round's deadline aborts the communicator), for a process that never called it.
         apply_nccl_settings(os.environ)
         group_store = dist.PrefixStore(prefix, store)  # type: ignore[attr-defined]
-        size = len(members)
         backstop = timedelta(seconds=max(1.0, timeout))
-        group: dist.ProcessGroup
-        if self._device.type == "cpu":  # rule 4; connected when made (rule 1)
-            simulation = ProcessSimulation.install()
-            group = SimNcclProcessGroup(
-                group_store,
-                rank,
-                size,
-                backstop,
-                device=simulation.device,
-                runtime=simulation.runtime,
-                name=name,
-            )
-        else:
-            group = _nccl_group(group_store, rank, size, backstop, name, self._device)
+        group = nccl_group(group_store, rank, len(members), backstop, name, self._device)
         return epoch_gang_over(group, self._device, "nccl", name, members, op_timeout)
 
     def rendezvous_keys(self, size: int) -> list[str]:
@@ -92,10 +78,22 @@ class NcclEpochGangs:
         return ["0"]
 
 
-def _nccl_group(
+def nccl_group(
     store: Any, rank: int, size: int, timeout: timedelta, name: str, device: torch.device
 ) -> dist.ProcessGroup:
-    """The epoch's NCCL group on ``device``, connected (rules 1 and 4)."""
+    """An NCCL group registered nowhere, made on ``store`` (the epoch's prefix) and
+    connected (rules 1 and 4): on a GPU c10d's, on the CPU the simulated NCCL's."""
+    if device.type == "cpu":
+        simulation = ProcessSimulation.install()
+        return SimNcclProcessGroup(
+            store,
+            rank,
+            size,
+            timeout,
+            device=simulation.device,
+            runtime=simulation.runtime,
+            name=name,
+        )
     options = dist.ProcessGroupNCCL.Options()
     options._timeout = timeout
     nccl = dist.ProcessGroupNCCL(store, rank, size, options)

@@ -132,10 +132,10 @@ async def _init(rank: Rank, command: dict[str, Any]) -> None:
     if dying is not None:
         make_group = elastic_setup.make_group
 
-        def dies_in_make_group(formed: Any, *arguments: Any) -> None:
+        def dies_in_make_group(formed: Any, *arguments: Any, **keywords: Any) -> Any:
             if formed.epoch == dying:
                 os.kill(os.getpid(), signal.SIGKILL)
-            make_group(formed, *arguments)
+            return make_group(formed, *arguments, **keywords)
 
         elastic_setup.make_group = dies_in_make_group  # type: ignore[assignment]
     slow = command.get("close_takes")

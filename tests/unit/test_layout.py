@@ -47,6 +47,7 @@ LAYERS: dict[str, int] = {
     "agang.__main__": 1,
     "agang._cli": 1,  # the commands
     "agang.testing": 2,  # public testing tools
+    "agang.ray": 2,  # agang on Ray (the extra agang[ray]): a public tool above the face
     "agang": 3,  # the public face: re-exports only
     "agang._weights": 3,  # weights to a changing fleet: above set-up, re-exported
     "agang._setup": 4,  # making the root gang, elastic gangs, epoch gangs

@@ -130,9 +130,11 @@ def test_exports_are_re_exported_from_private_modules(
 
 
 def test_implementation_modules_are_private() -> None:
-    for package in (agang, agang.testing):
+    import agang.ray  # the extra's package: its own modules are private too
+
+    for package in (agang, agang.testing, agang.ray):
         for module in pkgutil.iter_modules(package.__path__):
-            assert module.name.startswith("_") or module.name == "testing", module.name
+            assert module.name.startswith("_") or module.name in ("testing", "ray"), module.name
             importlib.import_module(f"{package.__name__}.{module.name}")
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import final
@@ -52,6 +53,7 @@ from agang._backends.contract import (
     holding,
 )
 from agang._backends.cuda.runtime import DeviceRuntime, StreamOrder, torch_runtime
+from agang._errors import GangInitError
 from agang._reduce_op import ReduceOp
 from agang._runtime import loops, threads
 
@@ -97,7 +99,9 @@ class C10dBackend:
         order_group: The side Gloo group of order checks, or None without them.
         runtime: The device runtime of the NCCL paths; None for torch.cuda.
         registered: Whether torch.distributed knows the group (it is destroyed through
-            it at release); False for a group double.
+            it at release); False for a group double, an epoch's group, or a private
+            world (``is_world`` and registered nowhere: agang's world in a process
+            whose default group, if any, is the user's).
         owned: Whether the gang owns the group and destroys it at release; False for a
             group borrowed from its owner (a ``DeviceMesh``'s), which destroys it itself.
         roster: Where each of the group's ranks runs, for a group outside the process's
@@ -137,7 +141,11 @@ class C10dBackend:
         runtime = runtime or getattr(process_group, "agang_device_runtime", None)
         self._runtime: DeviceRuntime = torch_runtime() if runtime is None else runtime
         self._registered = registered
+        # Blame is served by the groups c10d knows, and by a private world, whose ranks
+        # are the process's world ranks all the same (its mailboxes are the world's).
+        self._serves = registered or is_world
         self._progress: ProgressOf | None = None  # what this gang answers blames with
+        self._deaths: Callable[[float], str] | None = None  # hear_deaths
         self._owned = owned
         self._roster = None if roster is None else list(roster)
         self._world_ranks = (
@@ -372,12 +380,12 @@ class C10dBackend:
     # Blame (``mailbox``).
 
     def serve_progress(self, progress: ProgressOf) -> None:
-        if self._registered:
+        if self._serves:
             self._progress = progress
             mailbox.serve(self._group_name, self._rank, progress)
 
     def start_blame(self, number: int, report: Blamed, *, collective: bool = False) -> None:
-        if self._stopped or not self._registered:
+        if self._stopped or not self._serves:
             return report(None, "the gang's communicator is released")
         peers = {r: world for r, world in enumerate(self._world_ranks) if r != self._rank}
         mailbox.start_blame(self._group_name, number, peers, report, collective=collective)
@@ -388,12 +396,24 @@ class C10dBackend:
             return f"rank {rank} ({self._roster[rank]})" if known else f"rank {rank}"
         return c10d_world.where(self._world_ranks, rank)
 
+    def hear_deaths(self, heard: Callable[[float], str]) -> None:
+        """Has ``explain`` ask ``heard(seconds)`` what a watcher reported of a dead peer
+        (a death notice, waited for up to ``seconds``: a watcher's word and the lost
+        connection come tens of milliseconds apart, in either order); "" for nothing."""
+        self._deaths = heard
+
     def explain(self, error: BaseException) -> Explanation:
+        deaths = self._deaths
+        if deaths is not None and _LOST.search(str(error)):
+            off_loop = loops.current_library() is None
+            reported = deaths(DEATH_NOTICE_SECONDS if off_loop else 0.0)
+            if reported:
+                return Explanation(reported=reported)
         lost = c10d_world.lost_peer(error, self._world_ranks, self._rank, self.where)
         # A peer that gave up at its deadline said so before its abort dropped the
         # connection (mailbox rule 8); off the loop, its letter may be waited for.
         wait = mailbox.NOTICE_SECONDS if lost and loops.current_library() is None else 0.0
-        told = mailbox.notices(self._group_name, wait) if self._registered else {}
+        told = mailbox.notices(self._group_name, wait) if self._serves else {}
         said = "; and ".join(
             f"{self.where(rank)} gave up first: {message.rstrip('.')}"
             for rank, message in sorted(told.items())
@@ -414,7 +434,7 @@ class C10dBackend:
         # An abort can take a moment; never on the caller's (maybe the loop's) thread.
         groups = self._groups()
         if groups:  # none: a release on another thread has freed them already
-            told = reason is not None and self._registered
+            told = reason is not None and self._serves
             peers = {r: w for r, w in enumerate(self._world_ranks) if r != self._rank}
 
             def abort_groups() -> None:
@@ -441,7 +461,7 @@ class C10dBackend:
         self._bind()  # runs on a closing thread of agang's, or the caller's
         self._stopped = True
         self._completion.release()
-        if self._registered:
+        if self._serves:
             mailbox.unserve(
                 self._group_name,
                 self._progress,
@@ -494,6 +514,13 @@ class C10dBackend:
     async def create_child(
         self, members: list[int], *, name: str, high_priority: bool, seconds: float | None
     ) -> C10dBackend | None:
+        if self._is_world and not self._registered:
+            raise GangInitError(
+                f"Gang '{self._name}' is a private world (registered nowhere in "
+                f"torch.distributed, as agang.ray makes it), and c10d makes sub-groups only "
+                f"of its default group: it has no sub-gangs. Form another gang of the "
+                f"members instead."
+            )
         group, side = await create_groups(
             self._group(),
             members,
@@ -520,6 +547,13 @@ class C10dBackend:
             order_group=side,
             runtime=self._runtime,
         )
+
+
+#: The most a failed op waits for a watcher's death notice of the peer its transport
+#: lost (``hear_deaths``; seconds): Ray's comes within about 20 ms of a kill here.
+DEATH_NOTICE_SECONDS = 0.25
+#: A transport's words for a lost peer (Gloo's, the simulated NCCL's).
+_LOST = re.compile(r"closed by peer|reset by peer|broken pipe|connection|peer|abort", re.I)
 
 
 def _still_registered(group: dist.ProcessGroup) -> bool:

@@ -288,7 +288,9 @@ def serve(group_name: str, rank: int, progress: ProgressOf) -> None:
                 # Rule 3's count is for a world whose rank 0 hosts the store; an elastic
                 # epoch's store outlives its members, and nobody waits on it there.
                 hosted = c10d_world.current().store_override is None
-                _responder = Responder(store, dist.get_rank(), says_ended=hosted)
+                world_rank = c10d_world.current().rank
+                rank_here = dist.get_rank() if world_rank is None else world_rank
+                _responder = Responder(store, rank_here, says_ended=hosted)
             except Exception:
                 log.debug("agang: peers cannot ask this rank (no store clone).", exc_info=True)
                 return

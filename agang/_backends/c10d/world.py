@@ -58,6 +58,9 @@ class World:
     #: The store the ranks' mailboxes live on where it is not the default group's: an
     #: elastic epoch's, under the epoch's prefix.
     store_override: Any = None
+    #: This process's world rank where the world is not c10d's default group (a
+    #: private world: ``agang._setup.elastic``, rule 9); None: the default group's.
+    rank: int | None = None
 
 
 _current = World()
