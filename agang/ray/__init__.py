@@ -9,6 +9,7 @@ Needs the extra ``agang[ray]``; plain ``import agang`` never imports Ray.
 - ``join(spec)`` (inside each async actor): the gang, never the default group.
 - ``subscribe(tensors, store=..., channel=...)`` (inside an actor): a weights
   subscriber named after the actor.
+- ``death_notices()`` (driver): what the watcher told of each death Ray reported.
 
 agang never creates, places, restarts, scales or kills an actor, and uses no private
 module of Ray's.
@@ -28,9 +29,9 @@ from agang.ray._join import join, subscribe
 from agang.ray._member import Member
 from agang.ray._spec import DEFAULT_TIMEOUT, GangSpec
 from agang.ray._spec import plan as _plan
-from agang.ray._store import store
+from agang.ray._store import death_notices, store
 
-__all__ = ["GangSpec", "Member", "join", "plan", "store", "subscribe"]
+__all__ = ["GangSpec", "Member", "death_notices", "join", "plan", "store", "subscribe"]
 
 
 def plan(

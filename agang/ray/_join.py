@@ -2,20 +2,16 @@
 (``subscribe``).
 
 Rules:
-1. ``join`` forms the gang as an elastic gang's private world (``agang._setup.
-   elastic_gang``, rule 7): its groups are registered nowhere, so the actor's default
-   process group, if it made one, stays its own; its keys live under the gang's
-   namespace of the job's store. A gang planned without ``elastic`` is one of exactly
-   its actors (``Elastic(min_size=n, max_size=n)``): formation 0 waits for all of them,
-   rank = position in the plan; after a loss its members may ``reform()``, which
-   admits the lost actor's restarted incarnation (it calls ``join`` again, as a
-   joiner) and no one else.
+1. ``join`` forms the actor's private world (``agang._setup.private_world``): its
+   groups are registered nowhere, so the actor's default process group, if it made
+   one, stays its own; its keys live under the gang's namespace of the job's store.
+   A gang planned without ``elastic`` is one of exactly its actors: rank = position in
+   the plan; after a loss its members may ``reform()``, which admits the lost actor's
+   restarted incarnation (it calls ``join`` again, as a joiner) and no one else.
 2. Once in, the actor has the job's keeper watch it (``agang.ray._keeper``, rule 2):
    its death, as Ray reports it, fails its peers' pending ops at once, with blame that
    names it and says Ray's why.
-3. Cancelling ``join`` stops the wait at once; the set-up thread winds down within the
-   deadline, and a gang it made after all is closed, never left open holding the
-   process's one world.
+3. Cancelling ``join`` is safe (``private_world``, rule 3).
 4. ``subscribe`` is ``WeightSubscriber.open`` named after the actor (Ray keeps an
    actor's name across restarts, so a restarted server reopens under its name and is
    admitted at the next push), then rule 2's watch.
@@ -23,9 +19,6 @@ Rules:
 
 from __future__ import annotations
 
-import os
-import threading
-import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -33,29 +26,11 @@ import ray
 import torch
 
 from agang._gang import Gang
-from agang._policy import CHECKS_ORDER_BY_DEFAULT, GangPolicy, make_policy
-from agang._runtime.threads import start_daemon, start_thread
-from agang._setup import simulation
-from agang._setup.elastic import Elastic
-from agang._setup.elastic_gang import ElasticGang, expect_death_notices, form_first
-from agang._setup.env import WorldInfo
-from agang._setup.process import apply_nccl_settings, resolve_backend, resolve_device
+from agang._setup import private_world
+from agang._setup.elastic_gang import expect_death_notices
 from agang._weights.subscriber import WeightSubscriber
 from agang.ray._spec import GangSpec
 from agang.ray._store import arm
-
-#: How much longer than its deadline ``join`` waits for its set-up thread (seconds).
-_GRACE = 5.0
-
-
-class _Settings:
-    """What a formation reads of its plan (``elastic_gang.Plan``)."""
-
-    def __init__(self, backend: str, device: torch.device, policy: GangPolicy) -> None:
-        self.backend = backend
-        self.device = device
-        self.policy = policy
-        self.stream_ordered = False
 
 
 async def join(spec: GangSpec, *, device: torch.device | str | None = None) -> Gang:
@@ -95,69 +70,20 @@ async def join(spec: GangSpec, *, device: torch.device | str | None = None) -> G
     context = ray.get_runtime_context()
     if context.get_actor_id() is None:
         raise RuntimeError("agang.ray.join() must be called inside a Ray actor.")
-    rank = spec.rank_of(context.current_actor)
-    host, port = spec.store.rsplit(":", 1)
-    world = WorldInfo(
-        rank,
-        spec.size,
-        0,
-        host.removeprefix("[").removesuffix("]"),
-        int(port),
-        launcher_hosts_store=True,
-        source="ray",
-    )
-    chosen = resolve_device(device, None, world)
-    backend = resolve_backend(None, chosen, simulated=simulation.requested(os.environ))
-    if backend == "nccl":
-        apply_nccl_settings(os.environ)
-        if chosen.type == "cuda":
-            torch.cuda.set_device(chosen)
-    policy = make_policy(op_timeout=spec.op_timeout, check_order=backend in CHECKS_ORDER_BY_DEFAULT)
-    elastic = spec.elastic or Elastic(min_size=spec.size, max_size=spec.size)
-    seconds = 10 * 365 * 86400.0 if spec.timeout is None else spec.timeout
-    gang = await _formed_within(
-        lambda deadline: form_first(
-            _Settings(backend, chosen, policy),
-            world,
-            elastic,
-            deadline,
-            namespace=spec.namespace,
-            name=spec.name,
-        ),
-        seconds,
+    gang = await private_world.form(
+        store=spec.store,
+        rank=spec.rank_of(context.current_actor),
+        size=spec.size,
+        namespace=spec.namespace,
+        name=spec.name,
+        timeout=spec.timeout,
+        op_timeout=spec.op_timeout,
+        elastic=spec.elastic,
+        device=device,
     )
     if await arm(spec.store, f"gang '{spec.name}'"):  # rule 2
         expect_death_notices(gang)
     return gang
-
-
-async def _formed_within(form: Any, seconds: float) -> ElasticGang:
-    """``form(deadline)`` on a thread; a gang made after its caller gave up is closed
-    (rule 3)."""
-    lock = threading.Lock()
-    state: dict[str, Any] = {"gave_up": False, "gang": None}
-
-    def run() -> ElasticGang | None:
-        gang = form(time.monotonic() + seconds)
-        with lock:
-            if not state["gave_up"]:
-                state["gang"] = gang
-                return gang  # type: ignore[no-any-return]
-        gang.close_sync()
-        return None
-
-    future = start_thread(run, name="agang.ray join")
-    try:
-        made = await future
-    except BaseException:
-        with lock:
-            state["gave_up"] = True
-            orphan = state["gang"]
-        if orphan is not None:  # made, and never handed over
-            start_daemon(orphan.close_sync, name="agang.ray: close an orphan gang")
-        raise
-    assert made is not None
-    return made
 
 
 async def subscribe(

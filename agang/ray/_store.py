@@ -76,6 +76,47 @@ def store(
     return found
 
 
+def death_notices(
+    address: str | None = None,
+    *,
+    timeout: float | None = 60.0,  # a driver's blocking call
+) -> list[str]:
+    """What the job's watcher told the gangs and channels of its store, oldest first:
+    one line per death Ray reported ("actor 'NAME' (node N, pid P) died (Ray: ...)"),
+    for a driver's log or timeline. Blocks; call it where ``store()`` was called.
+
+    Args:
+        address: The store the watcher serves, as given to ``store()`` (None: the
+            job's own).
+        timeout: Seconds to wait for the watcher's answer (None: 60 s; ``math.inf``:
+            no bound).
+
+    Raises:
+        ValueError: No watcher serves that store in this job (``store()`` was not
+            called), or an argument is invalid.
+
+    Example:
+        <!-- not-run: needs a Ray cluster -->
+        ```python
+        for line in agang.ray.death_notices():
+            print(line)
+        ```
+    """
+    if address is not None:
+        stores.parse_address(address, name="address")
+    seconds = check_deadline(timeout, name="timeout", default=60.0)
+    name = STORE_NAME if address is None else f"{WATCH_PREFIX}{address}"
+    try:
+        keeper: Any = ray.get_actor(name)
+    except ValueError:
+        raise ValueError(
+            f"No watcher '{name}' runs in this job: call agang.ray.store("
+            f"{'' if address is None else repr(address)}) first."
+        ) from None
+    filed = ray.get(keeper.filed.remote(), timeout=seconds)
+    return [str(why) for why, _, _ in filed]
+
+
 async def watcher_for(address: str) -> Any:
     """The keeper that watches for the store at ``address``, or None (none started)."""
 

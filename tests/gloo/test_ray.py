@@ -11,7 +11,6 @@ agang's side runs on each actor's event loop (Ray's asyncio).
 
 from __future__ import annotations
 
-import math
 import os
 import shutil
 import signal
@@ -122,8 +121,8 @@ def test_a_killed_member_fails_every_survivor_at_once_with_rays_cause(
     for outcome in ray.get(pending, timeout=30):
         message = outcome["message"]
         # Every survivor, rank 0 and rank 2 alike, is told who died and Ray's why.
-        assert "rank 1" in message and f"pid {pid}" in message, message
-        assert "actor 'killed-1'" in message and "Ray: ActorDiedError" in message, message
+        for words in ("rank 1", f"pid {pid}", "actor 'killed-1'", "Ray: ActorDiedError"):
+            assert words in message, message
         # Told at once: far below the op's 60 s deadline (the bench measures it).
         assert outcome["at"] - killed < 6.0, outcome
 
@@ -166,7 +165,8 @@ def test_a_restarted_actor_rejoins_its_elastic_gang(actors: list[Any], store: st
         time.sleep(0.1)
     reformed = ray.get([gang[0].reform.remote(), gang[1].reform.remote()], timeout=60)
     joined = ray.get(joining, timeout=60)
-    assert joined["pid"] != pid and joined["size"] == 3 and joined["rank"] == 2
+    assert joined["pid"] != pid
+    assert (joined["rank"], joined["size"]) == (2, 3)
     results = ray.get([actor.all_reduce.remote(1) for actor in gang], timeout=60)
     assert [r["result"] for r in results] == [[3.0] * 4] * 3
 
@@ -198,7 +198,7 @@ def test_the_store_actor_ends_with_its_driver(cluster: str) -> None:
         time.sleep(0.2)
     else:
         pytest.fail(f"the store at {address} outlived its driver")
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="agang-store"):
         ray.get_actor("agang-store", namespace=namespace)
 
 
@@ -218,8 +218,14 @@ def test_two_gangs_and_a_channel_in_one_job(actors: list[Any], store: str) -> No
         report = publisher.push_sync(1)
         assert sorted(report.delivered) == names
         assert [r["w"] for r in ray.get([s.receive.remote() for s in servers])] == [[1.0] * 8] * 2
+        filed = len(ray.get(ray.get_actor("agang-store").filed.remote()))
         os.kill(ray.get(servers[1].pid.remote()), signal.SIGKILL)
-        time.sleep(0.5)
+        # A restartable actor's death is Ray's word once its restart begins (about 1-2 s
+        # here, not milliseconds): the push that follows it drops the server with it.
+        deadline = time.monotonic() + 30
+        while len(ray.get(ray.get_actor("agang-store").filed.remote())) == filed:
+            assert time.monotonic() < deadline, "Ray's watcher filed no notice"
+            time.sleep(0.05)
         weights["w"].fill_(2.0)
         report = publisher.push_sync(2)
         assert report.delivered == ("server-0",)
@@ -232,4 +238,21 @@ def test_two_gangs_and_a_channel_in_one_job(actors: list[Any], store: str) -> No
         assert ray.get(servers[1].receive.remote(), timeout=60) == {"version": 3, "w": [3.0] * 8}
     finally:
         publisher.close_sync()
-    assert not math.isnan(report.seconds)
+
+
+def test_the_ray_rl_loop_example_passes_its_checks(cluster: str) -> None:
+    paths = [str(ROOT), os.environ.get("PYTHONPATH", "")]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(p for p in paths if p),
+        "RAY_ADDRESS": cluster,  # the example's driver joins this cluster
+    }
+    child = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "ray_rl_loop.py")],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
+    assert child.returncode == 0, child.stdout[-4000:] + child.stderr[-4000:]
+    assert "all checks passed" in child.stdout, child.stdout[-4000:]

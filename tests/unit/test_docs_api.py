@@ -17,15 +17,18 @@ from types import ModuleType
 import pytest
 
 import agang
+import agang.ray
 import agang.testing
 
 ROOT = Path(__file__).resolve().parents[2]
 API_DIR = ROOT / "docs" / "api"
 _ENTRY = re.compile(r"^:::\s+(?P<path>[\w.]+)\s*$", re.MULTILINE)
 
-PUBLIC = [(agang, name) for name in agang.__all__] + [
-    (agang.testing, name) for name in agang.testing.__all__
-]
+PUBLIC = (
+    [(agang, name) for name in agang.__all__]
+    + [(agang.ray, name) for name in agang.ray.__all__]
+    + [(agang.testing, name) for name in agang.testing.__all__]
+)
 
 
 def documented_paths(api_dir: Path = API_DIR) -> set[str]:
