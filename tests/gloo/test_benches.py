@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -195,24 +194,3 @@ def test_bench_nccl_sim_prints_every_mode_and_agangs_own_parts() -> None:
                 "poll that learns the end", "await of a finished handle", "loop pass",
                 "Interleaving", "in one loop"):  # fmt: skip
         assert row in result.stdout, result.stdout
-
-
-def test_bench_ray_times_a_killed_actor_with_and_without_rays_notices(tmp_path: Path) -> None:
-    # One repetition on a Ray cluster of its own (or RAY_ADDRESS's); Ray writes /tmp/ray
-    # and a token under ~/.ray: what it created is removed, as tests/gloo/test_ray.py does.
-    pytest.importorskip("ray")
-    made = [path for path in (Path("/tmp/ray"), Path.home() / ".ray") if not path.exists()]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    try:
-        result = _run([str(BENCH / "bench_ray.py"), "--quick", "--out", str(tmp_path)], env, 110)
-    finally:
-        for path in made:
-            shutil.rmtree(path, ignore_errors=True)
-    assert result.returncode == 0, result.stdout + result.stderr
-    for row in ("| fixed gang |", "| elastic recovery |", "| weights push |", "Goal: every"):
-        assert row in result.stdout, result.stdout
-    runs = json.loads((tmp_path / "ray.json").read_text())["runs"]
-    assert len(runs) == 6
-    # Ray's cause is named exactly where the actors mix in agang.ray.Member.
-    assert all(run["ray_cause"] == (run["mode"] == "with notices") for run in runs), runs
-    assert all(size == [2, 1] for run in runs for size in run.get("new_gang", [])), runs

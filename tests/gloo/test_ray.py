@@ -11,6 +11,7 @@ agang's side runs on each actor's event loop (Ray's asyncio).
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -256,3 +257,25 @@ def test_the_ray_rl_loop_example_passes_its_checks(cluster: str) -> None:
     )
     assert child.returncode == 0, child.stdout[-4000:] + child.stderr[-4000:]
     assert "all checks passed" in child.stdout, child.stdout[-4000:]
+
+
+def test_bench_ray_times_a_killed_actor_with_and_without_rays_notices(
+    cluster: str, tmp_path: Path
+) -> None:
+    # One repetition, on the module's cluster (one cluster at a time on this machine).
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_ADDRESS": cluster}
+    child = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "bench_ray.py"), "--quick", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=170,
+        env=env,
+    )
+    assert child.returncode == 0, child.stdout[-4000:] + child.stderr[-4000:]
+    for row in ("| fixed gang |", "| elastic recovery |", "| weights push |", "Goal: every"):
+        assert row in child.stdout, child.stdout
+    runs = json.loads((tmp_path / "ray.json").read_text())["runs"]
+    assert len(runs) == 6
+    # Ray's cause is named exactly where the actors mix in agang.ray.Member.
+    assert all(run["ray_cause"] == (run["mode"] == "with notices") for run in runs), runs
+    assert all(size == [2, 1] for run in runs for size in run.get("new_gang", [])), runs
