@@ -149,11 +149,12 @@ def short(why: str, limit: int = 120) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(
-        description="agang on Ray: trainers' gang, a weights channel, a killed rollout."
+        description="agang on Ray: trainers' gang, a weights channel, a killed rollout.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--push-every", type=int, default=3)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=12, help="training steps")
+    parser.add_argument("--push-every", type=int, default=3, help="push every K steps")
+    parser.add_argument("--seed", type=int, default=0, help="the model's and data's seed")
     args = parser.parse_args()
     every = args.push_every
     if every < 1 or args.steps < 3 * every:

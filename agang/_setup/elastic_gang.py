@@ -44,7 +44,8 @@ Rules:
    connection waits up to ``DEATH_NOTICE_SECONDS`` (off the loop) for the notice
    naming who died, and says that instead: the transport's "Connection closed by
    peer" and the watcher's notice come tens of milliseconds apart, in either order,
-   and only the notice says who and why. Without a watcher nothing waits.
+   and only the notice says who and why. The wait is the gang's, once: ops that fail
+   after the first wait only what is left of it. Without a watcher nothing waits.
 """
 
 from __future__ import annotations
@@ -136,6 +137,8 @@ class ElasticGang(ProcessGroupGang):
         self._private = group is not None
         self._heard: dict[int, str] = {}  # rule 8: per rank, the notice that named it
         self._heard_news = threading.Condition()
+        self._hear_until: float | None = None  # rule 8: one wait per gang, not per op
+        self._expects_notices = False  # rule 8; carried to the next epoch's gang
         self._waiting = set(waiting)
         self._lost: GangBrokenError | None = None  # rule 5
         # Rules 4, 5: this process's mailbox tells the newest epoch's gang (this one).
@@ -184,6 +187,7 @@ class ElasticGang(ProcessGroupGang):
 
     def _expect_notices(self) -> None:
         """Rule 8: a watcher reports this gang's members' deaths."""
+        self._expects_notices = True
         backend = self._backend
         assert isinstance(backend, C10dBackend)
         backend.hear_deaths(self._deaths_heard)
@@ -192,7 +196,10 @@ class ElasticGang(ProcessGroupGang):
         """What death notices said of this gang's members, waited for up to ``seconds``
         (rule 8); "" for nothing."""
         with self._heard_news:
-            self._heard_news.wait_for(lambda: bool(self._heard), timeout=seconds)
+            if self._hear_until is None:  # the first lost op waits; the others, no longer
+                self._hear_until = time.monotonic() + seconds
+            left = max(0.0, self._hear_until - time.monotonic())
+            self._heard_news.wait_for(lambda: bool(self._heard), timeout=left)
             return "; ".join(text for _, text in sorted(self._heard.items()))
 
     @override
@@ -319,6 +326,8 @@ class ElasticGang(ProcessGroupGang):
             ),
             deadline,
         )
+        if self._expects_notices:  # rule 8: the watcher still watches every member
+            gang._expect_notices()
         return gang
 
     async def _blocking(self, fn: Any, deadline: float) -> Any:

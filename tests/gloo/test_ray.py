@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 import torch
 
-ray = pytest.importorskip("ray")
+ray = pytest.importorskip("ray", reason="Ray (the extra agang[ray]) is not installed")
 
 import agang  # noqa: E402
 import agang.ray as ar  # noqa: E402
@@ -168,6 +168,28 @@ def test_a_restarted_actor_rejoins_its_elastic_gang(actors: list[Any], store: st
     joined = ray.get(joining, timeout=60)
     assert joined["pid"] != pid
     assert (joined["rank"], joined["size"]) == (2, 3)
+    results = ray.get([actor.all_reduce.remote(1) for actor in gang], timeout=60)
+    assert [r["result"] for r in results] == [[3.0] * 4] * 3
+
+
+def test_a_fixed_gang_reforms_with_its_restarted_actor_and_no_one_else(
+    actors: list[Any], store: str
+) -> None:
+    gang = members(actors, 3, "fixed-", max_restarts=1)
+    spec = ar.plan(gang, store=store, name="fixed", timeout=60, op_timeout=30)
+    ray.get([actor.join.remote(spec) for actor in gang])
+    pid = ray.get(gang[1].pid.remote())
+    pending = [gang[0].all_reduce.remote(1), gang[2].all_reduce.remote(1)]
+    time.sleep(0.5)
+    os.kill(pid, signal.SIGKILL)
+    assert all("error" in o for o in ray.get(pending, timeout=30))
+    # The survivors' reform waits for all 3: Ray's restarted incarnation joins it.
+    reforming = [gang[0].reform.remote(), gang[2].reform.remote()]
+    when_up(gang[1].pid.remote)
+    joined = ray.get(gang[1].join.remote(spec), timeout=60)
+    reformed = ray.get(reforming, timeout=60)
+    assert joined["pid"] != pid
+    assert sorted((r["rank"], r["size"]) for r in [*reformed, joined]) == [(0, 3), (1, 3), (2, 3)]
     results = ray.get([actor.all_reduce.remote(1) for actor in gang], timeout=60)
     assert [r["result"] for r in results] == [[3.0] * 4] * 3
 

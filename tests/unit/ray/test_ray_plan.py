@@ -122,3 +122,12 @@ def test_agang_ray_without_ray_says_which_extra_to_install() -> None:
         "    raise SystemExit('imported')\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_join_refuses_what_is_not_a_spec_before_asking_ray() -> None:
+    import anyio
+
+    import agang.ray as ar
+
+    with pytest.raises(TypeError, match=r"`spec` must be an agang\.ray\.GangSpec"):
+        anyio.run(ar.join, {"name": "trainers"})  # type: ignore[arg-type]
