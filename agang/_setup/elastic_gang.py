@@ -196,9 +196,10 @@ class ElasticGang(ProcessGroupGang):
         """What death notices said of this gang's members, waited for up to ``seconds``
         (rule 8); "" for nothing."""
         with self._heard_news:
-            if self._hear_until is None:  # the first lost op waits; the others, no longer
-                self._hear_until = time.monotonic() + seconds
-            left = max(0.0, self._hear_until - time.monotonic())
+            if self._hear_until is None and seconds > 0:  # the first lost op off the loop
+                self._hear_until = time.monotonic() + seconds  # waits; the others, no longer
+            until = self._hear_until or 0.0
+            left = max(0.0, min(seconds, until - time.monotonic()))
             self._heard_news.wait_for(lambda: bool(self._heard), timeout=left)
             return "; ".join(text for _, text in sorted(self._heard.items()))
 
@@ -315,17 +316,22 @@ class ElasticGang(ProcessGroupGang):
         # Made on a thread, as init makes it: its responder connects to the store (a
         # network round trip), which must not hold the event loop.
         waiting = elastic_setup.noticed()  # rule 3: only notices since this reform began
-        gang: ElasticGang = await self._blocking(
-            lambda: ElasticGang(
-                formed,
-                elastic=self._elastic,
-                waiting=waiting,
-                deadline=deadline,
-                group=group,
-                **self._settings,
-            ),
-            deadline,
-        )
+
+        def make_gang() -> ElasticGang:
+            try:
+                return ElasticGang(
+                    formed,
+                    elastic=self._elastic,
+                    waiting=waiting,
+                    deadline=deadline,
+                    group=group,
+                    **self._settings,
+                )
+            except BaseException:
+                _abort_quietly(group)  # made, and no gang will ever release it
+                raise
+
+        gang: ElasticGang = await self._blocking(make_gang, deadline)
         if self._expects_notices:  # rule 8: the watcher still watches every member
             gang._expect_notices()
         return gang
@@ -389,19 +395,33 @@ def form_first(
                     f"No elastic group was made before the deadline: {error}"
                 ) from error
             formed = elastic_setup.reform_membership(formed, elastic, deadline, made=False)
-    return ElasticGang(
-        formed,
-        elastic=elastic,
-        backend=plan.backend,
-        device=plan.device,
-        policy=plan.policy,
-        stream_ordered=plan.stream_ordered,
-        # Registered and still beating: a joiner that died waiting is not counted.
-        waiting=membership.live_joiners(store),
-        deadline=deadline,
-        group=group,
-        name=name,
-    )
+    try:
+        return ElasticGang(
+            formed,
+            elastic=elastic,
+            backend=plan.backend,
+            device=plan.device,
+            policy=plan.policy,
+            stream_ordered=plan.stream_ordered,
+            # Registered and still beating: a joiner that died waiting is not counted.
+            waiting=membership.live_joiners(store),
+            deadline=deadline,
+            group=group,
+            name=name,
+        )
+    except BaseException:
+        _abort_quietly(group)  # made, and no gang will ever release it
+        raise
+
+
+def _abort_quietly(group: dist.ProcessGroup | None) -> None:
+    """Aborts a private world's group that no gang took (rule 7); the default group
+    is left to the error's handling, as before."""
+    if group is not None:
+        try:
+            group.abort()
+        except Exception:  # the error being raised is the one to tell
+            log.debug("agang: a private group could not be aborted.", exc_info=True)
 
 
 def _private_side_group(formed: elastic_setup.Formed, seconds: float) -> dist.ProcessGroup:

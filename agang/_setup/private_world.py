@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from agang._collective.process_group_gang import open_world_gang
+from agang._errors import GangInitError
 from agang._policy import CHECKS_ORDER_BY_DEFAULT, GangPolicy, make_policy
 from agang._runtime.threads import start_daemon, start_thread
 from agang._setup import simulation
@@ -63,6 +65,7 @@ async def form(
     """This process's private world (module rules): member ``rank`` of ``size``, on the
     store at ``store`` ("HOST:PORT", checked by the caller) under ``namespace``, within
     ``timeout`` seconds (None: no bound)."""
+    _check_no_world(name)
     host, port = store.rsplit(":", 1)
     world = WorldInfo(
         rank,
@@ -88,6 +91,20 @@ async def form(
         ),
         _NO_BOUND if timeout is None else timeout,
     )
+
+
+def _check_no_world(name: str) -> None:
+    """Refuses to form while this process's world gang is open, before anything is
+    made or published: a second world would overwrite the first's record (its blame
+    would name the other gang's ranks), and its peers would wait for a member that
+    never makes its group."""
+    gang = open_world_gang()
+    if gang is not None:
+        raise GangInitError(
+            f"Gang '{name}' cannot be formed while this process's world gang '{gang.name}' "
+            f"(rank {gang.rank} of {gang.size}) is still open: one process has one world "
+            f"gang (one agang.ray.join, or agang.init). Close it first, or keep using it."
+        )
 
 
 async def _formed_within(form: Callable[[float], ElasticGang], seconds: float) -> ElasticGang:

@@ -46,12 +46,13 @@ def plan(
     """Plans a gang of Ray actors, on the driver: checks everything, starts nothing.
 
     Args:
-        actors: The members' handles, in rank order (rank = position).
+        actors: The members' handles, in rank order (rank = position at formation
+            0; a reform keeps the survivors' order and appends the joiners).
         store: The store's "HOST:PORT" ([`store`][agang.ray.store]'s).
         name: The gang's name: 1 to 100 letters, digits, '.', '_' or '-'; gangs of one
             job have different names.
-        timeout: Seconds ``join`` (and each reform) may take (None: 60 s; ``math.inf``:
-            no bound).
+        timeout: Seconds ``join`` may take (None: 60 s; ``math.inf``: no bound); a
+            ``reform()`` takes its own ``timeout``.
         op_timeout: The deadline of each op called without one (None: agang's default,
             300 s; ``math.inf``: none).
         elastic: An elastic gang's bounds ([`agang.Elastic`][agang.Elastic]), or None

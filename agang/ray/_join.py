@@ -11,7 +11,9 @@ Rules:
 2. Once in, the actor has the job's keeper watch it (``agang.ray._keeper``, rule 2):
    its death, as Ray reports it, fails its peers' pending ops at once, with blame that
    names it and says Ray's why.
-3. Cancelling ``join`` is safe (``private_world``, rule 3).
+3. Cancelling ``join`` or ``subscribe`` is safe: while forming, as
+   ``private_world``'s rule 3 says; while arming the watch, the gang (or subscriber)
+   is closed before the cancel goes on.
 4. ``subscribe`` is ``WeightSubscriber.open`` named after the actor (Ray keeps an
    actor's name across restarts, so a restarted server reopens under its name and is
    admitted at the next push), then rule 2's watch.
@@ -22,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import anyio
 import ray
 import torch
 
@@ -52,6 +55,7 @@ async def join(spec: GangSpec, *, device: torch.device | str | None = None) -> G
     Raises:
         GangInitError: The members did not all come within the spec's ``timeout``, or
             this process's world gang is already open.
+        TypeError: ``spec`` is not a ``GangSpec``.
         RuntimeError: Not called inside a Ray actor.
         ValueError: This actor is not in ``spec``, or ``device`` is invalid.
 
@@ -81,8 +85,13 @@ async def join(spec: GangSpec, *, device: torch.device | str | None = None) -> G
         elastic=spec.elastic,
         device=device,
     )
-    if await arm(spec.store, f"gang '{spec.name}'"):  # rule 2
-        expect_death_notices(gang)
+    try:
+        if await arm(spec.store, f"gang '{spec.name}'"):  # rule 2
+            expect_death_notices(gang)
+    except BaseException:  # rule 3: a gang nobody will hold is not left open
+        with anyio.CancelScope(shield=True):
+            await gang.close()
+        raise
     return gang
 
 
@@ -118,5 +127,10 @@ async def subscribe(
     subscriber = await WeightSubscriber.open(
         tensors, store=store, channel=channel, name=chosen, **options
     )
-    await arm(store, f"channel '{channel}'")
+    try:
+        await arm(store, f"channel '{channel}'")
+    except BaseException:  # a subscriber nobody will hold is not left open
+        with anyio.CancelScope(shield=True):
+            await subscriber.close()
+        raise
     return subscriber

@@ -14,13 +14,18 @@ Rules:
    share its call (keyed by the actor and its pid); a restarted incarnation, with a new
    pid, arms a call of its own. N actors cost N calls, not N x N, and no polling of
    Ray's state and no health loop of agang's own.
-3. *A failed call is a death notice.* When Ray fails the call (``RayActorError``: the
-   actor died, or is being restarted), the keeper files a notice naming the process as
-   its members know it ("HOST, pid N"), saying which actor and Ray's words
-   (``agang.ray._why``), on a store client it keeps open: every listener (an elastic
-   gang's members, a publisher) hears of it within milliseconds of Ray. A call that
-   returns, or fails otherwise, files nothing. Ray does not see a stopped (wedged)
-   actor: deadlines stay for that.
+3. *A failed call is a death notice.* When Ray fails the call with ``ActorDiedError``,
+   the keeper files a notice naming the process as its members know it ("HOST, pid
+   N"), saying which actor and Ray's words (``agang.ray._why``), on a store client it
+   keeps open: every listener (an elastic gang's members, a publisher) hears of it
+   within milliseconds of Ray. The call is made without retries (``max_task_retries=
+   0``), so an actor whose class retries its tasks is not called again in its next
+   incarnation instead. A call that returns, or fails otherwise, files nothing. Ray
+   does not see a stopped (wedged) actor: deadlines stay for that.
+5. *Unavailable is asked, not believed.* ``ActorUnavailableError`` means a restart,
+   or a fault that passes: the keeper asks the actor's pid (``agang_pid``) until it
+   answers, or ``VERIFY_SECONDS`` pass. Another pid, a death, or no answer files the
+   notice for the old pid; the same pid was a passing fault, and the watch goes on.
 4. The keeper's blocking work (serving, connecting, filing) runs on threads, never on
    the actor's event loop, so a notice is never held behind another.
 """
@@ -49,6 +54,8 @@ STORE_NAME = "agang-store"
 WATCH_PREFIX = "agang-watch:"
 #: How long the keeper tries to reach an external store before filing fails (seconds).
 CONNECT_SECONDS = 10.0
+#: How long an unavailable actor is asked for its pid (rule 5; seconds).
+VERIFY_SECONDS = 60.0
 
 
 class Keeper:
@@ -94,28 +101,54 @@ class Keeper:
         if key in self._watched:
             return False
         self._watched.add(key)
-        call = actor.agang_parked.remote()  # started now: Ray tells its end
-        task = asyncio.get_running_loop().create_task(self._wait(key, call, label))
+        task = asyncio.get_running_loop().create_task(self._watch(key, actor, label))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return True
 
-    async def _wait(self, key: tuple[Any, str], call: Any, label: str) -> None:
+    async def _watch(self, key: tuple[Any, str], actor: Any, label: str) -> None:
         try:
-            await call
-        except ray.exceptions.RayActorError as error:  # rule 3
-            notice = deaths.Notice(key[1], death_why(label, error), self._by)
-            seen = time.monotonic()
-            try:
-                told = await asyncio.to_thread(self._file, notice)
-            except Exception:
-                log.warning("agang: a death notice could not be filed.", exc_info=True)
-            else:
-                self._filed.append((notice.why, told, time.monotonic() - seen))
+            while True:
+                # Started at once (Ray tells its end); never retried (rule 3).
+                call = actor.agang_parked.options(max_task_retries=0).remote()
+                try:
+                    await call
+                except ray.exceptions.ActorUnavailableError as error:  # rule 5
+                    if await self._still_there(actor, key[1]):
+                        continue  # a passing fault: watch the same incarnation again
+                    await self._report(key[1], label, error)
+                except ray.exceptions.RayActorError as error:  # rule 3
+                    await self._report(key[1], label, error)
+                return
         except Exception:
             log.debug("agang: a watch ended without a death.", exc_info=True)
         finally:
             self._watched.discard(key)
+
+    async def _still_there(self, actor: Any, who: str) -> bool:
+        """Whether the incarnation that runs as ``who`` still answers (rule 5)."""
+        deadline = time.monotonic() + VERIFY_SECONDS
+        while time.monotonic() < deadline:
+            try:
+                pid = await actor.agang_pid.options(max_task_retries=0).remote()
+            except ray.exceptions.ActorUnavailableError:
+                await asyncio.sleep(0.05)
+                continue
+            except ray.exceptions.RayActorError:
+                return False
+            return who.endswith(f", pid {pid}")
+        return False
+
+    async def _report(self, who: str, label: str, error: BaseException) -> None:
+        """Files the notice of ``who``'s death (rule 3)."""
+        notice = deaths.Notice(who, death_why(label, error), self._by)
+        seen = time.monotonic()
+        try:
+            told = await asyncio.to_thread(self._file, notice)
+        except Exception:
+            log.warning("agang: a death notice could not be filed.", exc_info=True)
+        else:
+            self._filed.append((notice.why, told, time.monotonic() - seen))
 
     def _file(self, notice: deaths.Notice) -> int:
         self._connect()

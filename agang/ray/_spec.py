@@ -8,13 +8,18 @@ Rules:
    compare by actor id, whichever copy of them an actor holds).
 2. Everything is checked on the driver, naming the parameter: no actor is started, and
    no network is touched, before the actors run ``join``.
-3. The name keeps the gang's keys apart from every other gang's on the job's store
-   (``agang/ray/NAME``), so it is short and plain: letters, digits, ``.``, ``_``, ``-``.
+3. The gang's keys live under ``agang/ray/NAME/PLAN`` of the store: the name keeps
+   them apart from every other gang's of the job (so it is short and plain: letters,
+   digits, ``.``, ``_``, ``-``), and the plan's own random id from an earlier plan's
+   of the same name (a driver that plans "trainers" again after a failure, a store
+   that outlives drivers), whose epochs would make every new actor wait as a joiner.
+   A restarted actor is given the same spec, so it finds its gang's keys.
 """
 
 from __future__ import annotations
 
 import re
+import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -36,10 +41,11 @@ class GangSpec:
         name: The gang's name (in errors, logs and the store's keys).
         store: The store's "HOST:PORT".
         actors: The members' handles; a member's rank is its position.
-        timeout: Seconds ``join`` (and a reform) may take; None: no bound.
+        timeout: Seconds ``join`` may take; None: no bound.
         op_timeout: The deadline of each op called without one, as given to ``plan``
             (None: agang's default, 300 s; ``math.inf``: none).
         elastic: An elastic gang's bounds, or None for a gang of exactly ``actors``.
+        plan_id: This plan's random id (rule 3).
     """
 
     name: str
@@ -48,6 +54,7 @@ class GangSpec:
     timeout: float | None
     op_timeout: float | None
     elastic: Elastic | None
+    plan_id: str = ""
 
     @property
     def size(self) -> int:
@@ -57,7 +64,7 @@ class GangSpec:
     @property
     def namespace(self) -> str:
         """The prefix of the gang's keys on the store (rule 3)."""
-        return f"agang/ray/{self.name}"
+        return f"agang/ray/{self.name}/{self.plan_id}"
 
     def rank_of(self, actor: Any) -> int:
         """``actor``'s rank (rule 1); ValueError where it is not a member."""
@@ -117,6 +124,11 @@ def plan(
                 f"`elastic`'s min_size ({elastic.min_size}) must be at most the number of "
                 f"`actors` ({len(actors)}): formation 0 takes those actors."
             )
+        if elastic.max_size is not None and elastic.max_size < len(actors):
+            raise ValueError(
+                f"`elastic`'s max_size ({elastic.max_size}) must be at least the number of "
+                f"`actors` ({len(actors)}): formation 0 takes them all."
+            )
     seconds = check_deadline(timeout, name="timeout", default=DEFAULT_TIMEOUT)
     check_deadline(op_timeout, name="op_timeout", default=None)  # kept as given: join's policy
-    return GangSpec(name, store, tuple(actors), seconds, op_timeout, elastic)
+    return GangSpec(name, store, tuple(actors), seconds, op_timeout, elastic, secrets.token_hex(4))

@@ -92,6 +92,7 @@ def death_notices(
             no bound).
 
     Raises:
+        RuntimeError: Ray is not initialized in this process.
         ValueError: No watcher serves that store in this job (``store()`` was not
             called), or an argument is invalid.
 
@@ -105,6 +106,8 @@ def death_notices(
     if address is not None:
         stores.parse_address(address, name="address")
     seconds = check_deadline(timeout, name="timeout", default=60.0)
+    if not ray.is_initialized():
+        raise RuntimeError("agang.ray.death_notices() needs Ray: call ray.init() first.")
     name = STORE_NAME if address is None else f"{WATCH_PREFIX}{address}"
     try:
         keeper: Any = ray.get_actor(name)

@@ -45,6 +45,8 @@ def test_a_private_world_is_exact_and_leaves_the_default_group(
     joined = [event(lines, "joined") for lines in ranks]
     assert [j["rank"] for j in joined] == [0, 1, 2]
     assert not any(j["default_group"] for j in joined)
+    for lines in ranks:  # a second world in the process is refused before anything
+        assert "one process has one world gang" in event(lines, "refused")["message"]
     assert [event(lines, "result")["value"] for lines in ranks] == [[6.0] * 4] * 3
     assert [event(lines, "result")["value"] for lines in ranks] == [[3.0] * 4] * 3
 
@@ -69,3 +71,17 @@ def test_a_death_notice_fails_the_others_pending_op_at_once(
         assert "rank 2" in failed["message"], failed
         assert "the test's watcher saw it die" in failed["message"], failed
         assert failed["at"] - reported < 10.0  # the op's deadline is 60 s
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_mismatch_is_found_on_the_private_worlds_own_store(
+    started: list[subprocess.Popen[str]], store: str, loop: str
+) -> None:
+    # Order checks (on over Gloo) compare texts on the world's store: a private world
+    # has no default group, and must not need one.
+    ranks = [start(started, store, rank, loop, "--mismatch") for rank in range(3)]
+    for lines in ranks:
+        failed = event(lines, "failed")
+        assert failed["kind"] == "CollectiveMismatchError", failed
+        assert "all_reduce" in failed["message"], failed
+        assert "broadcast" in failed["message"], failed

@@ -1,6 +1,7 @@
 """A member of a private world (``agang._setup.private_world``), for
 ``tests/gloo/test_private_world.py``: forms the gang, says so, then all-reduces its
-rank + 1 and then 1, printing one JSON line per event. With ``--idle`` it takes part
+rank + 1 and then 1, printing one JSON line per event; a second formation in the
+process is refused first. With ``--idle`` it takes part
 in the first all-reduce only. Run: ``python privateworld.py STORE RANK SIZE LOOP
 [--idle]``."""
 
@@ -10,6 +11,7 @@ import json
 import os
 import sys
 import time
+from typing import Any
 
 import anyio
 import torch
@@ -23,8 +25,8 @@ def say(event: str, **fields: object) -> None:
     print(json.dumps({"event": event, **fields}), flush=True)
 
 
-async def main(store: str, rank: int, size: int, idle: bool) -> None:
-    gang = await private_world.form(
+async def form(store: str, rank: int, size: int) -> Any:
+    return await private_world.form(
         store=store,
         rank=rank,
         size=size,
@@ -35,7 +37,26 @@ async def main(store: str, rank: int, size: int, idle: bool) -> None:
         elastic=None,
         device=None,
     )
+
+
+async def main(store: str, rank: int, size: int, idle: bool, mismatch: bool) -> None:
+    gang = await form(store, rank, size)
     say("joined", rank=gang.rank, where=Member.here(), default_group=dist.is_initialized())
+    try:
+        await form(store, rank, size)
+    except Exception as error:  # one world gang per process: refused before anything
+        say("refused", message=str(error))
+    if mismatch:  # rank 0 all-reduces while the others broadcast: order checks say so
+        tensor = torch.ones(4)
+        try:
+            if rank == 0:
+                await gang.all_reduce(tensor)
+            else:
+                await gang.broadcast(tensor, 0)
+        except Exception as error:
+            say("failed", kind=type(error).__name__, message=str(error))
+        await gang.close()
+        return
     tensor = torch.full((4,), float(rank + 1))
     try:
         await gang.all_reduce(tensor)
@@ -53,9 +74,9 @@ async def main(store: str, rank: int, size: int, idle: bool) -> None:
 
 if __name__ == "__main__":
     store, rank, size, loop = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-    idle = "--idle" in sys.argv
+    idle, mismatch = "--idle" in sys.argv, "--mismatch" in sys.argv
     backend, options = (
         ("trio", {}) if loop == "trio" else ("asyncio", {"use_uvloop": loop == "uvloop"})
     )
-    anyio.run(main, store, rank, size, idle, backend=backend, backend_options=options)
+    anyio.run(main, store, rank, size, idle, mismatch, backend=backend, backend_options=options)
     os._exit(0)

@@ -102,9 +102,7 @@ PRIVATE_ACCESSES: dict[str, list[str]] = {
     "default group without making one, nor for the store it was made on": [
         "_backends/c10d/children.py: dist.distributed_c10d._get_default_group",
         "_backends/c10d/children.py: dist.distributed_c10d._get_default_store",
-        "_backends/c10d/mailbox.py: dist.distributed_c10d._get_default_store",
-        "_backends/c10d/order.py: dist.distributed_c10d._get_default_store",
-        "_backends/c10d/order.py: dist.distributed_c10d._get_default_store",
+        "_backends/c10d/world.py: dist.distributed_c10d._get_default_store",
         "_parallel/mesh.py: dist.distributed_c10d._get_default_group",
         "_setup/elastic_gang.py: dist.distributed_c10d._get_default_group",
         "_setup/init.py: dist.distributed_c10d._get_default_group",

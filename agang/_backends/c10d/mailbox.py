@@ -267,13 +267,7 @@ fork.on_fork_in_child(_forget_in_child)
 
 
 def _store() -> Any:
-    store_override = c10d_world.current().store_override
-    if store_override is not None:
-        return store_override
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except Exception:
-        return None
+    return c10d_world.shared_store()
 
 
 def serve(group_name: str, rank: int, progress: ProgressOf) -> None:

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from agang._backends.c10d import world as c10d_world
 from agang._backends.c10d.calls import all_gather_flat
 from agang._backends.contract import Checked
 from agang._backends.fingerprint import balance, balanced, named, split
@@ -91,6 +92,15 @@ def start_order_check(
     work.get_future().add_done_callback(on_gathered)
 
 
+def _shared_store() -> Any:
+    """The world's store (an elastic epoch's or a private world's, else the default
+    group's): a private world has no default group, and one the user made is theirs."""
+    store = c10d_world.shared_store()
+    if store is None:
+        raise RuntimeError("The world has no store to compare fingerprints on.")
+    return store
+
+
 def _exchange_flows(
     prefix: str,
     rank: int,
@@ -103,7 +113,7 @@ def _exchange_flows(
     them all and posts those of the ranks in the first disagreeing pairs; the others
     read that one report."""
     try:
-        store = dist.distributed_c10d._get_default_store()
+        store = _shared_store()
         store.set(f"{prefix}/{rank}", fingerprint)
         report = f"{prefix}/report"
         if rank == 0:
@@ -133,7 +143,7 @@ def _exchange(
     give_up: Callable[[], bool],
 ) -> None:
     try:
-        store = dist.distributed_c10d._get_default_store()
+        store = _shared_store()
         store.set(f"{prefix}/{rank}", fingerprint)
         texts: dict[int, str] = {}
         for digest in dict.fromkeys(digests):  # one rank per distinct fingerprint

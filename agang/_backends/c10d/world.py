@@ -85,6 +85,18 @@ def current() -> World:
 fork.on_fork_in_child(forget)  # rule 3
 
 
+def shared_store() -> Any:
+    """The store every rank of the world reaches: an elastic epoch's or a private
+    world's (``store_override``), else the default group's; None where there is none."""
+    override = _current.store_override
+    if override is not None:
+        return override
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # no default group: a world agang did not set up
+        return None
+
+
 def world_ranks(group: dist.ProcessGroup, registered_child: bool) -> list[int]:
     """The world rank of each of ``group``'s ranks (a child's, through c10d)."""
     if registered_child:

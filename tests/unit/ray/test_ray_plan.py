@@ -43,7 +43,9 @@ def test_a_spec_keeps_the_actors_order_and_its_deadlines_and_pickles() -> None:
     assert copy == spec
     assert [copy.rank_of(Handle(i)) for i in "abc"] == [0, 1, 2]  # by id, any copy
     assert (copy.size, copy.timeout, copy.op_timeout) == (3, 30, math.inf)
-    assert copy.namespace == "agang/ray/trainers"
+    assert copy.namespace == f"agang/ray/trainers/{spec.plan_id}"
+    # Planned again under the same name: keys of its own (rule 3).
+    assert plan(actors, store=STORE, name="trainers").namespace != spec.namespace
     assert plan(actors, store=STORE, timeout=None).timeout == 60.0
     assert plan(actors, store=STORE, timeout=math.inf).timeout is None
 
@@ -67,6 +69,7 @@ def test_an_actor_outside_the_spec_is_refused_naming_the_members() -> None:
         ({"op_timeout": "soon"}, TypeError, "op_timeout"),
         ({"elastic": 3}, TypeError, "`elastic` must be"),
         ({"elastic": agang.Elastic(min_size=3)}, ValueError, "min_size"),
+        ({"elastic": agang.Elastic(min_size=1, max_size=1)}, ValueError, "max_size"),
     ],
 )
 def test_plan_refuses_bad_arguments_naming_them(
