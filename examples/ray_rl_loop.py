@@ -217,6 +217,18 @@ def run(args: argparse.Namespace, kill_at: int) -> int:
     return check(trainers, rollouts, served, reports)
 
 
+def rays_word(actor: str, seconds: float = 30.0) -> list[str]:
+    """The watcher's notices that name ``actor``, waited for: Ray tells of a restarted
+    actor's death around its restart, and the watcher then asks the new incarnation's
+    pid before it files the notice (the example may come to its checks first)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        told = [line for line in ar.death_notices() if actor in line]
+        if told or time.monotonic() > deadline:
+            return told
+        time.sleep(0.1)
+
+
 def check(
     trainers: list[Any],
     rollouts: list[Any],
@@ -236,7 +248,7 @@ def check(
         # Ray restarts rollout-1 (max_restarts=1), and tells of a restartable actor's
         # death only once it restarts it: seconds later, after this push dropped it on
         # agang's own blame. Ray's word then comes as the watcher's notice.
-        told = [line for line in ar.death_notices() if "'rollout-1'" in line]
+        told = rays_word("'rollout-1'")
         if not any("Ray:" in line for line in told):
             failures.append(f"no notice of Ray's names rollout-1's death: {told}")
         else:
