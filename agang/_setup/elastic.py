@@ -65,6 +65,7 @@ Rules (blocking, on set-up threads; never on the loop):
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import threading
@@ -235,40 +236,51 @@ class Elastic:
                 )
 
 
+@dataclass(frozen=True)
+class StoreView:
+    """The store as one gang sees it (rule 9): ``store``, its keys under ``namespace``
+    of the client ``root`` (the client itself where there is no namespace)."""
+
+    root: Any
+    namespace: str = ""
+
+    @functools.cached_property
+    def store(self) -> Any:
+        if not self.namespace:
+            return self.root
+        return dist.PrefixStore(self.namespace, self.root)  # type: ignore[attr-defined]
+
+    def full_key(self, key: str) -> str:
+        """``key`` of the gang's store as a key of the root store."""
+        return f"{self.namespace}/{key}" if self.namespace else key
+
+
 @dataclass
 class Formed:
     """One epoch's membership, and this process's place in it."""
 
     world: WorldInfo
-    store: Any
+    view: StoreView
     me: Member
     epoch: int
     members: list[Member]
     #: The job's id on the store (membership rule 6): checked at each reform (rule 8).
     job: str
-    #: The gang's keys' prefix on the store (rule 9); "" for ``agang.init``'s gang.
-    namespace: str = ""
-    #: The store's client without the prefix, where the directory of death notices'
-    #: listeners lives (None: ``store`` itself, unprefixed).
-    root: Any = None
 
     @property
     def rank(self) -> int:
         return next(i for i, c in enumerate(self.members) if c.uid == self.me.uid)
 
     @property
-    def root_store(self) -> Any:
-        return self.store if self.root is None else self.root
-
-    def full_key(self, key: str) -> str:
-        """``key`` of the gang's store as a key of the root store (rule 9)."""
-        return f"{self.namespace}/{key}" if self.namespace else key
+    def store(self) -> Any:
+        """The gang's view of the store (rule 9)."""
+        return self.view.store
 
 
-def connect_store(world: WorldInfo, deadline: float, namespace: str = "") -> tuple[Any, Any]:
+def connect_store(world: WorldInfo, deadline: float, namespace: str = "") -> StoreView:
     """A client of the store that outlives the ranks (rule 1), retried until ``deadline``
-    (``agang._membership.store``, rules 1 and 2; rule 4 here), and the gang's view of it
-    (under ``namespace``, rule 9; the client itself where there is none)."""
+    (``agang._membership.store``, rules 1 and 2; rule 4 here), seen under ``namespace``
+    (rule 9)."""
     root = stores.connect(
         world.master_addr,
         world.master_port,
@@ -276,21 +288,12 @@ def connect_store(world: WorldInfo, deadline: float, namespace: str = "") -> tup
         need="An elastic gang needs",
         who=f"rank {world.rank}",
     )
-    if not namespace:
-        return root, root
-    return root, dist.PrefixStore(namespace, root)  # type: ignore[attr-defined]
+    return StoreView(root, namespace)
 
 
-def first_formation(
-    store: Any,
-    world: WorldInfo,
-    elastic: Elastic,
-    deadline: float,
-    namespace: str = "",
-    root: Any = None,
-) -> Formed:
-    """Formation 0, or, where it already happened, the next reform as a joiner; ``store``
-    is the gang's view of the store, under ``namespace`` of ``root`` (rule 9)."""
+def first_formation(view: StoreView, world: WorldInfo, elastic: Elastic, deadline: float) -> Formed:
+    """Formation 0, or, where it already happened, the next reform as a joiner."""
+    store = view.store
     me = membership.me(world.rank)
     if membership.current_epoch(store) is None:
         if world.world_size < elastic.min_size:
@@ -312,29 +315,22 @@ def first_formation(
             alive=lambda indices: set(),
         )
         if members is not None:
-            return _formed(world, store, me, 0, members, namespace, root)
-    return join(world, store, me, elastic, deadline, namespace, root)
+            return _formed(world, view, me, 0, members)
+    return join(world, view, me, elastic, deadline)
 
 
 def join(
-    world: WorldInfo,
-    store: Any,
-    me: Member,
-    elastic: Elastic,
-    deadline: float,
-    namespace: str = "",
-    root: Any = None,
+    world: WorldInfo, view: StoreView, me: Member, elastic: Elastic, deadline: float
 ) -> Formed:
     """Waits, as a joiner, for the next reform that admits this process; tells the
     current members' responders that it waits (``waiting_to_join``). Gives up at
     ``deadline``, saying why, and so that no reform waits for it any more. Beats while
     it waits (membership rule 2), so that a reform does not wait for it once it died."""
+    store = view.store
     stop = _beat_while_waiting(store, me)
     try:
         membership.register_joiner(store, me)
-        formed = _wait_for_admission(world, store, me, elastic, deadline)
-        formed.namespace, formed.root = namespace, root
-        return formed
+        return _wait_for_admission(world, view, me, elastic, deadline)
     except GangInitError:
         with contextlib.suppress(Exception):  # a store gone: no reform waits for it either
             membership.withdraw_joiner(store, me)
@@ -358,8 +354,9 @@ def _beat_while_waiting(store: Any, me: Member) -> threading.Event:
 
 
 def _wait_for_admission(
-    world: WorldInfo, store: Any, me: Member, elastic: Elastic, deadline: float
+    world: WorldInfo, view: StoreView, me: Member, elastic: Elastic, deadline: float
 ) -> Formed:
+    store = view.store
     told: int | None = None
     full = False  # the newest epoch is at max_size: no reform can admit this process yet
     while time.monotonic() < deadline:
@@ -393,7 +390,7 @@ def _wait_for_admission(
             alive=lambda indices: set(),
         )
         if members is not None:
-            return _formed(world, store, me, following, members)
+            return _formed(world, view, me, following, members)
     why = (
         f"the gang is at max_size={elastic.max_size}; no member left to make room for it"
         if full
@@ -419,7 +416,8 @@ def reform_membership(
     """The members of the next epoch, decided with the survivors and joiners (the old
     gang still open, so its responder answers the others' pings); where ``formed``'s
     group was never ``made``, with those that checked in to make it (rule 3)."""
-    root, store = connect_store(formed.world, deadline, formed.namespace)  # rule 4
+    view = connect_store(formed.world, deadline, formed.view.namespace)  # rule 4
+    store = view.store
     membership.check_job(store, formed.job, formed.epoch, formed.world.store_address)  # rule 8
     old_epoch_store = dist.PrefixStore(  # type: ignore[attr-defined]
         membership.epoch_key(formed.epoch, "blame"), store
@@ -457,30 +455,22 @@ def reform_membership(
         alive=alive,
     )
     if members is None:  # this process came after the decision: wait for the next one
-        return join(formed.world, store, formed.me, elastic, deadline, formed.namespace, root)
-    return Formed(
-        formed.world, store, formed.me, following, members, formed.job, formed.namespace, root
-    )
+        return join(formed.world, view, formed.me, elastic, deadline)
+    return Formed(formed.world, view, formed.me, following, members, formed.job)
 
 
 def _formed(
-    world: WorldInfo,
-    store: Any,
-    me: Member,
-    epoch: int,
-    members: list[Member],
-    namespace: str = "",
-    root: Any = None,
+    world: WorldInfo, view: StoreView, me: Member, epoch: int, members: list[Member]
 ) -> Formed:
     """``me``'s place in ``epoch`` of the job the store holds, whose id was written
     before any member list (membership rule 6)."""
-    job = membership.job_of(store)
+    job = membership.job_of(view.store)
     if job is None:  # a store written by an agang that did not name its jobs
         raise GangInitError(
             f"The store at {world.store_address} holds elastic epochs but no job id: "
             f"every process of the job must run the same agang."
         )
-    return Formed(world, store, me, epoch, members, job, namespace, root)
+    return Formed(world, view, me, epoch, members, job)
 
 
 @contextlib.contextmanager
@@ -582,7 +572,7 @@ def make_group(
 def private_name(formed: Formed, part: str = "") -> str:
     """The c10d name of a private world's group of ``formed``'s epoch: the same on every
     member (blame's questions name a gang by it), and no other epoch's or gang's."""
-    return f"{formed.namespace or 'agang'}/epoch{formed.epoch}{part}"
+    return f"{formed.view.namespace or 'agang'}/epoch{formed.epoch}{part}"
 
 
 def _private_group(
@@ -614,7 +604,7 @@ def _private_group(
     log.info(
         "agang: elastic epoch %d of %s formed: rank %d of %d.",
         formed.epoch,
-        formed.namespace,
+        formed.view.namespace,
         formed.rank,
         size,
     )

@@ -108,23 +108,27 @@ class ElasticGang(ProcessGroupGang):
         # formation's deadline rather than c10d's default of 30 minutes.
         side_seconds = max(1.0, deadline - time.monotonic())
         side: dist.ProcessGroup | None = None
-        if policy.check_order:
-            side = (
-                dist.new_group(backend="gloo", timeout=timedelta(seconds=side_seconds))
-                if group is None
-                else _private_side_group(formed, side_seconds)
+        try:
+            if policy.check_order:
+                side = (
+                    dist.new_group(backend="gloo", timeout=timedelta(seconds=side_seconds))
+                    if group is None
+                    else _private_side_group(formed, side_seconds)
+                )
+            super().__init__(
+                dist.distributed_c10d._get_default_group() if group is None else group,
+                device=device,
+                backend=backend,
+                name=name,
+                policy=policy,
+                is_world=True,
+                stream_ordered=stream_ordered,
+                order_group=side,
+                registered=group is None,  # rule 7: a private world's is registered nowhere
             )
-        super().__init__(
-            dist.distributed_c10d._get_default_group() if group is None else group,
-            device=device,
-            backend=backend,
-            name=name,
-            policy=policy,
-            is_world=True,
-            stream_ordered=stream_ordered,
-            order_group=side,
-            registered=group is None,  # rule 7: a private world's group is registered nowhere
-        )
+        except BaseException:
+            _abort_quietly(group)  # rule 7: made for this gang, which no one will release
+            raise
         self._formed = formed
         self._elastic = elastic
         self._settings: dict[str, Any] = {
@@ -153,9 +157,10 @@ class ElasticGang(ProcessGroupGang):
         responder = mailbox.current()
         if responder is None:  # no store to answer on: nothing can reach it either
             return None
-        prefix = self._formed.full_key(membership.epoch_key(self._formed.epoch, "blame"))
+        view = self._formed.view
+        prefix = view.full_key(membership.epoch_key(self._formed.epoch, "blame"))
         return deaths.Listening(
-            self._formed.root_store, prefix, responder.world_rank, self._member_gone, responder
+            view.root, prefix, responder.world_rank, self._member_gone, responder
         )
 
     def _member_gone(self, notice: deaths.Notice) -> None:
@@ -316,22 +321,17 @@ class ElasticGang(ProcessGroupGang):
         # Made on a thread, as init makes it: its responder connects to the store (a
         # network round trip), which must not hold the event loop.
         waiting = elastic_setup.noticed()  # rule 3: only notices since this reform began
-
-        def make_gang() -> ElasticGang:
-            try:
-                return ElasticGang(
-                    formed,
-                    elastic=self._elastic,
-                    waiting=waiting,
-                    deadline=deadline,
-                    group=group,
-                    **self._settings,
-                )
-            except BaseException:
-                _abort_quietly(group)  # made, and no gang will ever release it
-                raise
-
-        gang: ElasticGang = await self._blocking(make_gang, deadline)
+        gang: ElasticGang = await self._blocking(
+            lambda: ElasticGang(
+                formed,
+                elastic=self._elastic,
+                waiting=waiting,
+                deadline=deadline,
+                group=group,
+                **self._settings,
+            ),
+            deadline,
+        )
         if self._expects_notices:  # rule 8: the watcher still watches every member
             gang._expect_notices()
         return gang
@@ -380,8 +380,8 @@ def form_first(
     """``agang.init(elastic=...)``'s set-up (on its thread): formation 0, or the next
     reform as a joiner; a group that cannot be made is formed again (rule 1). With a
     ``namespace``, a private world under that prefix of the store (rule 7)."""
-    root, store = elastic_setup.connect_store(world, deadline, namespace)
-    formed = elastic_setup.first_formation(store, world, elastic, deadline, namespace, root)
+    view = elastic_setup.connect_store(world, deadline, namespace)
+    formed = elastic_setup.first_formation(view, world, elastic, deadline)
     private = bool(namespace)
     while True:
         try:
@@ -395,23 +395,19 @@ def form_first(
                     f"No elastic group was made before the deadline: {error}"
                 ) from error
             formed = elastic_setup.reform_membership(formed, elastic, deadline, made=False)
-    try:
-        return ElasticGang(
-            formed,
-            elastic=elastic,
-            backend=plan.backend,
-            device=plan.device,
-            policy=plan.policy,
-            stream_ordered=plan.stream_ordered,
-            # Registered and still beating: a joiner that died waiting is not counted.
-            waiting=membership.live_joiners(store),
-            deadline=deadline,
-            group=group,
-            name=name,
-        )
-    except BaseException:
-        _abort_quietly(group)  # made, and no gang will ever release it
-        raise
+    return ElasticGang(
+        formed,
+        elastic=elastic,
+        backend=plan.backend,
+        device=plan.device,
+        policy=plan.policy,
+        stream_ordered=plan.stream_ordered,
+        # Registered and still beating: a joiner that died waiting is not counted.
+        waiting=membership.live_joiners(view.store),
+        deadline=deadline,
+        group=group,
+        name=name,
+    )
 
 
 def _abort_quietly(group: dist.ProcessGroup | None) -> None:

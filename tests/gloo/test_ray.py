@@ -95,6 +95,17 @@ def when_up(call: Any, seconds: float = 60.0) -> Any:
             time.sleep(0.1)
 
 
+def kill_inside_an_all_reduce(gang: list[Any], victim: int) -> tuple[int, float, list[Any]]:
+    """SIGKILLs ``gang[victim]`` while the others wait inside an all-reduce for it; its
+    pid, when it was killed (``time.time()``), and the others' outcomes."""
+    pid = ray.get(gang[victim].pid.remote())
+    pending = [actor.all_reduce.remote(1) for i, actor in enumerate(gang) if i != victim]
+    time.sleep(0.5)  # the others wait inside the all-reduce for the victim
+    killed = time.time()
+    os.kill(pid, signal.SIGKILL)
+    return pid, killed, ray.get(pending, timeout=30)
+
+
 def test_a_gang_of_three_actors_is_exact_and_takes_no_default_group(
     actors: list[Any], store: str
 ) -> None:
@@ -114,12 +125,8 @@ def test_a_killed_member_fails_every_survivor_at_once_with_rays_cause(
     gang = members(actors, 3, "killed-")
     spec = ar.plan(gang, store=store, name="killed", timeout=60, op_timeout=60)
     ray.get([actor.join.remote(spec) for actor in gang])
-    pid = ray.get(gang[1].pid.remote())
-    pending = [gang[0].all_reduce.remote(1), gang[2].all_reduce.remote(1)]
-    time.sleep(0.5)  # both wait inside the all-reduce for rank 1
-    killed = time.time()
-    os.kill(pid, signal.SIGKILL)
-    for outcome in ray.get(pending, timeout=30):
+    pid, killed, outcomes = kill_inside_an_all_reduce(gang, 1)
+    for outcome in outcomes:
         message = outcome["message"]
         # Every survivor, rank 0 and rank 2 alike, is told who died and Ray's why.
         for words in ("rank 1", f"pid {pid}", "actor 'killed-1'", "Ray: ActorDiedError"):
@@ -151,11 +158,8 @@ def test_a_restarted_actor_rejoins_its_elastic_gang(actors: list[Any], store: st
         gang, store=store, name="elastic", timeout=60, op_timeout=30, elastic=agang.Elastic(2)
     )
     ray.get([actor.join.remote(spec) for actor in gang])
-    pid = ray.get(gang[2].pid.remote())
-    pending = [gang[0].all_reduce.remote(1), gang[1].all_reduce.remote(1)]
-    time.sleep(0.5)
-    os.kill(pid, signal.SIGKILL)
-    assert all("error" in o for o in ray.get(pending, timeout=30))
+    pid, _, outcomes = kill_inside_an_all_reduce(gang, 2)
+    assert all("error" in o for o in outcomes)
     reformed = ray.get([gang[0].reform.remote(), gang[1].reform.remote()], timeout=60)
     assert [(r["rank"], r["size"], r["epoch"]) for r in reformed] == [(0, 2, 1), (1, 2, 1)]
     # Ray restarts it (same handle, new pid); it joins again, and the next reform admits it.
@@ -178,11 +182,8 @@ def test_a_fixed_gang_reforms_with_its_restarted_actor_and_no_one_else(
     gang = members(actors, 3, "fixed-", max_restarts=1)
     spec = ar.plan(gang, store=store, name="fixed", timeout=60, op_timeout=30)
     ray.get([actor.join.remote(spec) for actor in gang])
-    pid = ray.get(gang[1].pid.remote())
-    pending = [gang[0].all_reduce.remote(1), gang[2].all_reduce.remote(1)]
-    time.sleep(0.5)
-    os.kill(pid, signal.SIGKILL)
-    assert all("error" in o for o in ray.get(pending, timeout=30))
+    pid, _, outcomes = kill_inside_an_all_reduce(gang, 1)
+    assert all("error" in o for o in outcomes)
     # The survivors' reform waits for all 3: Ray's restarted incarnation joins it.
     reforming = [gang[0].reform.remote(), gang[2].reform.remote()]
     when_up(gang[1].pid.remote)

@@ -8,24 +8,12 @@ from typing import Any
 
 import anyio
 import pytest
+from rayfakes import Handle
 
 from agang.ray import _join
 from agang.ray._spec import plan
 
 pytestmark = pytest.mark.anyio
-
-
-class Handle:
-    """A stand-in for an actor handle, compared by id (as Ray's are)."""
-
-    def __init__(self, actor_id: str) -> None:
-        self.actor_id = actor_id
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Handle) and other.actor_id == self.actor_id
-
-    def __hash__(self) -> int:
-        return hash(self.actor_id)
 
 
 class Context:

@@ -9,28 +9,12 @@ import subprocess
 import sys
 
 import pytest
+from rayfakes import Handle
 
 import agang
 from agang._membership import deaths
 from agang.ray._spec import GangSpec, plan
 from agang.ray._why import MOST, actor_label, death_why
-
-
-class Handle:
-    """A stand-in for an actor handle: hashable, compared by its id (as Ray's are)."""
-
-    def __init__(self, actor_id: str) -> None:
-        self.actor_id = actor_id
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Handle) and other.actor_id == self.actor_id
-
-    def __hash__(self) -> int:
-        return hash(self.actor_id)
-
-    def __repr__(self) -> str:
-        return f"Handle({self.actor_id})"
-
 
 STORE = "127.0.0.1:29500"
 

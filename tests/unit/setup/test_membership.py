@@ -187,7 +187,9 @@ def test_a_joiner_that_beats_is_given_the_grace_and_admitted() -> None:
     joined: list[Any] = []
     joiner = threading.Thread(
         target=lambda: joined.append(
-            elastic.join(world, store, JOINER, elastic.Elastic(), time.monotonic() + 10)
+            elastic.join(
+                world, elastic.StoreView(store), JOINER, elastic.Elastic(), time.monotonic() + 10
+            )
         ),
         daemon=True,
     )
@@ -267,7 +269,10 @@ def test_a_world_smaller_than_min_size_is_refused_at_once() -> None:
     world = WorldInfo(rank=0, world_size=2, local_rank=0, master_addr="x", master_port=1)
     with pytest.raises(GangInitError, match=r"`min_size` 3 .* WORLD_SIZE 2"):
         elastic.first_formation(
-            dist.HashStore(), world, elastic.Elastic(min_size=3), time.monotonic() + 10
+            elastic.StoreView(dist.HashStore()),
+            world,
+            elastic.Elastic(min_size=3),
+            time.monotonic() + 10,
         )
 
 
@@ -280,7 +285,10 @@ def test_a_joiner_beyond_max_size_says_why_it_waits_and_fails_with_that_reason(
     world = WorldInfo(rank=2, world_size=2, local_rank=0, master_addr="x", master_port=1)
     caplog.set_level(logging.INFO, logger="agang")
     with pytest.raises(GangInitError, match="the gang is at max_size=2; "):
-        elastic.join(world, store, JOINER, elastic.Elastic(max_size=2), time.monotonic() + 0.3)
+        elastic.join(
+            world, elastic.StoreView(store), JOINER, elastic.Elastic(max_size=2),
+            time.monotonic() + 0.3,
+        )  # fmt: skip
     said = [r.getMessage() for r in caplog.records if "max_size=2" in r.getMessage()]
     assert len(said) == 1, said  # once for the one epoch it saw
     assert said[0].startswith("agang: "), said
