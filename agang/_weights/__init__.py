@@ -18,6 +18,7 @@ through the gang's public interface only.
 - ``agang._weights.fleet``: the publisher's view of its subscribers, on a thread.
 - ``agang._weights.housekeeping``: which keys no one reads again, deleted.
 - ``agang._weights.publisher``: ``WeightPublisher``, the trainer's side.
+- ``agang._weights.admission``: ``Admission``, the publisher's members and epochs.
 - ``agang._weights.upstream``: a subscriber's view of its publisher and store, on a
   thread.
 - ``agang._weights.service``: the subscriber's side of every round, on a thread

@@ -32,6 +32,8 @@ T = TypeVar("T")
 
 #: The longest wait "no deadline" stands for (rule 3).
 _DAY = 86400.0
+#: The longest a store step of a push may take past the push's own bound.
+STEP_SECONDS = 5.0
 
 
 def bound(deadline: float, least: float = 0.1) -> float:

@@ -1,31 +1,27 @@
-"""The trainer's side: ``WeightPublisher``. Why one module of this size: the push is
-one protocol (admission, the round, its recovery, and what a cancel leaves), whose steps
-share the publisher's state; split, each half would read the other's fields.
+"""The trainer's side: ``WeightPublisher``. A push admits (who is in each epoch:
+``agang._weights.admission``'s ``Admission``, which the publisher owns), runs its round,
+recovers it, and leaves what a cancel leaves; the publisher also fences the others.
 
 Rules:
-1. *Membership at round boundaries.* A push first takes what the fleet saw since the
-   last one (``agang._weights.fleet``, no store op): the subscribers registered since,
-   the members that closed, were seen silent, or were replaced (a joiner with the name
-   of a member replaces it: a restarted server). Where anything changed, the members
-   move to a new epoch: the old gang is told ``REFORM`` in bucket 0's header, the new
-   members are written, every one checks in, then all make the new gang (the channel's
-   factory, ``agang._membership.gangs``).
+1. *Membership at round boundaries* (``agang._weights.admission`` rule 1): a push
+   first admits the subscribers registered since the last one and drops the members
+   that left, and where anything changed, moves the members to a new epoch; the old
+   gang is told ``REFORM`` in bucket 0's header (``_leave_epoch``).
 2. *A round* sends the buckets in order, each filled just before it is issued (the
    next one fills while the last one moves), then takes each subscriber's confirmation
    (its version and epoch, sent to rank 0). The whole round has the push's deadline.
 3. *Recovery.* A round that fails (a deadline: the gang aborts; a lost connection)
    leaves the subscribers that confirmed delivered; the others are asked where they
-   stand (blame, ``agang._weights.channel`` rule 5). Those that do not answer are
-   dropped, with why; the rest move to a new epoch without them and the round runs
-   again there, once, within ``RECOVERY_SECONDS`` (plus the time the bytes take at
-   ``RECOVERY_BYTES_PER_SECOND``) after the failure; a bucket that an op of the failed
-   round still holds (``Gang.holds``) moves in a new buffer (``agang._weights.buckets``
-   rule 6). A member that fails the second round too is dropped. So a push returns
-   within its deadline plus that bound, and never raises for a lost server.
-4. A member that does not come to make a new epoch's gang within ``CHECK_IN_SECONDS``
-   is dropped, and the epoch after is made without it, within the recovery's bound
-   from then; a joiner that did not come gives the round that follows that bound too,
-   so that the members are not dropped for the time it took. Every step is bounded.
+   stand (``agang._weights.admission`` rule 3). Those that do not answer are dropped,
+   with why; the rest move to a new epoch without them and the round runs again
+   there, once, within ``RECOVERY_SECONDS`` (plus the time the bytes take at
+   ``RECOVERY_BYTES_PER_SECOND``; both admission's) after the failure; a bucket that
+   an op of the failed round still holds (``Gang.holds``) moves in a new buffer
+   (``agang._weights.buckets`` rule 6). A member that fails the second round too is
+   dropped. So a push returns within its deadline plus that bound, and never raises
+   for a lost server.
+4. *Check-ins are bounded* (``agang._weights.admission`` rule 2): a member that does
+   not come to make a new epoch's gang is dropped, within the recovery's bound.
 5. *One publisher per channel: the newest fences the others.* ``open`` takes the
    channel from a publisher that holds it, tells it (``agang._weights.channel`` rule
    1), and returns once it stopped (it says so at its next beat) or was seen silent
@@ -45,7 +41,8 @@ Rules:
    (staging; in place, its tensors may hold parts of it until the next version
    comes). Cancelled while it admitted subscribers, the next push admits them: an
    epoch whose go was said has its gang made, and then closed, by the thread that said
-   it, since its members wait in that gang's rendezvous (``_go_and_make``).
+   it, since its members wait in that gang's rendezvous (``agang._weights.admission``
+   rule 4).
 7. *The store.* A push needs the store only where the membership changes or a round
    fails; where the store failed or did not answer, the push raises ``GangError``
    naming it, within its deadline and the recovery bound. The fleet connects again
@@ -69,7 +66,7 @@ from typing import Any
 import anyio
 import torch
 
-from agang._errors import GangBrokenError, GangError, one_line
+from agang._errors import GangBrokenError, GangError
 from agang._gang import Gang
 from agang._handle import Handle
 from agang._membership import deaths
@@ -77,10 +74,11 @@ from agang._membership.gangs import GangFactory
 from agang._membership.member import Member
 from agang._runtime.threads import run_blocking, start_daemon
 from agang._weights import checks
-from agang._weights.blocking import StoreTrouble, blocking, bound, run_sync, store_trouble
+from agang._weights.admission import Admission
+from agang._weights.blocking import STEP_SECONDS, blocking, bound, run_sync
 from agang._weights.buckets import Buckets
 from agang._weights.channel import Channel
-from agang._weights.epoch import CLOSE, DATA, REFORM, gang_name
+from agang._weights.epoch import CLOSE, DATA, REFORM
 from agang._weights.fleet import Fleet
 from agang._weights.housekeeping import Housekeeping
 from agang._weights.plan import DEFAULT_BUCKET_BYTES, Plan
@@ -89,23 +87,11 @@ from agang._weights.site import Site
 
 log = logging.getLogger("agang.weights")
 
-#: The recovery's bound after a failure (plus the bytes' time): a push that lost a
-#: subscriber returns at most this long after its failure (measured in the tests, under
-#: load: 0.35-0.42 s after a kill, 0.37-0.39 s past the deadline after a stop). A
-#: survivor closes the failed epoch's gang on a thread of its own, so that close, which
-#: can take seconds, is not in it.
-RECOVERY_SECONDS = 2.0
-RECOVERY_BYTES_PER_SECOND = 200e6
-CHECK_IN_SECONDS = 2.0
 #: How long a push cancelled mid-round lets the round's ops finish before it closes the
 #: round's gang (rule 6): a round that ends costs nothing, an abort a new epoch.
 CANCEL_GRACE = 1.0
 #: The longest ``open`` waits for the connection to the store where it has no deadline.
 OPEN_SECONDS = 60.0
-#: The longest a store step of a push may take past the push's own bound.
-_STEP_SECONDS = 5.0
-_POLL = 0.01
-_NO_ANSWER = "no answer (dead, stopped, or cut off from the store)"
 
 
 class WeightPublisher:
@@ -135,22 +121,27 @@ class WeightPublisher:
         self._plan = plan
         self._buckets = Buckets(plan, tensors, publisher=True, in_place=True)
         self._timeout = timeout  # a push's default deadline (None: none)
-        self._factory = factory
         self._me = me
         self._connect = connect  # a new client of the store, by a deadline
-        self._members: list[Member] = []  # the current epoch's subscribers, by rank - 1
-        self._gang: Gang | None = None  # None with members: the next push reforms
         self._abandoned: list[Gang] = []  # failed epochs' gangs, whose ops may hold buckets
         self._in_flight: list[Handle[Any]] = []  # the round under way's ops (rule 6)
-        self._epoch = -1
-        self._taken: list[Member] = []  # joiners taken from the fleet, not admitted yet
-        self._unreported: dict[str, str] = {}  # drops no report has named yet
-        self._names: dict[str, str] = {}  # uid -> name, of every member of this push
         self._keeping = Housekeeping(channel, factory.rendezvous_keys)
         self._last: int | None = None
         self._busy = False
         self._closed = False
         self._fleet = Fleet(channel, self._keeping, self._reconnect, self._member_died)
+        # The members, epoch and gang (rules 1, 4): the fleet's thread reads them only
+        # where the store failed at a beat (``_reconnect``), so not before this line.
+        self._admission = Admission(
+            channel,
+            self._fleet,
+            self._keeping,
+            factory,
+            me,
+            timeout,
+            plan.nbytes,
+            functools.partial(self._leave_epoch, REFORM),
+        )
         # Death notices (rule 8) come to a mailbox of the publisher's own.
         self._listening = deaths.Listening(
             channel.store, f"{channel.prefix}/pub", 0, self._fleet.heard
@@ -258,7 +249,7 @@ class WeightPublisher:
     @property
     def subscribers(self) -> tuple[str, ...]:
         """The names of the subscribers admitted now (the current epoch's)."""
-        return tuple(m.name for m in self._members)
+        return tuple(m.name for m in self._admission.members)
 
     @property
     def plan(self) -> Plan:
@@ -295,7 +286,7 @@ class WeightPublisher:
         deadline = started + (math.inf if seconds is None else seconds)
         self._busy = True
         try:
-            deadline = await self._admit(version, deadline)
+            deadline = await self._admission.admit(version, deadline)
             delivered = await self._round_with_recovery(version, deadline)
         except BaseException:
             with anyio.CancelScope(shield=True):
@@ -304,14 +295,14 @@ class WeightPublisher:
         finally:
             self._busy = False
         self._last = version
-        dropped, self._unreported = self._unreported, {}
+        dropped = self._admission.take_dropped()
         return PushReport(
             version=version,
-            delivered=tuple(sorted({self._names[uid] for uid in delivered})),
+            delivered=self._admission.names_of(delivered),
             dropped=dropped,
             seconds=time.monotonic() - started,
             bytes=self._plan.nbytes,
-            epoch=max(0, self._epoch),
+            epoch=max(0, self._admission.epoch),
         )
 
     def push_sync(self, version: int, timeout: float | None = None) -> PushReport:
@@ -332,17 +323,16 @@ class WeightPublisher:
         within ``CANCEL_GRACE``, or its gang closed (no op of it reads the tensors after
         the push raised) and the next push to start a new epoch; the joiners it took
         given back. Called shielded from the cancel."""
-        self._fleet.put_back(self._taken)
-        self._taken = []
+        self._admission.give_back()
         in_flight, self._in_flight = self._in_flight, []
-        if in_flight and self._gang is not None:
+        if in_flight and self._admission.gang is not None:
             with anyio.move_on_after(CANCEL_GRACE):
                 for handle in in_flight:
                     with contextlib.suppress(GangError):
                         await handle
             if all(h.done() and h.exception() is None for h in in_flight):
                 return  # the round ended well: the epoch goes on
-        gang, self._gang = self._gang, None
+        gang = self._admission.take_gang()
         if gang is not None:
             self._abandoned.append(gang)
             await gang.close()
@@ -351,7 +341,7 @@ class WeightPublisher:
         """A death notice named a member (rule 8), on the listener's thread: a round
         under way, which waits on it, is ended now (its gang closed on a thread), so
         that the push drops it and goes on with the others without its deadline."""
-        gang = self._gang
+        gang = self._admission.gang
         if gang is not None and self._in_flight:
             start_daemon(gang.close_sync, name=f"agang: weights: end round of '{gang.name}'")
 
@@ -370,192 +360,18 @@ class WeightPublisher:
         if holder is not None:  # another publisher opened the channel on the new store
             self._fleet.fenced_by = channel.other(holder).publisher()
             return
-        if self._epoch >= 0:
-            channel.set_members(self._epoch, [self._me, *self._members])
+        self._admission.write_members_again()
         log.info(
             "agang: the store at %s had lost channel '%s': opened again there.",
             channel.address,
             channel.name,
         )
 
-    # Rule 1: admission.
-
-    async def _admit(self, version: int, deadline: float) -> float:
-        """Admits the joiners, drops who left, went silent or was replaced (rule 1);
-        returns the round's deadline, later where a joiner did not come (rule 4)."""
-        seen = self._fleet.take()
-        self._unreported.update(seen.dropped)
-        self._taken += seen.joiners
-        gone: dict[str, str] = {}  # uid -> why, told to each
-        for member in self._members:
-            if member.uid in seen.dead:  # rule 8
-                self._unreported[member.name] = seen.dead[member.uid]
-                gone[member.uid] = seen.dead[member.uid]
-            elif member.uid in seen.leaving:
-                self._unreported[member.name] = "it closed (left the channel)"
-                gone[member.uid] = ""
-            elif member.uid in seen.silent:
-                why = (
-                    f"no beat for {seen.silent[member.uid]:.1f} s (dead, stopped, or cut "
-                    f"off from the store)"
-                )
-                self._unreported[member.name] = why
-                gone[member.uid] = why
-        for joiner in self._taken:
-            for old in self._members:
-                if old.name == joiner.name and old.uid not in gone and old.uid != joiner.uid:
-                    why = f"replaced: a subscriber of the same name opened ({joiner.where})"
-                    self._unreported[old.name] = why
-                    gone[old.uid] = why
-        members = [m for m in self._members if m.uid not in gone]
-        changed = bool(gone) or bool(self._taken) or (self._gang is None and bool(members))
-        self._members = members  # the state is whole at every await below (rule 6)
-        if gone:
-            self._fleet.set_members(members)
-            told = {uid: why for uid, why in gone.items() if why}
-            if told:
-                await self._blocking(
-                    functools.partial(self._drop_all, told), _STEP_SECONDS, "drops"
-                )
-        if not changed:
-            return deadline
-        joiners = [j for j in self._taken if j.uid not in {m.uid for m in members}]
-        later = await self._reform([*members, *joiners], version, deadline)
-        self._taken = []
-        return deadline if later is None else later
-
-    def _recovery_bound(self, failed_at: float) -> float:
-        """When a recovery that began at ``failed_at`` must end (rule 3)."""
-        return failed_at + RECOVERY_SECONDS + self._plan.nbytes / RECOVERY_BYTES_PER_SECOND
-
-    def _drop_all(self, why_of: dict[str, str]) -> None:
-        """Drops each uid of ``why_of``, telling it why (blocking)."""
-        alive = self._fleet.alive() - set(why_of)
-        for uid, why in why_of.items():
-            self._keeping.dropped(uid, why, alive)
-
-    async def _reform(self, members: list[Member], version: int, deadline: float) -> float | None:
-        """Moves to a new epoch of ``members`` (rules 1, 4) and drops those that do not
-        come. A try that failed gives the next one, and the round after, the recovery's
-        bound from then, so the members that came are not dropped for the time it took:
-        returns that later deadline, or None where every member came."""
-        await self._leave_epoch(REFORM, version)
-        lost: float | None = None
-        for _ in range(len(members) + 2):  # each try drops a member at least, or ends
-            self._epoch += 1
-            epoch = self._epoch
-            self._members = members
-            for member in members:
-                self._names[member.uid] = member.name
-            self._fleet.set_members(members)
-            self._keeping.wrote_epoch(epoch, len(members) + 1)
-            if not members:
-                await self._blocking(
-                    functools.partial(self._epoch_alone, epoch), bound(deadline), "epoch"
-                )
-                return lost
-            came = await self._blocking(
-                functools.partial(self._gather_check_ins, epoch, members, deadline),
-                bound(deadline) + CHECK_IN_SECONDS,
-                "the check-ins",
-            )
-            if came is None:  # another wrote this epoch's list: take the next one
-                continue
-            missing = [m for m in members if m.uid not in came]
-            if not missing:
-                try:
-                    self._gang = await self._go_and_make(epoch, members, deadline)
-                except (GangError, RuntimeError) as error:
-                    if isinstance(error, StoreTrouble):
-                        raise
-                    why = f"epoch {epoch}'s group could not be made: {one_line(error)}"
-                    missing = await self._blocking(
-                        functools.partial(self._fleet.silent_among, members), _STEP_SECONDS, "beats"
-                    )
-                else:
-                    await self._blocking(
-                        functools.partial(self._keeping.epoch_made, epoch), _STEP_SECONDS, "tidying"
-                    )
-                    return lost
-            else:
-                await self._blocking(
-                    functools.partial(self._channel.say_go, epoch, False), _STEP_SECONDS, "go"
-                )
-                why = (
-                    f"admitted to epoch {epoch} at version {version}, but did not come to "
-                    f"make its group within {CHECK_IN_SECONDS:g} s (dead or stopped)"
-                )
-            for member in missing:
-                self._unreported[member.name] = why
-            await self._blocking(
-                functools.partial(self._drop_all, {m.uid: why for m in missing}),
-                _STEP_SECONDS,
-                "drops",
-            )
-            members = [m for m in members if m not in missing]
-            deadline = max(deadline, self._recovery_bound(time.monotonic()))
-            lost = deadline
-        self._members = []
-        self._fleet.set_members([])
-        return lost
-
-    async def _go_and_make(self, epoch: int, members: list[Member], deadline: float) -> Gang:
-        """Says go for ``epoch`` and makes its gang, one step on one thread; a gang made
-        for a push that was cancelled meanwhile is closed (``agang._weights.blocking``
-        rule 2). One step: the members that read go wait in the gang's rendezvous until
-        the publisher comes, or their timeout, so a go said must be followed by the
-        making, whatever becomes of the push: one cancelled as its thread said go, in a
-        step of its own, left them there for the subscribers' timeout, and the next push
-        dropped them for not checking in to its epoch (rule 6)."""
-        channel = self._channel
-
-        def go_and_make() -> Gang:
-            try:
-                channel.say_go(epoch, True)
-            except Exception as error:  # the store's (rule 7), not the group's
-                raise store_trouble("go", channel.address, error) from error
-            return self._factory(
-                channel.group_store(),
-                channel.group_prefix(epoch),
-                rank=0,
-                members=[self._me, *members],
-                name=gang_name(channel.name, channel.session, epoch),
-                timeout=bound(deadline),
-                op_timeout=self._timeout,
-            )
-
-        return await blocking(
-            go_and_make,
-            _STEP_SECONDS + bound(deadline) + 2.0,
-            what=f"making epoch {epoch}'s group",
-            store=self._channel.address,
-            abandoned=lambda made: made.close_sync(),
-            store_op=False,
-        )
-
-    def _epoch_alone(self, epoch: int) -> None:
-        """``epoch`` has no subscriber: the publisher alone, and no group (blocking)."""
-        self._channel.set_members(epoch, [self._me])
-        self._keeping.epoch_made(epoch)
-
-    def _gather_check_ins(
-        self, epoch: int, members: list[Member], deadline: float
-    ) -> set[str] | None:
-        """Writes the members of ``epoch`` and waits for their check-ins (blocking);
-        None where another wrote the epoch's list first."""
-        if not self._channel.set_members(epoch, [self._me, *members]):
-            return None
-        give_up_at = min(deadline, time.monotonic() + CHECK_IN_SECONDS)
-        wanted = {m.uid for m in members}
-        while True:
-            came = self._channel.checked_in(epoch) & wanted
-            if came == wanted or time.monotonic() >= give_up_at:
-                return came
-            time.sleep(_POLL)
+    # Rules 1, 6: leaving an epoch.
 
     async def _leave_epoch(self, what: int, version: int) -> None:
         """Tells the current gang ``what`` comes next (``REFORM``, ``CLOSE``) and closes it."""
-        gang, self._gang = self._gang, None
+        gang = self._admission.take_gang()
         if gang is None:
             return
         self._renew_held()
@@ -563,7 +379,7 @@ class WeightPublisher:
         try:
             if not gang.closed:
                 header = self._buckets.header
-                header.copy_(torch.tensor([what, version, self._epoch + 1, 0]))
+                header.copy_(torch.tensor([what, version, self._admission.epoch + 1, 0]))
                 with contextlib.suppress(GangError):  # a member gone: the abort told them
                     await gang.broadcast(self._buckets.wire[0], 0, timeout=5.0)
         finally:
@@ -576,58 +392,23 @@ class WeightPublisher:
         """The uids of the subscribers that confirmed ``version`` (rule 3)."""
         delivered: set[str] = set()
         for attempt in range(2):
-            if self._gang is None:
+            if self._admission.gang is None:
                 return delivered
             acked, failure = await self._round(version, deadline)
             delivered |= acked
             if failure is None:
                 return delivered
-            failed_at = time.monotonic()
-            recovery = self._recovery_bound(failed_at)
-            # The news first: a member that closed since the last beat is not blamed.
-            await self._blocking(self._fleet.look_now, bound(recovery), "reading the news")
-            seen = self._fleet.take()
-            self._unreported.update(seen.dropped)
-            self._taken += seen.joiners
-            kept = [m for m in self._members if m.uid not in {*seen.leaving, *seen.dead}]
-            for member in self._members:
-                if member.uid in seen.leaving:
-                    self._unreported[member.name] = "it closed (left the channel)"
-                elif member.uid in seen.dead:  # rule 8: not asked, it is dead
-                    self._unreported[member.name] = seen.dead[member.uid]
-            missing = [m for m in kept if m.uid not in acked]
-            answers = await self._blocking(
-                functools.partial(self._channel.ask, [m.uid for m in missing]),
-                bound(recovery),
-                "asking the subscribers",
-            )
-            error = one_line(failure).rstrip(".")
-            why_of = {}
-            for member in missing:
-                answer = answers.get(member.uid)
-                if answer is None or attempt == 1:
-                    said = _NO_ANSWER if answer is None else f"failed twice; it says: {answer}"
-                    why = f"{said}; version {version}'s round failed: {error}"
-                    self._unreported[member.name] = why
-                    why_of[member.uid] = why
-                    kept.remove(member)
-            if why_of:
-                await self._blocking(
-                    functools.partial(self._drop_all, why_of), bound(recovery), "drops"
-                )
-            joiners = [j for j in self._taken if j.uid not in {m.uid for m in kept}]
-            later = await self._reform([*kept, *joiners], version, recovery)
-            self._taken = []
-            deadline = recovery if later is None else later
+            deadline = await self._admission.recover(version, acked, failure, last=attempt == 1)
         return delivered
 
     async def _round(self, version: int, deadline: float) -> tuple[set[str], BaseException | None]:
         """Rule 2: the subscribers (uids) that confirmed ``version``, and the first failure."""
-        gang = self._gang
+        gang = self._admission.gang
         assert gang is not None
+        members, epoch = self._admission.members, self._admission.epoch
         self._renew_held()
         buckets = self._buckets
-        header = torch.tensor([DATA, version, self._epoch, 0])
+        header = torch.tensor([DATA, version, epoch, 0])
         handles = []
         failure: BaseException | None = None
         try:
@@ -639,7 +420,7 @@ class WeightPublisher:
                     gang.broadcast(buckets.wire[index], 0, timeout=bound(deadline, 0.001))
                 )
             # On the gang's device (NCCL takes no other): bucket 0's.
-            acks = [torch.zeros_like(buckets.header[:2]) for _ in self._members]
+            acks = [torch.zeros_like(buckets.header[:2]) for _ in members]
             for rank, ack in enumerate(acks, 1):
                 handles.append(gang.recv(ack, rank, timeout=bound(deadline, 0.001)))
         except GangError as error:
@@ -649,7 +430,7 @@ class WeightPublisher:
         # before it is awaited costs no wake-up of the loop (one a push, not one an op).
         # Cancelled here, the push's abandon lets them end, or closes the gang (rule 6).
         self._in_flight = handles
-        if self._fleet.any_dead(self._members):
+        if self._fleet.any_dead(members):
             # A notice heard after this push's sighting, before its ops were in flight:
             # ``_member_died`` found none to end then, so this round ends here (rule 8).
             self._member_died()
@@ -666,18 +447,14 @@ class WeightPublisher:
             failure = causes[0] if causes else errors[min(errors)]
         acked = set()
         sent = len(handles) - len(acks)
-        for member, ack, handle in zip(self._members, acks, handles[sent:], strict=False):
-            if (
-                handle.done()
-                and handle.exception() is None
-                and ack.tolist() == [version, self._epoch]
-            ):
+        for member, ack, handle in zip(members, acks, handles[sent:], strict=False):
+            if handle.done() and handle.exception() is None and ack.tolist() == [version, epoch]:
                 acked.add(member.uid)
         if failure is not None:
             # On a thread of its own: a close waits (up to 5 s) for ops that c10d has not
             # ended, such as a broadcast to a peer behind a dead link, and the recovery
             # must not (it took 5.3 s of a cut-off push's recovery).
-            self._gang = None
+            self._admission.take_gang()  # the next push reforms
             self._abandoned.append(gang)
             start_daemon(gang.close_sync, name=f"agang: weights: close gang '{gang.name}'")
         return acked, failure
@@ -708,7 +485,7 @@ class WeightPublisher:
             if self._fleet.fenced_by is not None:
                 return  # the channel is another's: its keys are not this one's to tidy
             try:
-                await self._blocking(self._say_closed, _STEP_SECONDS, "closing the channel")
+                await self._blocking(self._say_closed, STEP_SECONDS, "closing the channel")
             except GangError as error:
                 log.info("agang: closing channel '%s': %s", self._channel.name, error)
 

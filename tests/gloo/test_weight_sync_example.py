@@ -14,7 +14,7 @@ import re
 import pytest
 from scriptrun import ROOT, alive, ended_pids, load_script, run_script
 
-from agang._weights.publisher import RECOVERY_SECONDS
+from agang._weights.admission import RECOVERY_SECONDS
 
 pytestmark = pytest.mark.gloo
 

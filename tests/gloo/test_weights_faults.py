@@ -40,11 +40,8 @@ from weightserver import model
 
 from agang._errors import GangError
 from agang._weights import housekeeping
-from agang._weights.publisher import (
-    RECOVERY_BYTES_PER_SECOND,
-    RECOVERY_SECONDS,
-    WeightPublisher,
-)
+from agang._weights.admission import RECOVERY_BYTES_PER_SECOND, RECOVERY_SECONDS
+from agang._weights.publisher import WeightPublisher
 from agang._weights.report import PushReport
 from agang._weights.subscriber import WeightSubscriber
 
@@ -359,8 +356,8 @@ async def test_a_failed_epochs_gang_is_freed_when_the_push_returns(
         steady.opened()
         victim.opened()
         assert (await push(publisher, 1)).delivered == ("steady", "victim")
-        assert publisher._gang is not None
-        engine = weakref.ref(publisher._gang._engine)  # epoch 0's, which the kill fails
+        assert publisher._admission.gang is not None
+        engine = weakref.ref(publisher._admission.gang._engine)  # epoch 0's, which the kill fails
         threads = census()["native_threads"]
         victim.kill()
         report = await push(publisher, 2)

@@ -27,8 +27,9 @@ from agang import GangError, PushReport
 from agang._membership import deaths
 from agang._weights import channel as channel_keys
 from agang._weights import fleet, publisher, upstream
+from agang._weights.admission import RECOVERY_SECONDS
 from agang._weights.plan import Plan
-from agang._weights.publisher import RECOVERY_SECONDS, WeightPublisher
+from agang._weights.publisher import WeightPublisher
 from agang._weights.site import Site
 from agang._weights.subscriber import WeightSubscriber
 from agang.testing._world.epochs import FakeEpochs
@@ -329,7 +330,7 @@ async def test_a_push_cancelled_past_its_grace_aborts_the_round_before_it_raises
     began = time.monotonic()
     assert await cancelled_after(0.1, lambda: pub.push(2)) is None
     assert time.monotonic() - began < 0.1 + 0.2 + PATIENCE
-    assert pub._gang is None  # closed: the next push starts a new epoch
+    assert pub._admission.gang is None  # closed: the next push starts a new epoch
     channel.epochs.resume(stopped._me.uid)
     write(weights, 3)
     report = await pub.push(3)
@@ -410,7 +411,7 @@ async def test_a_push_cancelled_as_it_tells_the_old_epoch_to_reform_closes_that_
     pub = await channel.publisher(model(0), deadline=30.0)
     first = await channel.subscriber(zeros(), "first")
     assert (await pub.push(1)).delivered == ("first",)
-    old = pub._gang
+    old = pub._admission.gang
     assert old is not None
     broadcast = type(old).broadcast
 
