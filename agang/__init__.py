@@ -56,6 +56,7 @@ if _typing.TYPE_CHECKING:
     from agang._statistics import Quantiles as Quantiles
     from agang._weights.publisher import WeightPublisher as WeightPublisher
     from agang._weights.report import PushReport as PushReport
+    from agang._weights.sharded import Sharded as Sharded
     from agang._weights.subscriber import WeightSubscriber as WeightSubscriber
 
 # Public name -> the module that defines it: loaded on the name's first use.
@@ -98,6 +99,7 @@ _EXPORTS: dict[str, str] = {
     "Quantiles": "agang._statistics",
     "WeightPublisher": "agang._weights.publisher",
     "PushReport": "agang._weights.report",
+    "Sharded": "agang._weights.sharded",
     "WeightSubscriber": "agang._weights.subscriber",
 }
 
@@ -137,6 +139,7 @@ __all__ = [
     "WeightPublisher",
     "WeightSubscriber",
     "PushReport",
+    "Sharded",
     # Errors
     "GangError",
     "GangInitError",

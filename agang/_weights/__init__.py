@@ -12,6 +12,9 @@ through the gang's public interface only.
   tied tensors) that both sides agree on before bytes move, and its buckets.
 - ``agang._weights.buckets``: the flat byte buffers a round moves, packed from and
   unpacked into the tensors.
+- ``agang._weights.sharded``: ``Sharded``, a plain tensor that is a rank's shard.
+- ``agang._weights.sharding``: how a gang holds each tensor (``DTensor`` placements),
+  and each rank's share of a bucket.
 - ``agang._weights.channel``: the channel's keys in the store: the holder, the plan,
   the joiners, each epoch's members, beats, drops, and the status questions of blame.
 - ``agang._weights.epoch``: what a round's header says, and an epoch gang's name.

@@ -84,9 +84,10 @@ class Buckets:
         self._owned: list[bool] = []  # a buffer of its own, not the user's tensor
         for direct, nbytes, parts in self.layout:
             if direct and (publisher or in_place):
-                view = self._bytes[parts[0][0]]
+                index, _, size, start = parts[0]
+                view = self._bytes[index]
                 assert view is not None
-                self.wire.append(view)
+                self.wire.append(view[start : start + size])
                 self._owned.append(False)
             else:
                 self.wire.append(torch.zeros(nbytes, dtype=torch.uint8, device=self._device))
@@ -97,10 +98,12 @@ class Buckets:
         self._pieces: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
         for (_, _, parts), wire, owned in zip(self.layout, self.wire, self._owned, strict=True):
             pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
-            for tensor_index, offset, nbytes in parts if owned else []:
+            for tensor_index, offset, nbytes, start in parts if owned else []:
                 tensor_bytes = self._bytes[tensor_index]
                 assert tensor_bytes is not None
-                pairs += pieces(wire[offset : offset + nbytes], tensor_bytes)
+                pairs += pieces(
+                    wire[offset : offset + nbytes], tensor_bytes[start : start + nbytes]
+                )
             self._pieces.append(pairs)
         # Rule 7: (the tensor's bytes, an alias's own bytes) where they are two memories.
         self._ties: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -120,10 +123,10 @@ class Buckets:
         _, nbytes, parts = self.layout[index]
         wire = torch.zeros(nbytes, dtype=torch.uint8, device=self._device)
         pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for tensor_index, offset, size in parts:
+        for tensor_index, offset, size, start in parts:
             tensor_bytes = self._bytes[tensor_index]
             assert tensor_bytes is not None
-            pairs += pieces(wire[offset : offset + size], tensor_bytes)
+            pairs += pieces(wire[offset : offset + size], tensor_bytes[start : start + size])
         self.wire[index] = wire
         self._owned[index] = True
         self._pieces[index] = pairs

@@ -8,15 +8,24 @@ Rules:
 2. The publisher writes its plan (and bucket size) to the store; a subscriber whose own
    plan differs is refused at ``open``, with the first differing tensor named on both
    sides (``difference``).
-3. Buckets: tensors are taken in plan order; one of at least ``bucket_bytes`` bytes is
-   a *direct* bucket of its own (its bytes move as they are, with no copy on the
-   publisher); the others are *packed* into buckets of up to ``bucket_bytes``, each
-   tensor at an offset aligned to ``ALIGN`` bytes. Bucket 0 is always packed and starts
-   with the round's header (``HEADER_BYTES``). A model that fits one bucket moves
-   whole in bucket 0, in one broadcast, which a subscriber posts before the round
-   comes; otherwise bucket 0 holds at most ``FIRST_BUCKET_BYTES`` (a subscriber
-   receives it apart, reads the header, then posts the other buckets). Empty tensors
-   move nothing. Both sides derive the same buckets from the same plan and bucket size.
+3. Buckets: tensors are taken in plan order; one of at least ``bucket_bytes`` bytes
+   moves in a *direct* bucket (its bytes move as they are, with no copy on a publisher
+   that holds it whole), or, in a *split* plan, in direct buckets of at most
+   ``bucket_bytes`` each, cut between rows of its first dimension (``row_bytes``: a row
+   larger than ``bucket_bytes`` is a bucket of its own); the others are *packed* into
+   buckets of up to ``bucket_bytes``, each tensor at an offset aligned to ``ALIGN``
+   bytes. Cutting between rows of dimension 0 is what lets a sharded side
+   (``agang._weights.sharding``) move its share of a bucket as one view: a row range of
+   a ``Shard(0)`` tensor, or whole rows of a ``Shard(d)`` one; and in a split plan no
+   bucket is larger than ``bucket_bytes`` (but for such a row), so a side that streams
+   buckets holds a few, never the largest tensor. A sharded trainer's publisher splits
+   its plan; whether a plan is split is part of the stored plan (not of the
+   fingerprint), so every side cuts it alike. Bucket 0 is always packed and starts with
+   the round's header (``HEADER_BYTES``). A model that fits one bucket moves whole in
+   bucket 0, in one broadcast, which a subscriber posts before the round comes;
+   otherwise bucket 0 holds at most ``FIRST_BUCKET_BYTES`` (a subscriber receives it
+   apart, reads the header, then posts the other buckets). Empty tensors move nothing.
+   Both sides derive the same buckets from the same plan and bucket size.
 4. *Tied tensors.* A tensor under several names (a tied embedding's ``state_dict()``:
    one tensor, the same view, twice) moves once, under its first name; the later names
    are its *aliases* and move nothing. The aliases are part of the stored plan but not
@@ -25,10 +34,10 @@ Rules:
    ``open`` (one tensor cannot hold two values). Two names whose memory overlaps
    without being the same view are refused too: no order of copies keeps both.
 5. *One transport per channel*: the publisher's (``agang._weights.site``: NCCL for
-   tensors on a GPU, the simulated NCCL's own for CPU tensors under ``AGANG_SIM_NCCL=1``,
-   Gloo for other CPU tensors) is part of the stored
-   plan, and a subscriber whose tensors would take another is refused at ``open``,
-   naming both sides' devices.
+   tensors on a GPU, the simulated NCCL's own for CPU tensors under
+   ``AGANG_SIM_NCCL=1``, Gloo for other CPU tensors) is part of the stored plan, and a
+   subscriber whose tensors would take another is refused at ``open``, naming both
+   sides' devices.
 """
 
 from __future__ import annotations
@@ -53,6 +62,12 @@ DEFAULT_BUCKET_BYTES = 4 * 1024 * 1024
 #: against 9.4-17.8 ms with 64 KiB, and 1 MiB pushes the same (1.5-3.3 ms).
 FIRST_BUCKET_BYTES = 1024 * 1024
 
+#: A part of a bucket: (the tensor's index, offset in the bucket, bytes, offset in the
+#: tensor's bytes).
+Part = tuple[int, int, int, int]
+#: A bucket: (direct, its bytes, its parts) (rule 3).
+Bucket = tuple[bool, int, list[Part]]
+
 
 def _aligned(offset: int) -> int:
     return (offset + ALIGN - 1) // ALIGN * ALIGN
@@ -61,7 +76,7 @@ def _aligned(offset: int) -> int:
 @dataclass(frozen=True)
 class Plan:
     """The tensors' names, dtypes and shapes in order (rule 1), and the buckets they move
-    in (rule 3): each bucket is ``(direct, nbytes, [(index, offset, nbytes), ...])``."""
+    in (rule 3): each bucket is ``(direct, nbytes, [Part, ...])``."""
 
     entries: tuple[tuple[str, str, tuple[int, ...]], ...]
     sizes: tuple[int, ...]
@@ -72,6 +87,9 @@ class Plan:
     #: one per channel (rule 5); not part
     #: of the fingerprint, which says what moves, not how.
     transport: str = "gloo"
+    #: Whether direct buckets are cut at ``bucket_bytes`` (rule 3): stored, not part of
+    #: the fingerprint.
+    split: bool = False
 
     def __post_init__(self) -> None:
         if not self.aliases:
@@ -83,7 +101,12 @@ class Plan:
         tensors: dict[str, torch.Tensor],
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         transport: str = "gloo",
+        memory: dict[str, torch.Tensor] | None = None,
+        split: bool = False,
     ) -> Plan:
+        """The plan of ``tensors`` (their global shapes, where they are ``DTensor``s);
+        ``memory``, the same names' tensors whose memory says which are tied (rule 4):
+        a sharded side's local shards (None: ``tensors`` themselves)."""
         if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int):
             raise TypeError(f"`bucket_bytes` must be an int, but is {bucket_bytes!r}.")
         if bucket_bytes < 1024:
@@ -93,7 +116,7 @@ class Plan:
             for name, t in tensors.items()
         )
         sizes = tuple(t.numel() * t.element_size() for t in tensors.values())
-        return cls(entries, sizes, bucket_bytes, _aliases(tensors), transport)
+        return cls(entries, sizes, bucket_bytes, _aliases(memory or tensors), transport, split)
 
     @property
     def fingerprint(self) -> str:
@@ -127,6 +150,7 @@ class Plan:
                 "sizes": list(self.sizes),
                 "aliases": list(self.aliases),
                 "transport": self.transport,
+                "split": self.split,
             }
         )
 
@@ -141,6 +165,7 @@ class Plan:
             int(data["bucket_bytes"]),
             aliases,
             str(data.get("transport", "gloo")),
+            bool(data.get("split", False)),
         )
         if plan.fingerprint != data["fingerprint"]:
             raise ValueError("the stored plan does not match its own fingerprint")
@@ -174,20 +199,27 @@ class Plan:
             f"first without a counterpart is tensor #{len(shorter.entries)}, {extra} {where}"
         )
 
-    def buckets(self) -> list[tuple[bool, int, list[tuple[int, int, int]]]]:
-        """Rule 3: ``(direct, nbytes, [(index, offset, nbytes), ...])`` per bucket; bucket
-        0 is packed, its first ``HEADER_BYTES`` the header."""
+    def buckets(self) -> list[Bucket]:
+        """Rule 3: ``(direct, nbytes, [(index, offset, nbytes, tensor_offset), ...])`` per
+        bucket; bucket 0 is packed, its first ``HEADER_BYTES`` the header."""
         whole = self._cut(self.bucket_bytes)
         if len(whole) == 1:  # rule 3: the whole model in bucket 0
             return whole
         return self._cut(min(self.bucket_bytes, FIRST_BUCKET_BYTES))
 
-    def _cut(self, first_limit: int) -> list[tuple[bool, int, list[tuple[int, int, int]]]]:
+    def row_bytes(self, index: int) -> int:
+        """The bytes of one row of tensor ``index``'s first dimension (of a 0-d one: all
+        of it): direct buckets are cut between rows (rule 3)."""
+        shape = self.entries[index][2]
+        rows = shape[0] if shape else 1
+        return self.sizes[index] // rows if rows else 0
+
+    def _cut(self, first_limit: int) -> list[Bucket]:
         """The buckets, bucket 0 holding at most ``first_limit`` bytes."""
-        packed: list[tuple[int, int, int]] = []
+        packed: list[Part] = []
         offset = HEADER_BYTES
-        out: list[tuple[bool, int, list[tuple[int, int, int]]]] = []
-        direct: list[tuple[bool, int, list[tuple[int, int, int]]]] = []
+        out: list[Bucket] = []
+        direct: list[Bucket] = []
         first = True
 
         def close_packed() -> None:
@@ -199,14 +231,18 @@ class Plan:
             if size == 0 or self.aliases[index] != index:  # rule 4: moves under its first
                 continue
             if size >= self.bucket_bytes:
-                direct.append((True, size, [(index, 0, size)]))
+                row = self.row_bytes(index)
+                step = max(1, self.bucket_bytes // row) * row if self.split else size
+                for start in range(0, size, step):
+                    nbytes = min(step, size - start)
+                    direct.append((True, nbytes, [(index, 0, nbytes, start)]))
                 continue
             start = _aligned(offset)
             limit = first_limit if first else self.bucket_bytes
             if (packed or first) and start + size > limit:
                 close_packed()
                 start = 0
-            packed.append((index, start, size))
+            packed.append((index, start, size, 0))
             offset = start + size
         if packed or first:
             close_packed()

@@ -51,41 +51,55 @@ Rules:
 8. *Death notices* (``agang.report_death``): a member a watcher reports dead is dropped
    with the watcher's why, not asked; a round under way when the notice comes is ended
    at once, and the push's recovery runs the round again without it.
+9. *A sharded trainer* (``open(..., gang=)``): every rank of the trainer's gang opens
+   and pushes; rank 0 is the channel's publisher, and gathers each bucket from the
+   ranks' shares over a lane of the gang while the bucket before moves to the fleet
+   (``agang._weights.gathering``); the others send their shares and take the push's
+   report from rank 0 (``agang._weights.following``), so every rank returns the same
+   report or raises the same error. A rank's shares that do not come end the push on
+   every rank, with the lane's blame: rank 0 closes the round's gang before the last
+   bucket, so no server takes a part of that version, and the next push (over a gang
+   re-formed, by a publisher opened again) goes on with the same servers.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, TypeVar
 
 import anyio
 import torch
 
-from agang._errors import GangBrokenError, GangError
+from agang._errors import GangBrokenError, GangError, GangInitError, one_line
 from agang._gang import Gang
 from agang._handle import Handle
 from agang._membership import deaths
 from agang._membership.gangs import GangFactory
 from agang._membership.member import Member
 from agang._runtime.threads import run_blocking, start_daemon
-from agang._weights import checks
+from agang._weights import checks, over_gang
 from agang._weights.admission import Admission
 from agang._weights.blocking import STEP_SECONDS, blocking, bound, run_sync
 from agang._weights.buckets import Buckets
 from agang._weights.channel import Channel
 from agang._weights.epoch import CLOSE, DATA, REFORM
 from agang._weights.fleet import Fleet
+from agang._weights.following import Following
+from agang._weights.gathering import Gathering
 from agang._weights.housekeeping import Housekeeping
 from agang._weights.plan import DEFAULT_BUCKET_BYTES, Plan
 from agang._weights.report import PushReport
+from agang._weights.sharding import Layout
 from agang._weights.site import Site
 
 log = logging.getLogger("agang.weights")
+T = TypeVar("T")
 
 #: How long a push cancelled mid-round lets the round's ops finish before it closes the
 #: round's gang (rule 6): a round that ends costs nothing, an abort a new epoch.
@@ -116,10 +130,14 @@ class WeightPublisher:
         factory: GangFactory,
         me: Member,
         connect: Callable[[float], Any],
+        gathering: Gathering | None = None,
     ) -> None:
         self._channel = channel
         self._plan = plan
-        self._buckets = Buckets(plan, tensors, publisher=True, in_place=True)
+        # The buckets: the tensors', or, over a trainer gang, gathered (rule 9).
+        self._gathering = gathering
+        self._buckets = None if gathering else Buckets(plan, tensors, publisher=True, in_place=True)
+        self._following: Following | None = None  # a trainer gang's rank > 0 (rule 9)
         self._timeout = timeout  # a push's default deadline (None: none)
         self._me = me
         self._connect = connect  # a new client of the store, by a deadline
@@ -157,6 +175,7 @@ class WeightPublisher:
         timeout: float | None = 60.0,  # noqa: ASYNC109  # the default deadline of open and push
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         secret: str | bytes | None = None,
+        gang: Gang | None = None,
     ) -> WeightPublisher:
         """Opens ``channel`` on the ``agang store`` at ``store`` ("HOST:PORT") and writes
         the plan of ``tensors`` there; subscribers may open before or after. A publisher
@@ -166,7 +185,10 @@ class WeightPublisher:
         Args:
             tensors: Names to contiguous CPU tensors (a ``state_dict()``; a tensor under
                 several names moves once): what each push sends, read during the push
-                and only then (do not write them while a push is awaited).
+                and only then (do not write them while a push is awaited). With
+                ``gang``, each rank's: ``DTensor``s (``Shard(d)`` or ``Replicate()`` on
+                a 1-D mesh of the gang's ranks, as FSDP2 holds them), ``agang.Sharded``
+                and plain tensors (taken from rank 0).
             store: The store's "HOST:PORT".
             channel: The channel's name; subscribers name the same.
             timeout: The deadline of ``open`` and each push's default one (seconds; None
@@ -176,16 +198,28 @@ class WeightPublisher:
                 authenticates the channel's control records in the store, so that a
                 stranger who reaches the store cannot publish or strand a server
                 (``docs/guides/trust.md`` says what it does not protect).
+            gang: A sharded trainer's gang (module rule 9): every rank opens, and then
+                pushes, together; rank 0 sends to the fleet, gathering each bucket
+                from the ranks' shards. ``open`` and ``push`` are collective calls.
 
         Raises:
             GangInitError: The store did not answer before the deadline.
-            ValueError: An argument is invalid (the message names it).
+            ValueError: An argument is invalid (the message names it; with ``gang``,
+                on every rank, naming the rank whose inputs were refused).
         """
-        checked = checks.check_tensors(tensors)
         host, port = checks.check_store(store)
         name = checks.check_channel(channel)
         seconds = checks.check_deadline(timeout)
         key = checks.check_secret(secret)
+        if gang is not None:
+
+            def site_of(device: torch.device) -> Site:
+                return Site.of(store, host, port, name, "weights publisher", device)
+
+            return await cls._open_over(
+                over_gang.check_gang(gang), tensors, name, seconds, key, bucket_bytes, site_of
+            )
+        checked = checks.check_tensors(tensors)
         site = Site.of(store, host, port, name, "weights publisher", checks.device_of(checked))
         plan = Plan.of(checked, bucket_bytes, site.transport)
         return await cls._open(checked, plan, name, seconds, key, site)
@@ -199,6 +233,7 @@ class WeightPublisher:
         seconds: float | None,
         secret: bytes | None,
         site: Site,
+        gathering: Gathering | None = None,
     ) -> WeightPublisher:
         """``open`` past its checks, on ``site`` (agang's tests give one of their own)."""
         me = Member.me("publisher")
@@ -220,7 +255,69 @@ class WeightPublisher:
                 what="fencing the channel's last publisher",
                 store=site.address,
             )
-        return cls(opened, plan, tensors, seconds, site.factory, me, site.connect)
+        return cls(opened, plan, tensors, seconds, site.factory, me, site.connect, gathering)
+
+    @classmethod
+    async def _open_over(
+        cls,
+        gang: Gang,
+        tensors: object,
+        channel: str,
+        seconds: float | None,
+        secret: bytes | None,
+        bucket_bytes: int,
+        site_of: Callable[[torch.device], Site],
+    ) -> WeightPublisher:
+        """``open`` over a trainer gang (rule 9; ``agang._weights.over_gang``): rank 0
+        opens the channel, the others follow it."""
+        refused: str | None = None
+        layouts: list[Layout] = []
+        plan: Plan | None = None
+        site: Site | None = None
+        try:
+            layouts, local = over_gang.layouts_of(tensors, gang)
+            site = site_of(checks.device_of(local))
+            plan = over_gang.plan_of(list(local), layouts, bucket_bytes, site.transport)
+        except (TypeError, ValueError) as error:
+            refused = str(error)
+        lane = await gang.lane(over_gang.lane_name(gang, channel))
+        await over_gang.agree(lane, refused, plan, seconds)
+        assert plan is not None
+        assert site is not None
+        said: list[Any] = [None]
+        if gang.rank != 0:
+            await lane.broadcast_objects(said, 0, timeout=over_gang.following_bound(seconds))
+            if said[0] is not None:
+                raise GangInitError(f"Trainer rank 0 could not open the channel: {said[0]}")
+            return cls._follower(Following(plan, layouts, lane, channel), seconds)
+        try:
+            opened = await cls._open(
+                {}, plan, channel, seconds, secret, site, Gathering(plan, layouts, lane)
+            )
+        except BaseException as error:
+            with anyio.CancelScope(shield=True), contextlib.suppress(GangError):
+                said[0] = one_line(error) or type(error).__name__
+                await lane.broadcast_objects(said, 0, timeout=5.0)
+            raise
+        try:
+            await lane.broadcast_objects(said, 0, timeout=seconds)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await opened.close()
+            raise
+        return opened
+
+    @classmethod
+    def _follower(cls, following: Following, seconds: float | None) -> WeightPublisher:
+        """The publisher of a trainer gang's rank > 0 (rule 9): its pushes follow rank 0's."""
+        made = cls.__new__(cls)
+        made._following = following
+        made._plan = following.plan
+        made._timeout = seconds
+        made._last = None
+        made._busy = False
+        made._closed = False
+        return made
 
     @classmethod
     def open_sync(
@@ -248,7 +345,11 @@ class WeightPublisher:
 
     @property
     def subscribers(self) -> tuple[str, ...]:
-        """The names of the subscribers admitted now (the current epoch's)."""
+        """The names of the subscribers admitted now (the current epoch's; on a trainer
+        gang's rank > 0, those the last push delivered to)."""
+        if self._following is not None:
+            last = self._following.last
+            return () if last is None else last.delivered
         return tuple(m.name for m in self._admission.members)
 
     @property
@@ -273,7 +374,9 @@ class WeightPublisher:
 
         Raises:
             GangError: Another publisher opened the channel since (module rule 5), or
-                the store failed or did not answer where the push needed it (rule 7).
+                the store failed or did not answer where the push needed it (rule 7);
+                over a trainer gang, a rank's shares did not come (rule 9: on every
+                rank, with the lost rank's blame).
         """
         if self._closed:
             raise RuntimeError("The publisher is closed.")
@@ -281,29 +384,59 @@ class WeightPublisher:
             raise RuntimeError("A push is under way on this publisher: await it first.")
         version = checks.check_version(version, self._last)
         seconds = checks.check_deadline(timeout, default=self._timeout)
-        self._raise_if_fenced()
-        started = time.monotonic()
-        deadline = started + (math.inf if seconds is None else seconds)
         self._busy = True
         try:
-            deadline = await self._admission.admit(version, deadline)
-            delivered = await self._round_with_recovery(version, deadline)
-        except BaseException:
-            with anyio.CancelScope(shield=True):
-                await self._abandon()
-            raise
+            report = await self._push(version, seconds)
         finally:
             self._busy = False
         self._last = version
-        dropped = self._admission.take_dropped()
-        return PushReport(
+        return report
+
+    async def _push(self, version: int, seconds: float | None) -> PushReport:
+        """``push`` past its checks (rules 1-3, 6, 9)."""
+        if self._following is not None:
+            return await self._following.push(version, seconds)
+        gathering = self._gathering
+        started = time.monotonic()
+        deadline = started + (math.inf if seconds is None else seconds)
+        try:
+            if gathering is not None and gathering.broken is not None:
+                raise GangError(
+                    f"Channel '{self._channel.name}': this publisher (trainer rank 0) can "
+                    f"push no more: the lane to the other trainer ranks is out of step "
+                    f"({gathering.broken}). Open a publisher again (over the gang "
+                    f"re-formed, where it lost a rank)."
+                )
+            self._raise_if_fenced()
+            deadline = await self._admission.admit(version, deadline)
+            delivered = await self._round_with_recovery(version, deadline)
+        except BaseException as error:
+            with anyio.CancelScope(shield=True):
+                await self._abandon()
+                if gathering is not None:
+                    cancelled = isinstance(error, anyio.get_cancelled_exc_class())
+                    why = "it was cancelled on rank 0" if cancelled else one_line(error)
+                    await gathering.abandon(why)
+            raise
+        report = PushReport(
             version=version,
             delivered=self._admission.names_of(delivered),
-            dropped=dropped,
+            dropped=self._admission.take_dropped(),
             seconds=time.monotonic() - started,
             bytes=self._plan.nbytes,
             epoch=max(0, self._admission.epoch),
         )
+        if gathering is not None:
+            try:
+                await gathering.end({"report": dataclasses.asdict(report)})
+            except GangError as error:  # the fleet holds the version: said, not raised
+                log.warning(
+                    "agang: channel '%s': the push's report did not reach the "
+                    "other trainer ranks: %s",
+                    self._channel.name,
+                    one_line(error),
+                )
+        return report
 
     def push_sync(self, version: int, timeout: float | None = None) -> PushReport:
         """[`push`][agang.WeightPublisher.push] for programs without an event loop."""
@@ -378,10 +511,9 @@ class WeightPublisher:
         self._abandoned.append(gang)  # cancelled mid-broadcast, its op may hold bucket 0
         try:
             if not gang.closed:
-                header = self._buckets.header
-                header.copy_(torch.tensor([what, version, self._admission.epoch + 1, 0]))
+                self._header().copy_(torch.tensor([what, version, self._admission.epoch + 1, 0]))
                 with contextlib.suppress(GangError):  # a member gone: the abort told them
-                    await gang.broadcast(self._buckets.wire[0], 0, timeout=5.0)
+                    await gang.broadcast(self._bucket0(), 0, timeout=5.0)
         finally:
             with anyio.CancelScope(shield=True):  # cancelled or not, the gang is closed
                 await gang.close()
@@ -407,22 +539,40 @@ class WeightPublisher:
         assert gang is not None
         members, epoch = self._admission.members, self._admission.epoch
         self._renew_held()
-        buckets = self._buckets
         header = torch.tensor([DATA, version, epoch, 0])
-        handles = []
+        handles: list[Handle[Any]] = []
         failure: BaseException | None = None
-        try:
-            for index in range(len(buckets.wire)):
+        gathering, buckets = self._gathering, self._buckets
+        if gathering is not None:
+            await self._trainer_step(gang, version, gathering.begin(version, deadline))
+        count = len(buckets.wire) if buckets is not None else gathering.count if gathering else 0
+        for index in range(count):
+            if buckets is not None:
                 buckets.fill(index)
-                if index == 0:
-                    buckets.header.copy_(header)
-                handles.append(
-                    gang.broadcast(buckets.wire[index], 0, timeout=bound(deadline, 0.001))
+                wire = buckets.wire[index]
+            else:  # rule 9: gathered while the bucket before moves
+                assert gathering is not None
+                user = gathering.slot_user(index)
+                before = handles[user] if user is not None and user < len(handles) else None
+                wire = await self._trainer_step(
+                    gang, version, gathering.take(index, deadline, before)
                 )
-            # On the gang's device (NCCL takes no other): bucket 0's.
-            acks = [torch.zeros_like(buckets.header[:2]) for _ in members]
-            for rank, ack in enumerate(acks, 1):
-                handles.append(gang.recv(ack, rank, timeout=bound(deadline, 0.001)))
+            if index == 0:
+                self._header().copy_(header)
+            if failure is None:
+                try:
+                    handles.append(gang.broadcast(wire, 0, timeout=bound(deadline, 0.001)))
+                except GangError as error:
+                    failure = error
+                    if gathering is None:  # a gathering round still takes its shares
+                        break
+        acks: list[torch.Tensor] = []
+        try:
+            if failure is None:
+                # On the gang's device (NCCL takes no other): bucket 0's.
+                acks = [torch.zeros_like(self._header()[:2]) for _ in members]
+                for rank, ack in enumerate(acks, 1):
+                    handles.append(gang.recv(ack, rank, timeout=bound(deadline, 0.001)))
         except GangError as error:
             failure = error
             acks = []
@@ -459,6 +609,35 @@ class WeightPublisher:
             start_daemon(gang.close_sync, name=f"agang: weights: close gang '{gang.name}'")
         return acked, failure
 
+    async def _trainer_step(self, gang: Gang, version: int, step: Awaitable[T]) -> T:
+        """A step of the lane to the other trainer ranks (rule 9); where it fails, a
+        trainer rank's shares will not come: the round's gang is closed before any
+        server holds the version, and the push raises."""
+        try:
+            return await step
+        except GangError as error:
+            self._admission.take_gang()  # the next push reforms, with the same members
+            self._abandoned.append(gang)
+            start_daemon(gang.close_sync, name=f"agang: weights: close gang '{gang.name}'")
+            raise GangError(
+                f"Channel '{self._channel.name}': the push of version {version} failed and "
+                f"no server took it: a trainer rank's shares of the weights did not come: "
+                f"{one_line(error)}"
+            ) from error
+
+    def _header(self) -> torch.Tensor:
+        """The round's header, in bucket 0."""
+        if self._gathering is not None:
+            return self._gathering.header
+        assert self._buckets is not None
+        return self._buckets.header
+
+    def _bucket0(self) -> torch.Tensor:
+        if self._gathering is not None:
+            return self._gathering.bucket0
+        assert self._buckets is not None
+        return self._buckets.wire[0]
+
     def _renew_held(self) -> None:
         """A new buffer for each bucket an op of a failed or abandoned round still holds
         (``Gang.holds``; the buckets' rule 6), so that this round neither waits for that
@@ -466,9 +645,12 @@ class WeightPublisher:
         nothing. The new buffers are this round's alone: the old gangs never see them."""
         if not self._abandoned:
             return
-        for index, wire in enumerate(self._buckets.wire):
-            if any(gang.holds(wire) for gang in self._abandoned):
-                self._buckets.renew(index)
+        if self._gathering is not None:
+            self._gathering.renew_held(self._abandoned)
+        elif self._buckets is not None:
+            for index, wire in enumerate(self._buckets.wire):
+                if any(gang.holds(wire) for gang in self._abandoned):
+                    self._buckets.renew(index)
         self._abandoned.clear()
 
     async def close(self) -> None:
@@ -478,6 +660,8 @@ class WeightPublisher:
         if self._closed:
             return
         self._closed = True
+        if self._following is not None:
+            return  # rank 0 holds the channel (rule 9); the lane closes with the gang
         with anyio.CancelScope(shield=True):
             await self._leave_epoch(CLOSE, self._last or 0)
             self._fleet.stop()

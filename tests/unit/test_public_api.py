@@ -57,6 +57,7 @@ AGANG_API = {
     "WeightPublisher",
     "WeightSubscriber",
     "PushReport",
+    "Sharded",
 }
 
 TESTING_API = {

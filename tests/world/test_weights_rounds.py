@@ -21,72 +21,19 @@ import anyio
 import anyio.to_thread
 import pytest
 import torch
-import torch.distributed as dist
+from weightsworld import Channel, agang_threads
 
 from agang import GangError, PushReport
 from agang._membership import deaths
 from agang._weights import channel as channel_keys
 from agang._weights import fleet, publisher, upstream
 from agang._weights.admission import RECOVERY_SECONDS
-from agang._weights.plan import Plan
-from agang._weights.publisher import WeightPublisher
-from agang._weights.site import Site
-from agang._weights.subscriber import WeightSubscriber
-from agang.testing._world.epochs import FakeEpochs
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 
 T = TypeVar("T")
 #: A generous bound for "at once": ten times what the machine should need.
 PATIENCE = 10.0
-
-
-class Channel:
-    """One channel's site (an in-process store, FakeWorld epochs) and its sides."""
-
-    def __init__(self, latency: float = 0.0) -> None:
-        # A TCPStore, as in production. With two threads blocked in a HashStore's
-        # queue_pop, a push to one's queue wakes neither until its timeout (torch
-        # 2.13): a stop letter went unread and a close took 2 s; and its instant
-        # letters hid a race of death notices that a TCPStore showed.
-        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        self.epochs = FakeEpochs(latency)
-        self.site = Site("in-process store", lambda _: self.store, self.epochs)
-        self.opened: list[Any] = []
-
-    async def publisher(
-        self, tensors: dict[str, torch.Tensor], deadline: float | None = 5.0, **plan: Any
-    ) -> WeightPublisher:
-        """A publisher whose pushes have ``deadline`` seconds each."""
-        opened = await WeightPublisher._open(
-            tensors, Plan.of(tensors, **plan), "c", deadline, None, self.site
-        )
-        self.opened.append(opened)
-        return opened
-
-    async def subscriber(
-        self, tensors: dict[str, torch.Tensor], name: str, *, in_place: bool = False
-    ) -> WeightSubscriber:
-        opened = await WeightSubscriber._open(tensors, "c", name, 10.0, in_place, None, self.site)
-        self.opened.append(opened)
-        return opened
-
-    def kill(self, subscriber: WeightSubscriber) -> None:
-        """``subscriber``'s process dies: no beat, no answer, its connections closed."""
-        subscriber._upstream.stop()
-        subscriber._responder.stop()
-        self.epochs.kill(subscriber._me.uid, "killed")
-        subscriber._service._stopping.set()
-
-    async def close(self) -> None:
-        with anyio.CancelScope(shield=True):
-            for side in reversed(self.opened):
-                await side.close()
-
-
-def _threads() -> set[threading.Thread]:
-    """agang's threads of one object or call ("agang: ..."), not the process's own timer."""
-    return {t for t in threading.enumerate() if t.name.startswith("agang:") and t.is_alive()}
 
 
 @pytest.fixture(autouse=True)
@@ -99,7 +46,7 @@ def _beats(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture
 async def channel() -> AsyncIterator[Channel]:
-    before = _threads()
+    before = agang_threads()
     opened = Channel()
     try:
         yield opened
@@ -107,7 +54,7 @@ async def channel() -> AsyncIterator[Channel]:
         await opened.close()
     # Closing leaves no thread of the channel's behind (a gang's close may take a moment).
     for _ in range(100):
-        left = {t.name for t in _threads() - before}
+        left = {t.name for t in agang_threads() - before}
         if not left:
             break
         await anyio.sleep(0.05)

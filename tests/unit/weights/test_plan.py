@@ -54,24 +54,52 @@ def test_the_plan_survives_the_store_and_refuses_a_forged_fingerprint() -> None:
 def test_small_tensors_are_packed_behind_the_header_and_large_ones_move_directly() -> None:
     model = {
         "w1": torch.zeros(100),  # 400 bytes
-        "big": torch.zeros(2048),  # 8 KiB: a bucket of its own
+        "big": torch.zeros(2048),  # 8 KiB: a direct bucket
         "w2": torch.zeros(400),  # 1600 bytes: does not fit after w1 in 2 KiB
         "empty": torch.zeros(0),
         "w3": torch.zeros(10, dtype=torch.int8),
     }
     layout = Plan.of(model, bucket_bytes=2048).buckets()
     assert [direct for direct, _, _ in layout] == [False, False, True]
-    (_, size0, parts0), (_, size1, parts1), (_, size2, parts2) = layout
-    assert parts0 == [(0, HEADER_BYTES, 400)]
+    (_, size0, parts0), (_, size1, parts1), *direct = layout
+    assert parts0 == [(0, HEADER_BYTES, 400, 0)]
     assert size0 == HEADER_BYTES + 400
-    assert parts1 == [(2, 0, 1600), (4, 1600, 10)]  # offsets aligned to 64 bytes
+    assert parts1 == [(2, 0, 1600, 0), (4, 1600, 10, 0)]  # offsets aligned to 64 bytes
     assert size1 == 1610
-    assert (size2, parts2) == (8192, [(1, 0, 8192)])
+    assert [(size, parts) for _, size, parts in direct] == [(8192, [(1, 0, 8192, 0)])]
+    # Split (a sharded trainer's plan), "big" moves in buckets of 2 KiB.
+    split = Plan.of(model, bucket_bytes=2048, split=True).buckets()
+    assert [(size, parts) for direct, size, parts in split if direct] == [
+        (2048, [(1, 0, 2048, start)]) for start in range(0, 8192, 2048)
+    ]
+    assert [b for b in split if not b[0]] == layout[:2]
+
+
+def test_a_large_tensor_is_cut_between_rows_and_no_bucket_is_over_bucket_bytes() -> None:
+    """Rule 3: a split plan's direct buckets hold whole rows of dimension 0, at most
+    ``bucket_bytes`` (a sharded side moves its share of one as one view); a row larger
+    than a bucket is a bucket of its own. Split is stored, and not fingerprinted."""
+    model = {"rows": torch.zeros(10, 3), "wide": torch.zeros(3, 400), "scalar": torch.zeros(())}
+    plan = Plan.of(model, bucket_bytes=1024, split=True)
+    assert Plan.from_text(plan.to_text()) == plan
+    assert plan.fingerprint == Plan.of(model, bucket_bytes=1024).fingerprint
+    direct = [parts[0] for is_direct, _, parts in plan.buckets() if is_direct]
+    assert [(i, n, start) for i, _, n, start in direct] == [
+        (1, 1600, 0),
+        (1, 1600, 1600),
+        (1, 1600, 3200),
+    ]  # "wide": a row of 1600 bytes, over the bucket, alone in each
+    smaller = Plan.of({"m": torch.zeros(100, 7)}, bucket_bytes=1024, split=True).buckets()
+    cuts = [(n, start) for is_direct, _, parts in smaller if is_direct for _, _, n, start in parts]
+    assert all(n <= 1024 and n % 28 == 0 and start % 28 == 0 for n, start in cuts), cuts
+    assert sum(n for n, _ in cuts) == 2800
+    assert plan.row_bytes(2) == 4
+    assert plan.row_bytes(1) == 1600
 
 
 def test_a_model_of_one_large_tensor_has_a_header_only_bucket_0() -> None:
     layout = Plan.of({"x": torch.zeros(4096)}, bucket_bytes=1024).buckets()
-    assert layout == [(False, HEADER_BYTES, []), (True, 16384, [(0, 0, 16384)])]
+    assert layout == [(False, HEADER_BYTES, []), (True, 16384, [(0, 0, 16384, 0)])]
 
 
 def test_a_model_that_fits_one_bucket_moves_whole_in_bucket_0() -> None:

@@ -1,0 +1,276 @@
+"""A trainer gang's push, on its rank 0: each bucket gathered from the ranks' shards
+into a small ring of buffers while the one before moves to the fleet.
+
+Rules:
+1. *One sender.* Rank 0 of the trainer's gang is the channel's publisher; the other
+   ranks (``agang._weights.following``) send it their shares of each bucket over a lane
+   of the gang (``weights:CHANNEL``: its own order, so the push never interleaves with
+   the trainer's other collectives). A push is a collective over the gang.
+2. *The lane's words.* Every push, on the lane: rank 0 broadcasts a control word per
+   round (``ROUND`` and the version: a recovery runs the round again, and the shards
+   are read again, since no rank keeps the model whole), each rank sends its
+   shares of each bucket in plan order, and the push ends with ``DONE`` and the push's
+   outcome (the report, or why it failed) broadcast from rank 0, so that every rank
+   returns the same report or raises the same error.
+3. *Bounded memory.* Bucket 0 (at most ``FIRST_BUCKET_BYTES`` past one bucket, with the
+   header) has a buffer of its own; the others take turns in a ring of ``RING`` buffers
+   of one bucket each, a buffer taken again only once the broadcast of the bucket
+   before in it ended; shares that are strided in the bucket (``Shard(d)``, ``d >= 1``)
+   land in a scratch buffer of one bucket first, then one strided copy puts them in
+   place. So the sender holds bucket 0, ``RING`` buckets and (for ``Shard(d >= 1)``)
+   one more, whatever the model's size; the other ranks send views of their shards
+   (``agang._weights.sharding`` rule 3) and hold nothing more.
+4. *A share that does not come* (a rank lost, or past the push's deadline) ends the
+   push on every rank with the blame of the lane's op: the sender stops sending to
+   the fleet and closes the round's gang before any server holds the version
+   (``agang._weights.publisher``), and the lane is closed, so the other ranks' pushes
+   raise too. A gang that lost a rank is broken: the publisher over it is too (its
+   pushes raise, saying why); open one over the gang re-formed.
+5. *Cancelled* mid-push, the sender still takes the round's shares (for up to
+   ``CANCEL_GRACE`` seconds, sending nothing on) and ends the push on the lane, so
+   that the lane stays in step and the next push works; past that, the lane is closed
+   (rule 4).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any
+
+import anyio
+import torch
+
+from agang._errors import GangError, one_line
+from agang._gang import Gang
+from agang._handle import Handle
+from agang._runtime.threads import start_daemon
+from agang._weights.blocking import bound
+from agang._weights.buckets import as_bytes, copy_bytes
+from agang._weights.plan import HEADER_BYTES, HEADER_WORDS, Plan
+from agang._weights.sharding import Layout
+
+#: The lane's control words (rule 2): (what, version, spare).
+ROUND = 1
+DONE = 2
+CONTROL_WORDS = 3
+#: Buffers the buckets after bucket 0 take turns in (rule 3).
+RING = 2
+#: How long a push that ended early keeps the lane in step (rule 5).
+CANCEL_GRACE = 1.0
+#: The bound of the push's last words on the lane (rule 2): the others wait for them.
+END_SECONDS = 30.0
+#: Elements a strided copy moves at a time, on the calling thread (``buckets`` rule 4).
+_GRAIN = 32768
+
+#: Per share of a bucket: (rank, its place in the bucket's rows, and where that rank is
+#: ``me``, the local rows it is; else None) (``agang._weights.sharding`` rule 3).
+Share = tuple[int, torch.Tensor, torch.Tensor | None]
+
+
+#: A copy of the sender's own share: (into the bucket, from its local tensor).
+Copy = tuple[torch.Tensor, torch.Tensor]
+#: A share received: (from rank, into, and the strided place in the bucket it is copied
+#: to after, where ``into`` is scratch; else None).
+Receive = tuple[int, torch.Tensor, torch.Tensor | None]
+
+
+def shares(
+    plan: Plan, layouts: list[Layout], index: int, bucket: torch.Tensor, me: int
+) -> list[Share]:
+    """Who holds what of bucket ``index`` of ``plan``, whose bytes are ``bucket`` (a
+    ``meta`` tensor where only ``me``'s local views matter), in the order both sides of
+    the lane take them; a tensor held whole is rank 0's (``agang._weights.sharding``
+    rule 1)."""
+    out: list[Share] = []
+    for tensor, offset, nbytes, start in plan.buckets()[index][2]:
+        layout = layouts[tensor]
+        row = plan.row_bytes(tensor)
+        rows = (start // row, (start + nbytes) // row)
+        part = layout.rows_of(bucket[offset : offset + nbytes], rows)
+        for rank in range(1 if layout.everywhere else len(layout.spans)):
+            share = layout.share(rank, rows)
+            if share is not None:
+                dim, at, length, local_at, local_length = share
+                local = layout.local_rows(local_at, local_length) if rank == me else None
+                out.append((rank, part.narrow(dim, at, length), local))
+    return out
+
+
+def control(what: int, version: int, attempt: int, device: torch.device) -> torch.Tensor:
+    return torch.tensor([what, version, attempt], dtype=torch.int64, device=device)
+
+
+class Gathering:
+    """Rank 0's buckets, gathered over ``lane`` (module rules)."""
+
+    def __init__(self, plan: Plan, layouts: list[Layout], lane: Gang) -> None:
+        self.plan = plan
+        self._layouts = layouts
+        self._lane = lane
+        self._device = layouts[0].local.device
+        self._sizes = [nbytes for _, nbytes, _ in plan.buckets()]
+        self.bucket0 = self._zeros(self._sizes[0])
+        self.header = self.bucket0[:HEADER_BYTES].view(torch.int64)[:HEADER_WORDS]
+        ring = max(self._sizes[1:], default=0)
+        self._ring = [self._zeros(ring) for _ in range(min(RING, len(self._sizes) - 1))]
+        self._scratch: torch.Tensor | None = None  # made where a share is strided
+        self._plans = [self._cut(index) for index in range(len(self._sizes))]
+        #: Why the lane is no longer in step (rule 4), or None.
+        self.broken: str | None = None
+        # The round under way (rule 5): the next bucket to take (None: no round), and
+        # that bucket's receives, where they were issued.
+        self._open_round: int | None = None
+        self._receiving: list[Handle[torch.Tensor]] | None = None
+
+    def _zeros(self, nbytes: int) -> torch.Tensor:
+        return torch.zeros(nbytes, dtype=torch.uint8, device=self._device)
+
+    @property
+    def allocated_bytes(self) -> int:
+        """The bytes of the sender's buffers (rule 3)."""
+        scratch = 0 if self._scratch is None else self._scratch.numel()
+        return self.bucket0.numel() + sum(r.numel() for r in self._ring) + scratch
+
+    @property
+    def count(self) -> int:
+        """The buckets of a round."""
+        return len(self._sizes)
+
+    def wire(self, index: int) -> torch.Tensor:
+        """Bucket ``index``'s buffer (rule 3)."""
+        if index == 0:
+            return self.bucket0
+        return self._ring[(index - 1) % len(self._ring)][: self._sizes[index]]
+
+    def slot_user(self, index: int) -> int | None:
+        """The bucket before ``index`` in its ring buffer, whose broadcast must end
+        first (rule 3); None for bucket 0 and the first turn of the ring."""
+        before = index - len(self._ring)
+        return before if index > 0 and before >= 1 else None
+
+    def _cut(self, index: int) -> tuple[list[Copy], list[Receive]]:
+        """Bucket ``index``'s own copies (into, from), and its receives (rank, into,
+        the strided place ``into`` is copied to after, or None) (rule 3)."""
+        own: list[Copy] = []
+        receives: list[Receive] = []
+        used = 0
+        for rank, place, local in shares(self.plan, self._layouts, index, self.wire(index), 0):
+            if local is not None:
+                own.append((place, local))
+            elif place.is_contiguous():
+                receives.append((rank, place, None))
+            else:
+                if self._scratch is None:
+                    self._scratch = self._zeros(max(self._sizes))
+                size = place.numel() * place.element_size()
+                landing = self._scratch[used : used + size].view(place.dtype).view(place.shape)
+                used += size
+                receives.append((rank, landing, place))
+        return own, receives
+
+    def renew_held(self, holds: list[Gang]) -> None:
+        """New buffers for those an op of a failed round still holds (``Gang.holds``;
+        ``agang._weights.buckets`` rule 6)."""
+        renewed = False
+        if any(gang.holds(self.bucket0) for gang in holds):
+            self.bucket0 = self._zeros(self.bucket0.numel())
+            self.header = self.bucket0[:HEADER_BYTES].view(torch.int64)[:HEADER_WORDS]
+            renewed = True
+        for slot, buffer in enumerate(self._ring):
+            if any(gang.holds(buffer) for gang in holds):
+                self._ring[slot] = self._zeros(buffer.numel())
+                renewed = True
+        if renewed:
+            self._plans = [self._cut(index) for index in range(self.count)]
+
+    async def begin(self, version: int, deadline: float) -> None:
+        """Says a round of ``version`` starts (rule 2): the ranks send their shares."""
+        self._check()
+        await self._finish_taking(deadline)  # a round left open by a cancel (rule 5)
+        word = control(ROUND, version, 0, self._device)
+        await self._op(self._lane.broadcast(word, 0, timeout=bound(deadline, 0.001)))
+        self._open_round = 0
+
+    async def take(self, index: int, deadline: float, before: Handle[Any] | None) -> torch.Tensor:
+        """Bucket ``index`` of the round, gathered (rules 1, 3), once the broadcast
+        ``before`` (its ring buffer's last) ended, well or not."""
+        if before is not None:
+            with contextlib.suppress(GangError):  # the fleet's failure: the round's own
+                await before
+        assert self._open_round == index, (self._open_round, index)
+        own, receives = self._plans[index]
+        if self._receiving is None:
+            self._receiving = [
+                self._lane.recv(into, rank, timeout=bound(deadline, 0.001))
+                for rank, into, _ in receives
+            ]
+            for into, came in own:
+                _copy(into, came)
+        for handle in self._receiving:
+            await self._op(handle)
+        self._receiving = None
+        for _, landing, place in receives:
+            if place is not None:
+                _copy(place, landing)
+        self._open_round = index + 1 if index + 1 < self.count else None
+        return self.wire(index)
+
+    async def end(self, outcome: dict[str, Any], seconds: float = END_SECONDS) -> None:
+        """Ends the push on the lane with ``outcome`` (rule 2): ``{"report": ...}`` or
+        ``{"error": why}``, within ``seconds``. Where the lane is out of step, nothing
+        is said."""
+        if self.broken is not None:
+            return
+        await self._finish_taking(time.monotonic() + seconds)
+        await self._op(self._lane.broadcast(control(DONE, 0, 0, self._device), 0, timeout=seconds))
+        await self._op(self._lane.broadcast_objects([outcome], 0, timeout=seconds))
+
+    async def abandon(self, why: str) -> None:
+        """A push that raised or was cancelled, ended on the lane within
+        ``CANCEL_GRACE`` (rule 5), else the lane closed (rule 4). Called shielded."""
+        if self.broken is not None:
+            return
+        with anyio.move_on_after(CANCEL_GRACE) as grace:
+            try:
+                await self.end({"error": why}, CANCEL_GRACE)
+            except GangError:
+                return  # broken, and closed, by ``_op``
+        if grace.cancelled_caught:
+            self._break(f"a push that ended early ({why}) could not end on the lane in time")
+
+    async def _finish_taking(self, deadline: float) -> None:
+        """Takes the rest of a round left open (cancelled), sending nothing on (rule 5)."""
+        while self._open_round is not None:
+            await self.take(self._open_round, deadline, None)
+
+    async def _op(self, handle: Handle[Any]) -> Any:
+        """Awaits an op of the lane; one that fails breaks it (rule 4)."""
+        try:
+            return await handle
+        except GangError as error:
+            self._break(one_line(error))
+            raise
+
+    def _check(self) -> None:
+        if self.broken is not None:
+            raise GangError(f"the lane to the other trainer ranks is out of step: {self.broken}")
+
+    def _break(self, why: str) -> None:
+        """The lane is out of step for good: closed, so the other ranks' ops end (rule 4)."""
+        if self.broken is None:
+            self.broken = why
+        start_daemon(self._lane.close_sync, name="agang: weights: close the trainer lane")
+
+
+def _copy(into: torch.Tensor, came: torch.Tensor) -> None:
+    """Copies ``came`` into ``into`` (equal shapes) on this thread alone
+    (``agang._weights.buckets`` rule 4)."""
+    if into.is_contiguous() and came.is_contiguous():
+        copy_bytes(as_bytes(into), as_bytes(came))
+        return
+    row = max(1, came[0].numel()) if came.dim() else 1
+    step = max(1, _GRAIN // row)
+    for start in range(0, came.shape[0], step):
+        length = min(step, came.shape[0] - start)
+        into.narrow(0, start, length).copy_(came.narrow(0, start, length))

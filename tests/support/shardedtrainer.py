@@ -1,0 +1,107 @@
+"""A sharded trainer for the weights tests (``tests/gloo/test_weights_sharded.py``): an
+FSDP2 model (``fully_shard`` of each layer, then the root, on the gang's ranks), whose
+parameters are set at each version to ``version_of(name, shape, version)``, pushed by
+every rank over the gang. Run by ``agang.testing.run_world`` (a module-level function,
+importable by name in the ranks)."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import time
+from typing import Any
+
+import anyio
+import torch
+
+from agang import Gang, WeightPublisher
+
+#: The model: an FSDP2 root over three layers; "out" has more rows than the buckets hold.
+IN, HIDDEN, OUT = 33, 65, 257
+BUCKET_BYTES = 4096
+
+
+def model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(IN, HIDDEN), torch.nn.ReLU(), torch.nn.Linear(HIDDEN, OUT, bias=True)
+    )
+
+
+def shapes() -> dict[str, tuple[int, ...]]:
+    """The state_dict's names and global shapes (as the servers hold them)."""
+    return {name: tuple(value.shape) for name, value in model().state_dict().items()}
+
+
+def version_of(index: int, shape: tuple[int, ...], version: int) -> torch.Tensor:
+    """Tensor ``index``'s whole value at ``version``: distinct per element and version."""
+    count = math.prod(shape)
+    return (torch.arange(count, dtype=torch.float32) + 1e4 * index + 1e6 * version).reshape(shape)
+
+
+def _sharded_model(gang: Gang) -> tuple[torch.nn.Module, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (gang.size,))
+    made = model()
+    for layer in (made[0], made[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(made, mesh=mesh)
+    return made, mesh
+
+
+def _set(state: dict[str, Any], rank: int, size: int, version: int) -> None:
+    """Each DTensor's local shard takes its rows of the version's whole value."""
+    with torch.no_grad():
+        for index, (_, value) in enumerate(state.items()):
+            whole = version_of(index, tuple(value.shape), version)
+            local = value.to_local()
+            chunks = torch.chunk(whole, size, 0)
+            if rank < len(chunks):
+                local.copy_(chunks[rank])
+
+
+async def push_versions(
+    gang: Gang,
+    store: str,
+    channel: str,
+    versions: int,
+    servers: tuple[str, ...],
+    kill_at: int | None = None,
+) -> list[Any]:
+    """Opens a publisher over ``gang`` for the FSDP2 model's ``state_dict()``, waits
+    until a push reaches every server of ``servers``, then pushes ``versions`` more.
+    With ``kill_at``, rank 1 kills itself (SIGKILL) in the middle of that push: the
+    others' push must raise; returns ``["raised", message]`` then."""
+    made, _ = _sharded_model(gang)
+    state = made.state_dict()
+    publisher = await WeightPublisher.open(
+        state, store=store, channel=channel, timeout=20, bucket_bytes=BUCKET_BYTES, gang=gang
+    )
+    version = 0
+    give_up_at = time.monotonic() + 30.0
+    while True:  # the servers open beside the trainer: push until each is in
+        version += 1
+        _set(state, gang.rank, gang.size, version)
+        report = await publisher.push(version)
+        if set(servers) <= set(report.delivered) or time.monotonic() > give_up_at:
+            break
+        await anyio.sleep(0.1)
+    reports = [report]
+    for _ in range(versions):
+        version += 1
+        _set(state, gang.rank, gang.size, version)
+        if kill_at == version:
+            if gang.rank == 1:
+                await anyio.sleep(0.05)  # rank 0 is gathering: it waits for these shares
+                os.kill(os.getpid(), signal.SIGKILL)
+            try:
+                await publisher.push(version, timeout=10)
+            except Exception as error:  # noqa: BLE001  # the test reads what it said
+                return ["raised", f"{type(error).__name__}: {error}", reports[-1].version]
+            return ["pushed", version]
+        reports.append(await publisher.push(version))
+    await publisher.close()
+    return reports

@@ -1,0 +1,200 @@
+"""A sharded trainer's pushes in one process (``agang._weights.gathering``,
+``following``): a trainer gang of FakeWorld ranks, each holding shards of the weights
+(``agang.Sharded``), pushing to whole subscribers through the production publisher, on
+the in-process channel of ``tests/support/weightsworld.py``. The same over DTensors and
+real processes: ``tests/gloo/test_weights_sharded.py``."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+import pytest
+import torch
+from weightsworld import Channel, agang_threads
+
+from agang import GangError, PushReport, Sharded
+from agang._gang import Gang
+from agang._weights import channel as channel_keys
+from agang._weights import fleet, upstream
+from agang._weights.plan import FIRST_BUCKET_BYTES
+from agang._weights.publisher import WeightPublisher
+from agang.testing import FakeWorld
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
+
+PATIENCE = 10.0
+#: (global shape, the dimension it is split along over the trainer gang; None: whole)
+SHAPES: dict[str, tuple[tuple[int, ...], int | None]] = {
+    "embed": ((300, 4), 0),  # 4800 bytes: direct buckets, cut between rows
+    "odd": ((7, 3), 0),  # 4 rows and 3
+    "one_row": ((1, 5), 0),  # rank 1 holds none
+    "cols": ((6, 5), 1),  # tensor parallel's Shard(1): 3 columns and 2
+    "bias": ((3,), None),  # plain: rank 0's
+    "step": ((), None),
+}
+
+
+def full(version: float) -> dict[str, torch.Tensor]:
+    """The whole model at ``version``: distinct values per element, so a byte out of
+    place shows."""
+    out = {}
+    for index, (name, (shape, _)) in enumerate(SHAPES.items()):
+        count = math.prod(shape)
+        values = torch.arange(count, dtype=torch.float32) + 1000 * index + version * 1e5
+        out[name] = values.reshape(shape)
+    return out
+
+
+def shards(rank: int, size: int, version: float) -> dict[str, Any]:
+    """Rank ``rank``'s tensors: each its shard (torch.chunk's) or the whole."""
+    out: dict[str, Any] = {}
+    for name, value in full(version).items():
+        dim = SHAPES[name][1]
+        if dim is None:
+            out[name] = value.clone()
+            continue
+        chunks = list(torch.chunk(value, size, dim))
+        empty = list(value.shape)
+        empty[dim] = 0
+        mine = chunks[rank] if rank < len(chunks) else torch.zeros(empty)
+        out[name] = Sharded(mine.contiguous(), dim, tuple(value.shape))
+    return out
+
+
+def write(tensors: dict[str, Any], rank: int, size: int, version: float) -> None:
+    """The trainer's step: the shards take ``version``'s values, in place."""
+    for name, value in shards(rank, size, version).items():
+        into = tensors[name].tensor if isinstance(tensors[name], Sharded) else tensors[name]
+        came = value.tensor if isinstance(value, Sharded) else value
+        into.copy_(came)
+
+
+@pytest.fixture(autouse=True)
+def _beats(monkeypatch: pytest.MonkeyPatch) -> None:
+    for module in (channel_keys, fleet, upstream):
+        monkeypatch.setattr(module, "BEAT", 0.05)
+
+
+@pytest.fixture
+async def channel() -> AsyncIterator[Channel]:
+    before = agang_threads()
+    opened = Channel()
+    try:
+        yield opened
+    finally:
+        await opened.close()
+    for _ in range(100):
+        left = {t.name for t in agang_threads() - before}
+        if not left:
+            break
+        await anyio.sleep(0.05)
+    assert not left, left
+
+
+async def open_trainer(
+    channel: Channel, gang: Gang, tensors: dict[str, Any], bucket_bytes: int = 1024
+) -> WeightPublisher:
+    opened = await WeightPublisher._open_over(
+        gang, tensors, "c", 5.0, None, bucket_bytes, lambda _: channel.site
+    )
+    if gang.rank == 0:
+        channel.opened.append(opened)
+    return opened
+
+
+async def whole_server(channel: Channel, name: str = "whole") -> Any:
+    """A whole-tensor subscriber, opened once a publisher is (a subscriber waits for the
+    plan): it opens beside the trainer's ranks, which wait for it before pushing."""
+    tensors = {k: torch.zeros_like(v) for k, v in full(0).items()}
+    return await channel.subscriber(tensors, name)
+
+
+async def run_with_server(
+    channel: Channel, world: FakeWorld, trainer: Any
+) -> tuple[list[Any], Any]:
+    """``trainer(gang, ready)`` on every rank of ``world``, with a whole server opened
+    beside them; ``ready`` is set once it opened."""
+    ready = anyio.Event()
+    opened: list[Any] = []
+
+    async def server() -> None:
+        opened.append(await whole_server(channel))
+        ready.set()
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(server)
+        results = await world.run(lambda gang: trainer(gang, ready))
+    return results, opened[0]
+
+
+async def test_a_two_rank_trainer_pushes_exact_bytes_to_a_whole_subscriber(
+    channel: Channel,
+) -> None:
+    async def trainer(gang: Gang, ready: anyio.Event) -> list[PushReport]:
+        tensors = shards(gang.rank, gang.size, 0)
+        publisher = await open_trainer(channel, gang, tensors)
+        await ready.wait()
+        reports = []
+        for version in (1, 2):
+            write(tensors, gang.rank, gang.size, version)
+            reports.append(await publisher.push(version))
+        return reports
+
+    by_rank, server = await run_with_server(channel, FakeWorld(2), trainer)
+    server_tensors = server._tensors
+    assert by_rank[0] == by_rank[1]  # the same report on every rank
+    assert [r.delivered for r in by_rank[0]] == [("whole",), ("whole",)]
+    assert await server.receive(timeout=PATIENCE) == 2
+    for name, value in full(2).items():
+        assert torch.equal(server_tensors[name], value), name
+
+
+async def test_the_sender_holds_three_buckets_at_most_whatever_the_model(channel: Channel) -> None:
+    """Bucket 0 (at most ``FIRST_BUCKET_BYTES`` past one bucket) and a ring of two."""
+    bucket = 64 * 1024
+    world = FakeWorld(2)
+    whole = torch.arange(2 * 1024 * 1024 // 4, dtype=torch.float32).reshape(-1, 64)  # 2 MiB
+
+    async def trainer(gang: Gang) -> int:
+        mine = torch.chunk(whole, 2)[gang.rank].contiguous()
+        tensors = {"w": Sharded(mine, 0, tuple(whole.shape))}
+        publisher = await open_trainer(channel, gang, tensors, bucket)
+        await publisher.push(1)
+        gathering = getattr(publisher, "_gathering", None)
+        return 0 if gathering is None else gathering.allocated_bytes
+
+    allocated = (await world.run(trainer))[0]
+    assert 0 < allocated <= min(bucket, FIRST_BUCKET_BYTES) + 2 * bucket, allocated
+
+
+async def test_a_trainer_rank_whose_shares_do_not_come_fails_the_push_and_no_server_takes_it(
+    channel: Channel,
+) -> None:
+    async def trainer(gang: Gang, ready: anyio.Event) -> str:
+        tensors = shards(gang.rank, gang.size, 0)
+        publisher = await open_trainer(channel, gang, tensors)
+        await ready.wait()
+        write(tensors, gang.rank, gang.size, 1)
+        await publisher.push(1)
+        write(tensors, gang.rank, gang.size, 2)
+        if gang.rank == 1:
+            await gang.close()  # lost: its shares of version 2 never come
+            return "closed"
+        with pytest.raises(GangError) as raised:
+            await publisher.push(2, timeout=2.0)
+        with pytest.raises(GangError, match="can push no more"):
+            await publisher.push(3)
+        return str(raised.value)
+
+    results, server = await run_with_server(channel, FakeWorld(2), trainer)
+    said, server_tensors = results[0], server._tensors
+    assert "version 2" in said, said
+    assert "no server took it" in said, said
+    assert await server.receive(timeout=PATIENCE) == 1
+    with pytest.raises(TimeoutError):
+        await server.receive(timeout=1.0)  # version 2 never whole: not exposed
+    for name, value in full(1).items():
+        assert torch.equal(server_tensors[name], value), name
