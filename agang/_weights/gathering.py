@@ -218,13 +218,18 @@ class Gathering:
 
     async def end(self, outcome: dict[str, Any], seconds: float = END_SECONDS) -> None:
         """Ends the push on the lane with ``outcome`` (rule 2): ``{"report": ...}`` or
-        ``{"error": why}``, within ``seconds``. Where the lane is out of step, nothing
-        is said."""
+        ``{"error": why}``, within ``seconds``, shielded from a cancel: once said, the
+        push's words are whole whatever becomes of the caller (a second end would put
+        the lane out of step). Where the lane is out of step, nothing is said."""
         if self.broken is not None:
             return
-        await self._finish_taking(time.monotonic() + seconds)
-        await self._op(self._lane.broadcast(control(DONE, 0, 0, self._device), 0, timeout=seconds))
-        await self._op(self._lane.broadcast_objects([outcome], 0, timeout=seconds))
+        with anyio.CancelScope(shield=True):
+            await self._finish_taking(time.monotonic() + seconds)
+            done = control(DONE, 0, 0, self._device)
+            said = self._lane.broadcast(done, 0, timeout=seconds)
+            told = self._lane.broadcast_objects([outcome], 0, timeout=seconds)
+            await self._op(said)
+            await self._op(told)
 
     async def abandon(self, why: str) -> None:
         """A push that raised or was cancelled, ended on the lane within

@@ -12,10 +12,10 @@ import anyio
 import anyio.to_thread
 import pytest
 import torch
-from shardedtrainer import push_versions, shapes, version_of
+from shardedtrainer import open_refused, push_versions, shapes, version_of
 
-from agang import WeightSubscriber
-from agang.testing import run_world
+from agang import GangError, WeightSubscriber
+from agang.testing import WorldRunError, run_world
 
 pytestmark = [pytest.mark.gloo, pytest.mark.anyio, pytest.mark.timeout(180)]
 
@@ -53,7 +53,10 @@ async def trainer_and_server(
     results: list[Any] = []
 
     async def trainer() -> None:
-        results.extend(await anyio.to_thread.run_sync(run))
+        try:
+            results.extend(await anyio.to_thread.run_sync(run))
+        except WorldRunError as error:  # a rank failed (or was killed): the test judges
+            results.append(error)
 
     async with anyio.create_task_group() as group:
         group.start_soon(trainer)
@@ -76,3 +79,49 @@ async def test_an_fsdp2_trainer_on_two_ranks_delivers_exact_contents_to_a_whole_
             assert torch.equal(server._tensors[name], value), name
     finally:
         await server.close()
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_trainer_rank_killed_mid_push_fails_it_with_blame_and_no_server_takes_it(
+    store: str,
+) -> None:
+    """Rank 1 is SIGKILLed as rank 0 gathers its shares of a version: rank 0's push
+    raises, naming what was lost; the server keeps the last whole version."""
+    results, server = await trainer_and_server(store, "fsdp-kill", versions=1, kill=True)
+    try:
+        (failed,) = results
+        assert isinstance(failed, WorldRunError), results
+        assert set(failed.failures) == {1}, failed  # killed, as the test meant
+        what, said, last = failed.results[0]
+        assert what == "raised", said
+        assert f"version {last + 1} failed and no server took it" in said, said
+        assert await server.receive(timeout=20) == last
+        for name, value in whole(last).items():
+            assert torch.equal(server._tensors[name], value), name
+        # The lost push's version is never whole: no newer version, until the trainer's
+        # exit (run_world ends rank 0 after rank 1's death) leaves the channel.
+        with pytest.raises((TimeoutError, GangError)):
+            await server.receive(timeout=1.0)
+        assert server.version == last
+    finally:
+        await server.close()
+
+
+@pytest.mark.parametrize(
+    ("what", "why"),
+    [("partial", "cannot move a Partial placement"), ("2-d mesh", "on a 2-D mesh")],
+)
+def test_a_placement_one_rank_cannot_move_is_refused_on_every_rank(
+    store: str, what: str, why: str
+) -> None:
+    said = run_world(
+        functools.partial(
+            open_refused, store=store, channel=f"refused-{what.replace(' ', '')}", what=what
+        ),
+        2,
+        timeout=60,
+    )
+    for text in said:
+        assert "Rank 1 of the gang" in text, text
+        assert "`tensors['w']`" in text, text
+        assert why in text, text

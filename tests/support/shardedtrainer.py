@@ -69,12 +69,12 @@ async def push_versions(
     channel: str,
     versions: int,
     servers: tuple[str, ...],
-    kill_at: int | None = None,
+    kill: bool = False,
 ) -> list[Any]:
     """Opens a publisher over ``gang`` for the FSDP2 model's ``state_dict()``, waits
     until a push reaches every server of ``servers``, then pushes ``versions`` more.
-    With ``kill_at``, rank 1 kills itself (SIGKILL) in the middle of that push: the
-    others' push must raise; returns ``["raised", message]`` then."""
+    With ``kill``, rank 1 kills itself (SIGKILL) as the first of those begins: rank 0's
+    push must raise; it returns ``["raised", what it said, the last version pushed]``."""
     made, _ = _sharded_model(gang)
     state = made.state_dict()
     publisher = await WeightPublisher.open(
@@ -93,7 +93,7 @@ async def push_versions(
     for _ in range(versions):
         version += 1
         _set(state, gang.rank, gang.size, version)
-        if kill_at == version:
+        if kill:
             if gang.rank == 1:
                 await anyio.sleep(0.05)  # rank 0 is gathering: it waits for these shares
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -105,3 +105,26 @@ async def push_versions(
         reports.append(await publisher.push(version))
     await publisher.close()
     return reports
+
+
+async def open_refused(gang: Gang, store: str, channel: str, what: str) -> str:
+    """Opens a publisher where rank 1 alone holds a tensor agang cannot move (``what``:
+    "partial", or "2-d mesh"); returns what this rank's ``open`` raised."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Shard
+
+    mesh = init_device_mesh("cpu", (gang.size,))
+    square = init_device_mesh("cpu", (1, gang.size), mesh_dim_names=("a", "b"))  # collective
+    tensors: dict[str, Any] = {"ok": DTensor.from_local(torch.ones(2, 3), mesh, [Shard(0)])}
+    if gang.rank == 1:
+        if what == "partial":
+            tensors["w"] = DTensor.from_local(torch.ones(4), mesh, [Partial()])
+        else:
+            tensors["w"] = DTensor.from_local(torch.ones(4), square, [Shard(0), Shard(0)])
+    else:
+        tensors["w"] = DTensor.from_local(torch.ones(4), mesh, [Shard(0)])
+    try:
+        await WeightPublisher.open(tensors, store=store, channel=channel, timeout=20, gang=gang)
+    except ValueError as error:
+        return str(error)
+    return "opened"

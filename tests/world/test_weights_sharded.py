@@ -198,3 +198,45 @@ async def test_a_trainer_rank_whose_shares_do_not_come_fails_the_push_and_no_ser
         await server.receive(timeout=1.0)  # version 2 never whole: not exposed
     for name, value in full(1).items():
         assert torch.equal(server_tensors[name], value), name
+
+
+@pytest.mark.parametrize("cancelled", [(0, 1), (0,), (1,)], ids=["both", "rank0", "rank1"])
+async def test_a_push_cancelled_on_any_rank_tears_nothing_and_the_next_one_goes_on(
+    channel: Channel, cancelled: tuple[int, ...]
+) -> None:
+    """Cancelled mid-push on every rank, on rank 0 alone or on rank 1 alone: the ranks
+    keep their lane in step (``gathering`` rule 5, ``following`` rule 4), the ranks
+    not cancelled raise saying why, and the next push delivers whole."""
+    world = FakeWorld(2, latency=0.005)  # each of the lane's ops takes 5 ms
+
+    async def trainer(gang: Gang, ready: anyio.Event) -> tuple[str, PushReport]:
+        tensors = shards(gang.rank, gang.size, 0)
+        publisher = await open_trainer(channel, gang, tensors)
+        await ready.wait()
+        write(tensors, gang.rank, gang.size, 1)
+        await publisher.push(1)
+        write(tensors, gang.rank, gang.size, 2)
+        outcome = "pushed"
+        if gang.rank in cancelled:
+            with anyio.move_on_after(0.03) as scope:
+                await publisher.push(2)
+            outcome = "cancelled" if scope.cancelled_caught else "pushed"
+        else:
+            try:
+                await publisher.push(2)
+            except GangError as error:
+                outcome = f"raised: {error}"
+        write(tensors, gang.rank, gang.size, 3)
+        return outcome, await publisher.push(3)
+
+    results, server = await run_with_server(channel, world, trainer)
+    assert results[0][1] == results[1][1], results  # the same report for version 3
+    assert results[0][1].delivered == ("whole",), results
+    for rank, (outcome, _) in enumerate(results):
+        if rank in cancelled:
+            assert outcome in ("cancelled", "pushed"), outcome
+        else:  # rank 0's cancel may come after the push's words were said
+            assert outcome == "pushed" or "cancelled" in outcome, outcome
+    assert await server.receive(timeout=PATIENCE) == 3
+    for name, value in full(3).items():
+        assert torch.equal(server._tensors[name], value), name
