@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import statistics
@@ -42,6 +43,7 @@ from _common import add_out_argument, format_bytes, format_seconds, write_plots
 from agang._membership import store as stores
 from agang._weights.publisher import WeightPublisher
 from agang._weights.subscriber import WeightSubscriber
+from agang.testing import run_world
 
 TENSORS = 16
 FULL_SIZES = [2**10, 2**16, 2**20, 2**24, 2**28]
@@ -80,7 +82,7 @@ def rounds_for(num_bytes: int, quick: bool) -> int:
 
 def raw_group(store: Any, servers: int, rank: int) -> Any:
     prefix = dist.PrefixStore(f"bench/raw/{servers}", store)  # type: ignore[attr-defined]
-    return dist.ProcessGroupGloo(prefix, rank, servers + 1, timedelta(seconds=120))  # type: ignore[attr-defined]
+    return dist.ProcessGroupGloo(prefix, rank, servers + 1, timedelta(seconds=120))
 
 
 def raw_round(group: Any, flat: torch.Tensor) -> None:
@@ -219,6 +221,369 @@ def run(servers: int, sizes: list[int], quick: bool) -> list[dict[str, Any]]:
             process.wait(timeout=30)
 
 
+# --- Sharded mode (--sharded): a 2-rank FSDP2 trainer pushes to one whole server. ---
+
+SHARDED_FULL_SIZES = [2**24, 2**26, 2**28, 2**30]
+SHARDED_QUICK_SIZES = [2**20, 2**24]
+#: The sharded trainer's ranks, and its mode's name in the keys and channels.
+TRAINER_RANKS = 2
+SHARDED = "sharded"
+#: The issue's goals: push / hand-made at most 1.2x from 16 MiB up; the sender's
+#: buffers at most 3 buckets.
+SHARDED_RATIO_GOAL = 1.2
+SHARDED_RATIO_FROM = 2**24
+SHARDED_BUFFER_GOAL = 3
+
+
+def sharded_rounds(num_bytes: int, quick: bool) -> int:
+    """Timed turns per size: about 256 MiB of each path's bytes, 3 to 20 (quick) or 30."""
+    many = 20 if quick else 30
+    return max(3, min(many, 2**28 // max(num_bytes, 1)))
+
+
+def memory() -> dict[str, int]:
+    """This process's resident bytes now (``VmRSS``) and at their peak (``VmHWM``)."""
+    found = {}
+    with open("/proc/self/status") as status:
+        for line in status:
+            name, _, value = line.partition(":")
+            if name in ("VmRSS", "VmHWM"):
+                found[name] = int(value.split()[0]) * 1024
+    return found
+
+
+def reset_peak() -> int | None:
+    """Resets ``VmHWM`` to ``VmRSS`` (Linux's ``clear_refs`` 5) and returns the resident
+    bytes it starts from; None where it cannot (the peaks then go unmeasured)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as clear:
+            clear.write("5")
+        return memory()["VmRSS"]
+    except (OSError, KeyError):
+        return None
+
+
+def peak_since(start: int | None) -> int | None:
+    """How far ``VmHWM`` rose above ``start`` (``reset_peak``'s)."""
+    return None if start is None else max(0, memory()["VmHWM"] - start)
+
+
+def fsdp_model(num_bytes: int, mesh: Any) -> torch.nn.Module:
+    """``model(num_bytes)``'s tensors as the parameters of one module, ``fully_shard``-ed
+    on ``mesh`` (made on ``meta``, so no rank ever holds the whole), tensor i all i."""
+    from torch.distributed.fsdp import fully_shard
+
+    made = torch.nn.Module()
+    with torch.device("meta"):
+        for name, value in model(num_bytes).items():
+            made.register_parameter(name, torch.nn.Parameter(value))
+    fully_shard(made, mesh=mesh)
+    made.to_empty(device="cpu")
+    with torch.no_grad():
+        for index, value in enumerate(made.state_dict().values()):
+            value.to_local().fill_(float(index))
+    return made
+
+
+def local_shares(state: dict[str, Any], rank: int) -> list[tuple[int, torch.Tensor]]:
+    """Each tensor's local shard (``Shard(0)`` of a 1-D tensor, ``torch.chunk``'s rows)
+    and its offset in the whole model's flat buffer, in elements."""
+    out = []
+    base = 0
+    for value in state.values():
+        whole = value.shape[0]
+        step = -(-whole // TRAINER_RANKS)
+        start = min(whole, rank * step)
+        local = value.to_local()
+        assert local.numel() == min(whole, start + step) - start, (local.shape, whole)
+        out.append((base + start, local))
+        base += whole
+    return out
+
+
+def trainer_group(store: Any, rank: int) -> Any:
+    """A raw Gloo group of the trainer's ranks: the hand-made gather's."""
+    prefix = dist.PrefixStore("bench/sharded/trainer", store)  # type: ignore[attr-defined]
+    return dist.ProcessGroupGloo(prefix, rank, TRAINER_RANKS, timedelta(seconds=120))
+
+
+def hand_made(
+    peers: Any, fleet: Any, flat: torch.Tensor, own: list[Any], theirs: list[Any]
+) -> None:
+    """The baseline on trainer rank 0: rank 1's shards received (point to point) into
+    the whole model's flat buffer at their offsets while rank 0's own are copied in,
+    then one broadcast of it to the server, and a barrier."""
+    works = [peers.recv([into], 1, tag) for tag, into in enumerate(theirs)]
+    for into, local in own:
+        into.copy_(local)
+    for work in works:
+        work.wait()
+    raw_round(fleet, flat)
+
+
+def hand_made_share(peers: Any, shares: list[torch.Tensor]) -> None:
+    """The baseline on trainer rank 1: its shards sent to rank 0."""
+    works = [peers.send([local], 0, tag) for tag, local in enumerate(shares)]
+    for work in works:
+        work.wait()
+
+
+def wait_key(store: Any, name: str, seconds: float = 120.0) -> bytes:
+    """``name``'s value once it is set (bounded)."""
+    give_up_at = time.monotonic() + seconds
+    while not store.check([name]):
+        if time.monotonic() > give_up_at:
+            raise TimeoutError(f"{name} was not set within {seconds:g} s")
+        time.sleep(0.001)
+    return store.get(name)  # type: ignore[no-any-return]
+
+
+async def sharded_rank(address: str, sizes: list[int], quick: bool, gang: Any) -> list[Any]:
+    """A trainer rank (``run_world``): for each size, an FSDP2 model, a publisher over
+    ``gang`` admitting the server, then turns of a hand-made round and a push, timed on
+    rank 0 (rank 1 takes part, and measures its own peak)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(1)
+    rank = gang.rank
+    store = connect(address)
+    mesh = init_device_mesh("cpu", (TRAINER_RANKS,))
+    peers = trainer_group(store, rank)
+    fleet = raw_group(store, 1, 0) if rank == 0 else None
+    rows = []
+    for size in sizes:
+        made = fsdp_model(size, mesh)
+        state = made.state_dict()
+        nbytes = sum(v.numel() * v.element_size() for v in state.values())
+        count = sharded_rounds(size, quick)
+        # The publisher's memory: open, admission, and a push to the server.
+        start = reset_peak()
+        publisher = await WeightPublisher.open(
+            state, store=address, channel=channel_of(1, size, SHARDED), timeout=120, gang=gang
+        )
+        version = 0
+        for _ in range(200):  # the first push that reaches the server admits it
+            version += 1
+            if (await publisher.push(version)).delivered:
+                break
+            await asyncio.sleep(0.05)
+        if rank == 0:
+            store.set(key(1, size, SHARDED, "admitted"), str(version))
+            wait_taken(store, 1, size, SHARDED, version)
+        version += 1
+        assert (await publisher.push(version)).delivered
+        if rank == 0:
+            wait_taken(store, 1, size, SHARDED, version)
+        push_peak = peak_since(start)
+        gathering = publisher._gathering if rank == 0 else None  # the sender's (rule 9)
+        buffers = gathering.allocated_bytes if gathering is not None else 0
+        # The hand-made's memory: its whole flat buffer, and its first round.
+        start = reset_peak()
+        shares = local_shares(state, rank)
+        flat = torch.empty(nbytes // 4) if rank == 0 else torch.empty(0)
+        own = [(flat[at : at + local.numel()], local) for at, local in shares]
+        theirs = (
+            [] if rank else [flat[at : at + local.numel()] for at, local in local_shares(state, 1)]
+        )
+        hand, pushes, reported = [], [], []
+        hand_peak: int | None = None
+        for turn in range(count + 1):  # turn 0 warms up
+            started = time.perf_counter()
+            if rank == 0:
+                hand_made(peers, fleet, flat, own, theirs)
+            else:
+                hand_made_share(peers, [local for _, local in shares])
+            hand_s = time.perf_counter() - started
+            if turn == 0:
+                hand_peak = peak_since(start)
+            version += 1
+            started = time.perf_counter()
+            report = await publisher.push(version)
+            push_s = time.perf_counter() - started
+            assert report.delivered, report
+            if rank == 0:
+                wait_taken(store, 1, size, SHARDED, version)
+            if turn:
+                hand.append(hand_s)
+                pushes.append(push_s)
+                reported.append(report.seconds)
+        await publisher.close()
+        row: dict[str, Any] = {"rank": rank, "push_peak": push_peak, "hand_peak": hand_peak}
+        if rank == 0:
+            exact = wait_key(store, key(1, size, SHARDED, "exact")).decode()
+            hand_s, push_s = statistics.median(hand), statistics.median(pushes)
+            row |= {
+                "bytes": nbytes,
+                "bucket_bytes": publisher.plan.bucket_bytes,
+                "rounds": count,
+                "hand_made": hand_s,
+                "push": push_s,
+                "push_reported": statistics.median(reported),
+                "ratio": push_s / hand_s,
+                "buffers": buffers,
+                "exact": exact,
+            }
+            print(sharded_line(row), flush=True)
+        rows.append(row)
+        del made, state, publisher, flat, own, theirs, shares
+    return rows
+
+
+async def serve_sharded(address: str, sizes: list[int], quick: bool) -> None:
+    """The whole server (``--serve-sharded``): for each size, a staging subscriber that
+    takes every version, and its part of each hand-made round (broadcast, barrier);
+    at the end of a size it checks both paths' bytes and says so under ``exact``."""
+    torch.set_num_threads(1)
+    store = connect(address)
+    group = raw_group(store, 1, 1)
+    for size in sizes:
+        tensors = {k: torch.zeros_like(v) for k, v in model(size).items()}
+        flat = torch.zeros(sum(t.numel() for t in tensors.values()))
+        subscriber = await WeightSubscriber.open(
+            tensors, store=address, channel=channel_of(1, size, SHARDED), name="server"
+        )
+        taken = key(1, size, SHARDED, "taken/1")
+        admitted = int(wait_key(store, key(1, size, SHARDED, "admitted")).decode())
+        version = 0
+        while version < admitted:
+            version = await subscriber.receive(timeout=120)
+        store.set(taken, str(version))
+        version = await subscriber.receive(timeout=120)  # the memory window's push
+        store.set(taken, str(version))
+        for _ in range(sharded_rounds(size, quick) + 1):  # a hand-made round, then a push
+            raw_round(group, flat)
+            version = await subscriber.receive(timeout=120)
+            store.set(taken, str(version))
+        wrong = [n for i, (n, t) in enumerate(tensors.items()) if not bool((t == i).all())]
+        expected = torch.cat([torch.full_like(t, i) for i, t in enumerate(tensors.values())])
+        if not torch.equal(flat, expected):
+            wrong.append("the hand-made's flat buffer")
+        store.set(key(1, size, SHARDED, "exact"), "yes" if not wrong else f"no: {wrong}")
+        await subscriber.close()
+        del tensors, flat, expected
+
+
+SHARDED_HEADER = (
+    "    model  bucket  rounds   hand-made        push   ratio  "
+    "agang buffers  /bucket  /model  push peak  hand-made peak  exact"
+)
+
+
+def mib(num_bytes: int | None) -> str:
+    return "-" if num_bytes is None else f"{num_bytes / 2**20:.1f} MiB"
+
+
+def sharded_line(row: dict[str, Any]) -> str:
+    return (
+        f"{format_bytes(row['bytes']):>9}  {format_bytes(row['bucket_bytes']):>6}  "
+        f"{row['rounds']:>6}  {format_seconds(row['hand_made']):>10}  "
+        f"{format_seconds(row['push']):>10}  {row['ratio']:>5.2f}x  "
+        f"{mib(row['buffers']):>13}  {row['buffers'] / row['bucket_bytes']:>6.2f}x  "
+        f"{row['buffers'] / row['bytes']:>5.3f}x  {mib(row['push_peak']):>9}  "
+        f"{mib(row['hand_peak']):>14}  {row['exact']}"
+    )
+
+
+def run_sharded(sizes: list[int], quick: bool) -> list[dict[str, Any]]:
+    """An ``agang store``, the server (a process of this script) and the trainer's 2
+    ranks (``run_world``); the rows, rank 0's with rank 1's peaks as ``rank1_*``."""
+    started: list[subprocess.Popen[str]] = []
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    try:
+        store = subprocess.Popen(
+            [sys.executable, "-m", "agang", "store", "--port", "0", "--quiet"],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        started.append(store)
+        assert store.stdout is not None
+        address = store.stdout.readline().split()[-1]
+        args = [str(s) for s in sizes] + (["--quick"] if quick else [])
+        started.append(
+            subprocess.Popen(
+                [sys.executable, __file__, "--serve-sharded", address, *args], env=env, text=True
+            )
+        )
+        ranks = run_world(
+            functools.partial(sharded_rank, address, sizes, quick),
+            TRAINER_RANKS,
+            timeout=120 + 60 * len(sizes) if quick else 1800,
+        )
+    finally:
+        for process in reversed(started):  # ours, by pid
+            if process.poll() is None:
+                process.kill()
+            process.wait(timeout=30)
+    rows = []
+    for first, second in zip(ranks[0], ranks[1], strict=True):
+        rows.append(
+            {
+                **first,
+                "rank1_push_peak": second["push_peak"],
+                "rank1_hand_peak": second["hand_peak"],
+            }
+        )
+    return rows
+
+
+def main_sharded(args: argparse.Namespace) -> int:
+    sizes = args.sizes or (SHARDED_QUICK_SIZES if args.quick else SHARDED_FULL_SIZES)
+    print(
+        f"A {TRAINER_RANKS}-rank FSDP2 trainer (gang) pushes to 1 whole server (staging); "
+        f"hand-made: gather onto rank 0 point to point, raw broadcast + barrier"
+    )
+    print(SHARDED_HEADER, flush=True)
+    rows = run_sharded(sizes, args.quick)
+    large = [row["ratio"] for row in rows if row["bytes"] >= SHARDED_RATIO_FROM]
+    if large:
+        print(
+            f"worst ratio from {format_bytes(SHARDED_RATIO_FROM)} up {max(large):.2f}x "
+            f"(goal <= {SHARDED_RATIO_GOAL}x)"
+        )
+    most = max(row["buffers"] / row["bucket_bytes"] for row in rows)
+    print(f"most sender buffers {most:.2f} buckets (goal <= {SHARDED_BUFFER_GOAL})")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "weights_sharded.json").write_text(
+        json.dumps(
+            {"quick": args.quick, "trainer_ranks": TRAINER_RANKS, "servers": 1, "rows": rows},
+            indent=1,
+        )
+    )
+
+    def draw(plt: Any) -> None:
+        figure, (ratio, extra) = plt.subplots(1, 2, figsize=(11, 4))
+        sizes = [r["bytes"] for r in rows]
+        ratio.plot(sizes, [r["ratio"] for r in rows], marker="o", label="push / hand-made")
+        ratio.axhline(SHARDED_RATIO_GOAL, color="grey", linestyle="--", label="goal 1.2x")
+        ratio.set_xscale("log", base=2)
+        ratio.set_xlabel("model bytes")
+        ratio.set_ylabel("push / hand-made (gather + broadcast + barrier)")
+        ratio.legend()
+        lines = {
+            "model": sizes,
+            "agang sender buffers": [r["buffers"] for r in rows],
+            "agang rank 0 peak rise": [r["push_peak"] for r in rows],
+            "hand-made rank 0 peak rise": [r["hand_peak"] for r in rows],
+            f"{SHARDED_BUFFER_GOAL} buckets": [
+                SHARDED_BUFFER_GOAL * r["bucket_bytes"] for r in rows
+            ],
+        }
+        for label, values in lines.items():
+            if None not in values:
+                style = "--" if label in ("model", f"{SHARDED_BUFFER_GOAL} buckets") else "-"
+                extra.plot(sizes, values, linestyle=style, marker="o", label=label)
+        extra.set_xscale("log", base=2)
+        extra.set_yscale("log", base=2)
+        extra.set_xlabel("model bytes")
+        extra.set_ylabel("trainer rank 0's extra bytes")
+        extra.legend(fontsize="small")
+        figure.savefig(args.out / "weights_sharded.png", dpi=120, bbox_inches="tight")
+
+    write_plots([args.out / "weights_sharded.png"], draw)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n")[0] if __doc__ else None,
@@ -232,8 +597,15 @@ def main(argv: list[str] | None = None) -> int:
         help="server counts (default: %(default)s, meaning 1 2 3 4, or 1 2 with --quick)",
     )
     parser.add_argument(
+        "--sharded",
+        action="store_true",
+        help="a 2-rank FSDP2 trainer pushing to 1 server, against a hand-made gather and "
+        "broadcast (16 MiB to 1 GiB, or 1 and 16 MiB with --quick)",
+    )
+    parser.add_argument(
         "--serve", nargs=3, metavar=("STORE", "SERVERS", "RANK"), help=argparse.SUPPRESS
     )
+    parser.add_argument("--serve-sharded", metavar="STORE", help=argparse.SUPPRESS)
     parser.add_argument("sizes", type=int, nargs="*", help=argparse.SUPPRESS)
     add_out_argument(parser)
     args = parser.parse_args(argv)
@@ -241,6 +613,11 @@ def main(argv: list[str] | None = None) -> int:
         address, servers, rank = args.serve
         asyncio.run(serve(address, int(servers), int(rank), args.sizes, args.quick))
         return 0
+    if args.serve_sharded:
+        asyncio.run(serve_sharded(args.serve_sharded, args.sizes, args.quick))
+        return 0
+    if args.sharded:
+        return main_sharded(args)
     sizes = args.sizes or (QUICK_SIZES if args.quick else FULL_SIZES)
     counts = args.servers or ([1, 2] if args.quick else [1, 2, 3, 4])
     print("servers      model      mode  raw bcast+barrier       push   ratio")
