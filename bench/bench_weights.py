@@ -17,6 +17,26 @@ tensors) and ``staging`` (the default: rounds write a copy that ``receive`` copi
 
 It prints a table, writes ``weights.json`` and, with matplotlib, ``weights.png`` under
 ``--out`` (default bench/out).
+
+``--sharded``: a sharded trainer's push (``WeightPublisher.open(..., gang=)``). The
+trainer is 2 ranks (``agang.testing.run_world``) holding the same 16 tensors as the
+parameters of one module ``fully_shard``-ed on a 1-D CPU mesh (FSDP2: each rank holds
+half of each tensor); one server (a process of this script) holds them whole, staging.
+The hand-made baseline, in the same processes and taking turns with the pushes: rank 1
+sends its shards to rank 0 (point to point, the fastest gather on Gloo), which receives
+them into a flat buffer of the whole model at their offsets while it copies its own
+in, then one raw c10d broadcast of that buffer to the server over a ``ProcessGroupGloo``
+of {rank 0, server}, and a barrier. Both are timed on rank 0; the ratio is push /
+hand-made (goal: at most 1.2x from 16 MiB up). It also reports rank 0's extra memory:
+the gathering's buffers (``publisher._gathering.allocated_bytes``; goal: at most 3
+buckets), the rise of rank 0's peak resident memory (``VmHWM``, reset before) over the
+publisher's open, admission and a push, and over the hand-made's first round (its
+whole copy of the model); and whether the server's bytes were exact on both paths.
+
+    python bench/bench_weights.py --sharded --quick   # 1 MiB, 16 MiB (about 15 s)
+    python bench/bench_weights.py --sharded           # 16 MiB .. 1 GiB (about 1 min)
+
+It writes ``weights_sharded.json`` and ``weights_sharded.png``.
 """
 
 from __future__ import annotations
@@ -236,9 +256,10 @@ SHARDED_BUFFER_GOAL = 3
 
 
 def sharded_rounds(num_bytes: int, quick: bool) -> int:
-    """Timed turns per size: about 256 MiB of each path's bytes, 3 to 20 (quick) or 30."""
-    many = 20 if quick else 30
-    return max(3, min(many, 2**28 // max(num_bytes, 1)))
+    """Timed turns per size: about 256 MiB (quick) or 1 GiB of each path's bytes, at
+    least 3, at most 20 (quick) or 30."""
+    many, budget = (20, 2**28) if quick else (30, 2**30)
+    return max(3, min(many, budget // max(num_bytes, 1)))
 
 
 def memory() -> dict[str, int]:
@@ -285,18 +306,17 @@ def fsdp_model(num_bytes: int, mesh: Any) -> torch.nn.Module:
     return made
 
 
-def local_shares(state: dict[str, Any], rank: int) -> list[tuple[int, torch.Tensor]]:
-    """Each tensor's local shard (``Shard(0)`` of a 1-D tensor, ``torch.chunk``'s rows)
-    and its offset in the whole model's flat buffer, in elements."""
+def spans(state: dict[str, Any], rank: int) -> list[tuple[int, int]]:
+    """Where ``rank``'s shard of each tensor (``Shard(0)`` of a 1-D tensor, rows as
+    ``torch.chunk`` cuts them) lies in the whole model's flat buffer: (offset, length),
+    in elements."""
     out = []
     base = 0
     for value in state.values():
         whole = value.shape[0]
         step = -(-whole // TRAINER_RANKS)
         start = min(whole, rank * step)
-        local = value.to_local()
-        assert local.numel() == min(whole, start + step) - start, (local.shape, whole)
-        out.append((base + start, local))
+        out.append((base + start, min(whole, start + step) - start))
         base += whole
     return out
 
@@ -379,12 +399,13 @@ async def sharded_rank(address: str, sizes: list[int], quick: bool, gang: Any) -
         buffers = gathering.allocated_bytes if gathering is not None else 0
         # The hand-made's memory: its whole flat buffer, and its first round.
         start = reset_peak()
-        shares = local_shares(state, rank)
-        flat = torch.empty(nbytes // 4) if rank == 0 else torch.empty(0)
-        own = [(flat[at : at + local.numel()], local) for at, local in shares]
-        theirs = (
-            [] if rank else [flat[at : at + local.numel()] for at, local in local_shares(state, 1)]
-        )
+        shares = [value.to_local() for value in state.values()]
+        assert [t.numel() for t in shares] == [n for _, n in spans(state, rank)], "shards"
+        flat = torch.empty(nbytes // 4 if rank == 0 else 0)
+        own = [(flat[at : at + n], t) for (at, n), t in zip(spans(state, 0), shares, strict=True)]
+        theirs = [flat[at : at + n] for at, n in spans(state, 1)]
+        if rank:
+            own, theirs = [], []
         hand, pushes, reported = [], [], []
         hand_peak: int | None = None
         for turn in range(count + 1):  # turn 0 warms up
@@ -392,7 +413,7 @@ async def sharded_rank(address: str, sizes: list[int], quick: bool, gang: Any) -
             if rank == 0:
                 hand_made(peers, fleet, flat, own, theirs)
             else:
-                hand_made_share(peers, [local for _, local in shares])
+                hand_made_share(peers, shares)
             hand_s = time.perf_counter() - started
             if turn == 0:
                 hand_peak = peak_since(start)
