@@ -21,6 +21,7 @@ Rules:
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -65,7 +66,7 @@ class Following:
         self._heard: Handle[torch.Tensor] | None = None
         self._next: int | None = None
         self._flying: list[list[Handle[None]]] = []
-        self._outcome: Handle[list[object]] | None = None
+        self._outcome: Handle[torch.Tensor] | None = None
 
     async def push(self, version: int, seconds: float | None) -> PushReport:
         """This rank's part of the push of ``version`` (rule 1)."""
@@ -112,9 +113,9 @@ class Following:
             if self._next is not None:
                 await self._send_round(timeout)
             if self._outcome is not None:
-                got = await self._outcome
+                text = await self._outcome
                 self._outcome = None
-                outcome = got[0]
+                outcome = json.loads(bytes(text.cpu().numpy()).decode())
                 if not isinstance(outcome, dict):
                     raise GangError(f"rank 0 sent {type(outcome).__name__} as the push's outcome")
                 return outcome
@@ -123,8 +124,9 @@ class Following:
             await self._heard
             self._heard = None
             what = int(self._word[0])
-            if what == DONE:
-                self._outcome = lane.broadcast_objects([None], 0, timeout=timeout)
+            if what == DONE:  # the outcome's length, then the outcome (gathering rule 2)
+                text = torch.empty(int(self._word[1]), dtype=torch.uint8, device=self._word.device)
+                self._outcome = lane.broadcast(text, 0, timeout=timeout)
             elif what == ROUND:
                 self._next = 0
             else:

@@ -9,17 +9,21 @@ Rules:
 2. *The lane's words.* Every push, on the lane: rank 0 broadcasts a control word per
    round (``ROUND`` and the version: a recovery runs the round again, and the shards
    are read again, since no rank keeps the model whole), each rank sends its
-   shares of each bucket in plan order, and the push ends with ``DONE`` and the push's
-   outcome (the report, or why it failed) broadcast from rank 0, so that every rank
-   returns the same report or raises the same error.
+   shares of each bucket in plan order, and the push ends with ``DONE`` (with the length
+   of what follows) and the push's outcome (the report, or why it failed, as JSON)
+   broadcast from rank 0, so that every rank returns the same report or raises the same
+   error. Rank 0 sees each word through only before it says the next (``settle``), or
+   at ``close``: a push waits for neither its first word nor its last.
 3. *Bounded memory.* Bucket 0 (at most ``FIRST_BUCKET_BYTES`` past one bucket, with the
    header) has a buffer of its own; the others take turns in a ring of ``RING`` buffers
-   of one bucket each, a buffer taken again only once the broadcast of the bucket
-   before in it ended; shares that are strided in the bucket (``Shard(d)``, ``d >= 1``)
-   land in a scratch buffer of one bucket first, then one strided copy puts them in
-   place. So the sender holds bucket 0, ``RING`` buckets and (for ``Shard(d >= 1)``)
-   one more, whatever the model's size; the other ranks send views of their shards
-   (``agang._weights.sharding`` rule 3) and hold nothing more.
+   of one bucket each, a buffer taken again only once the broadcast of the bucket before
+   in it ended; shares that are strided in the bucket (``Shard(d)``, ``d >= 1``) land in
+   a scratch buffer of one bucket first, then one strided copy puts them in place. A
+   direct bucket that is rows of rank 0's own shard (or of a tensor it holds whole)
+   moves from the tensor itself, with no copy. So the sender holds bucket 0, ``RING``
+   buckets and (for ``Shard(d >= 1)``) one more, whatever the model's size; the other
+   ranks send views of their shards (``agang._weights.sharding`` rule 3) and hold
+   nothing more.
 4. *A share that does not come* (a rank lost, or past the push's deadline) ends the
    push on every rank with the blame of the lane's op: the sender stops sending to
    the fleet and closes the round's gang before any server holds the version
@@ -35,6 +39,7 @@ Rules:
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 from typing import Any
 
@@ -115,6 +120,7 @@ class Gathering:
         ring = max(self._sizes[1:], default=0)
         self._ring = [self._zeros(ring) for _ in range(min(RING, len(self._sizes) - 1))]
         self._scratch: torch.Tensor | None = None  # made where a share is strided
+        self._copied: set[int] = set()  # direct buckets an old op holds: copied (rule 3)
         self._plans = [self._cut(index) for index in range(len(self._sizes))]
         #: Why the lane is no longer in step (rule 4), or None.
         self.broken: str | None = None
@@ -122,6 +128,9 @@ class Gathering:
         # that bucket's receives, where they were issued.
         self._open_round: int | None = None
         self._receiving: list[Handle[torch.Tensor]] | None = None
+        # Words said on the lane and not seen through yet (rule 2): each is awaited
+        # before the next words, not by the push that said them.
+        self._said: list[Handle[Any]] = []
 
     def _zeros(self, nbytes: int) -> torch.Tensor:
         return torch.zeros(nbytes, dtype=torch.uint8, device=self._device)
@@ -149,9 +158,11 @@ class Gathering:
         before = index - len(self._ring)
         return before if index > 0 and before >= 1 else None
 
-    def _cut(self, index: int) -> tuple[list[Copy], list[Receive]]:
-        """Bucket ``index``'s own copies (into, from), and its receives (rank, into,
-        the strided place ``into`` is copied to after, or None) (rule 3)."""
+    def _cut(self, index: int) -> tuple[list[Copy], list[Receive], torch.Tensor | None]:
+        """Bucket ``index``'s own copies (into, from), its receives (rank, into, the
+        strided place ``into`` is copied to after, or None), and, for a direct bucket
+        that is rows of rank 0's own tensor, those rows' bytes: it moves as they are,
+        with no copy (rule 3)."""
         own: list[Copy] = []
         receives: list[Receive] = []
         used = 0
@@ -167,7 +178,10 @@ class Gathering:
                 landing = self._scratch[used : used + size].view(place.dtype).view(place.shape)
                 used += size
                 receives.append((rank, landing, place))
-        return own, receives
+        direct = self.plan.buckets()[index][0] and index not in self._copied
+        if direct and not receives and len(own) == 1 and own[0][0].is_contiguous():
+            return [], [], as_bytes(own[0][1])
+        return own, receives, None
 
     def renew_held(self, holds: list[Gang]) -> None:
         """New buffers for those an op of a failed round still holds (``Gang.holds``;
@@ -181,6 +195,10 @@ class Gathering:
             if any(gang.holds(buffer) for gang in holds):
                 self._ring[slot] = self._zeros(buffer.numel())
                 renewed = True
+        for index, (_, _, view) in enumerate(self._plans):
+            if view is not None and any(gang.holds(view) for gang in holds):
+                self._copied.add(index)  # the tensor's rows are busy: copied from now on
+                renewed = True
         if renewed:
             self._plans = [self._cut(index) for index in range(self.count)]
 
@@ -188,8 +206,9 @@ class Gathering:
         """Says a round of ``version`` starts (rule 2): the ranks send their shares."""
         self._check()
         await self._finish_taking(deadline)  # a round left open by a cancel (rule 5)
+        await self.settle()
         word = control(ROUND, version, 0, self._device)
-        await self._op(self._lane.broadcast(word, 0, timeout=bound(deadline, 0.001)))
+        self._said.append(self._lane.broadcast(word, 0, timeout=bound(deadline, 0.001)))
         self._open_round = 0
 
     async def take(self, index: int, deadline: float, before: Handle[Any] | None) -> torch.Tensor:
@@ -199,7 +218,10 @@ class Gathering:
             with contextlib.suppress(GangError):  # the fleet's failure: the round's own
                 await before
         assert self._open_round == index, (self._open_round, index)
-        own, receives = self._plans[index]
+        own, receives, direct = self._plans[index]
+        if direct is not None:
+            self._open_round = index + 1 if index + 1 < self.count else None
+            return direct
         if self._receiving is None:
             self._receiving = [
                 self._lane.recv(into, rank, timeout=bound(deadline, 0.001))
@@ -207,6 +229,7 @@ class Gathering:
             ]
             for into, came in own:
                 _copy(into, came)
+        await self.settle()  # the round's word, posted before these receives
         for handle in self._receiving:
             await self._op(handle)
         self._receiving = None
@@ -225,11 +248,17 @@ class Gathering:
             return
         with anyio.CancelScope(shield=True):
             await self._finish_taking(time.monotonic() + seconds)
-            done = control(DONE, 0, 0, self._device)
-            said = self._lane.broadcast(done, 0, timeout=seconds)
-            told = self._lane.broadcast_objects([outcome], 0, timeout=seconds)
-            await self._op(said)
-            await self._op(told)
+            await self.settle()
+            text = torch.frombuffer(bytearray(json.dumps(outcome).encode()), dtype=torch.uint8)
+            done = control(DONE, text.numel(), 0, self._device)
+            self._said.append(self._lane.broadcast(done, 0, timeout=seconds))
+            self._said.append(self._lane.broadcast(text.to(self._device), 0, timeout=seconds))
+
+    async def settle(self) -> None:
+        """Sees the words said on the lane through (rule 2)."""
+        while self._said:
+            await self._op(self._said[0])
+            del self._said[0]
 
     async def abandon(self, why: str) -> None:
         """A push that raised or was cancelled, ended on the lane within

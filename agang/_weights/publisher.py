@@ -663,6 +663,9 @@ class WeightPublisher:
         if self._following is not None:
             return  # rank 0 holds the channel (rule 9); the lane closes with the gang
         with anyio.CancelScope(shield=True):
+            if self._gathering is not None:  # the last push's words, seen through
+                with contextlib.suppress(GangError), anyio.move_on_after(STEP_SECONDS):
+                    await self._gathering.settle()
             await self._leave_epoch(CLOSE, self._last or 0)
             self._fleet.stop()
             await run_blocking(self._listening.stop, name="weights: stop listening", seconds=5.0)

@@ -1,4 +1,4 @@
-"""A sharded trainer for the weights tests (``tests/gloo/test_weights_sharded.py``): an
+"""A sharded trainer for the weights tests (``tests/gloo/test_weights_fsdp.py``): an
 FSDP2 model (``fully_shard`` of each layer, then the root, on the gang's ranks), whose
 parameters are set at each version to ``version_of(name, shape, version)``, pushed by
 every rank over the gang. Run by ``agang.testing.run_world`` (a module-level function,

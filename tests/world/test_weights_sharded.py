@@ -2,7 +2,7 @@
 ``following``): a trainer gang of FakeWorld ranks, each holding shards of the weights
 (``agang.Sharded``), pushing to whole subscribers through the production publisher, on
 the in-process channel of ``tests/support/weightsworld.py``. The same over DTensors and
-real processes: ``tests/gloo/test_weights_sharded.py``."""
+real processes: ``tests/gloo/test_weights_fsdp.py``."""
 
 from __future__ import annotations
 
