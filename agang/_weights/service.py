@@ -303,10 +303,13 @@ class Service:
             self._say(f"receiving version {version} in epoch {epoch}")
             with self.staging:
                 self.ready = None  # rule 2: staging is being written
-                handles = [
-                    gang.broadcast(wire, 0, timeout=self.timeout or math.inf)
-                    for wire in buckets.wire[1:]
-                ]  # posted first: the publisher sends them as soon as they are
+                try:  # posted first: the publisher sends them as soon as they are
+                    handles = [
+                        gang.broadcast(wire, 0, timeout=self.timeout or math.inf)
+                        for wire in buckets.wire[1:]
+                    ]
+                except GangError as error:  # an earlier bucket's receive broke the gang
+                    return await self._after_failure(epoch, one_line(error))
                 copy_bytes(buckets.wire[0], self._bucket0)  # on this thread alone
                 # In place, each packed bucket is copied out as soon as it came, while
                 # the next ones move (its tensors are the server's, written anyway).
