@@ -65,7 +65,7 @@ class Following:
         # (None: no round), the buckets' sends in flight, the outcome's broadcast.
         self._heard: Handle[torch.Tensor] | None = None
         self._next: int | None = None
-        self._flying: list[list[Handle[None]]] = []
+        self._flying: list[list[Handle[list[torch.Tensor]]]] = []
         self._outcome: Handle[torch.Tensor] | None = None
 
     async def push(self, version: int, seconds: float | None) -> PushReport:
@@ -136,8 +136,11 @@ class Following:
         """Every bucket's shares, in order, two buckets in flight at most (rule 1)."""
         assert self._next is not None
         while self._next < len(self._sends):
-            views = self._sends[self._next]
-            self._flying.append([self._lane.send(view, 0, timeout=timeout) for view in views])
+            views = self._sends[self._next]  # one batch a bucket, as rank 0 takes it
+            batch = [(view, 0) for view in views]
+            self._flying.append(
+                [self._lane.exchange(sends=batch, timeout=timeout)] if batch else []
+            )
             self._next += 1
             while len(self._flying) > _IN_FLIGHT:
                 await self._landed()

@@ -127,7 +127,7 @@ class Gathering:
         # The round under way (rule 5): the next bucket to take (None: no round), and
         # that bucket's receives, where they were issued.
         self._open_round: int | None = None
-        self._receiving: list[Handle[torch.Tensor]] | None = None
+        self._receiving: list[Handle[list[torch.Tensor]]] | None = None
         # Words said on the lane and not seen through yet (rule 2): each is awaited
         # before the next words, not by the push that said them.
         self._said: list[Handle[Any]] = []
@@ -223,10 +223,10 @@ class Gathering:
             self._open_round = index + 1 if index + 1 < self.count else None
             return direct
         if self._receiving is None:
-            self._receiving = [
-                self._lane.recv(into, rank, timeout=bound(deadline, 0.001))
-                for rank, into, _ in receives
-            ]
+            # One batch a bucket: one op, however many shares (``Gang.exchange``).
+            pairs = [(into, rank) for rank, into, _ in receives]
+            seconds = bound(deadline, 0.001)
+            self._receiving = [self._lane.exchange(recvs=pairs, timeout=seconds)] if pairs else []
             for into, came in own:
                 _copy(into, came)
         await self.settle()  # the round's word, posted before these receives
