@@ -14,9 +14,17 @@ Rules:
 3. The lane's ops are bounded by the push's deadline plus what rank 0 may take past it
    (recovery, a joiner's check-in): a rank 0 that is alive always ends the push; one
    that died ends the lane's connections at once.
-4. *Cancelled*, the rank still sends the round's shares and takes the outcome, for up
-   to ``CANCEL_GRACE`` seconds, so that the lane stays in step; past that it closes
-   the lane (rule 2).
+4. *Cancelled*, a rank whose shares are under way still sends the round's shares, for
+   up to ``CANCEL_GRACE`` seconds plus their time at ``GRACE_BYTES_PER_SECOND`` (past
+   that it closes the lane: rule 2), so that nothing reads its tensors once the call
+   ended; one that awaited only a word or an outcome leaves it, and the next call takes
+   it. So cancelling a push breaks nothing, on rank 0 or here.
+5. *Outcomes are matched to versions.* An outcome for another version than the call's
+   is an earlier push's, which a cancelled call left behind (or rank 0 refused before
+   its round), when this call took part in no round of it: it is passed over. One whose
+   round this call took part in is rank 0's judgement: the ranks pushed different
+   versions, and this rank raises ``ValueError`` saying both. ``{"closed": ...}``:
+   rank 0's publisher closed; every later push raises ``GangClosedError``.
 """
 
 from __future__ import annotations
@@ -28,10 +36,17 @@ from typing import Any
 import anyio
 import torch
 
-from agang._errors import GangError, one_line
+from agang._errors import GangClosedError, GangError, one_line
 from agang._gang import Gang
 from agang._handle import Handle
-from agang._weights.gathering import CONTROL_WORDS, DONE, ROUND, shares
+from agang._weights.gathering import (
+    CANCEL_GRACE,
+    CONTROL_WORDS,
+    DONE,
+    GRACE_BYTES_PER_SECOND,
+    ROUND,
+    shares,
+)
 from agang._weights.plan import Plan
 from agang._weights.report import PushReport
 from agang._weights.sharding import Layout
@@ -39,8 +54,8 @@ from agang._weights.sharding import Layout
 #: What rank 0 may take past a push's deadline (rule 3): its recovery, a check-in, and
 #: the store's steps, with room.
 SLACK_SECONDS = 30.0
-#: How long a cancelled push keeps the lane in step (rule 4).
-CANCEL_GRACE = 1.0
+#: How long a rank's ``close`` waits for rank 0's (rule 5).
+CLOSE_SECONDS = 5.0
 _IN_FLIGHT = 2
 
 
@@ -69,42 +84,85 @@ class Following:
         self._outcome: Handle[torch.Tensor] | None = None
 
     async def push(self, version: int, seconds: float | None) -> PushReport:
-        """This rank's part of the push of ``version`` (rule 1)."""
+        """This rank's part of the push of ``version`` (rules 1, 4, 5)."""
         if self.broken is not None:
             raise GangError(self._broken_words())
         timeout = math.inf if seconds is None else 2 * seconds + SLACK_SECONDS
-        try:
-            outcome = await self._follow(timeout)
-        except GangError as error:
-            self._break(f"the push of version {version} failed: {one_line(error)}")
-            raise GangError(
-                f"Channel '{self._channel}': trainer rank {self._lane.rank}'s part of the "
-                f"push of version {version} failed: {one_line(error)}"
-            ) from error
-        except BaseException:  # cancelled: keep the lane in step if it can (rule 4)
-            with anyio.CancelScope(shield=True), anyio.move_on_after(CANCEL_GRACE) as grace:
-                try:
-                    await self._follow(timeout)
-                except GangError as error:
-                    self._break(f"a cancelled push failed: {one_line(error)}")
-            if grace.cancelled_caught:
-                self._break(f"a cancelled push did not end within {CANCEL_GRACE:g} s")
-            raise
-        if "error" in outcome:
-            raise GangError(str(outcome["error"]))
-        report = outcome["report"]
-        made = PushReport(
-            version=int(report["version"]),
-            delivered=tuple(report["delivered"]),
-            dropped=dict(report["dropped"]),
-            seconds=float(report["seconds"]),
-            bytes=int(report["bytes"]),
-            epoch=int(report["epoch"]),
-        )
-        self.last = made
-        return made
+        rounds: set[int] = set()  # the versions of the rounds this call took part in
+        for _ in range(1_000_000):  # each pass takes one push's outcome
+            try:
+                outcome = await self._follow(timeout, rounds)
+            except GangError as error:
+                self._break(f"the push of version {version} failed: {one_line(error)}")
+                raise GangError(
+                    f"Channel '{self._channel}': trainer rank {self._lane.rank}'s part of "
+                    f"the push of version {version} failed: {one_line(error)}"
+                ) from error
+            except BaseException:  # cancelled (rule 4)
+                await self._cancelled(timeout)
+                raise
+            if "closed" in outcome:
+                self.broken = str(outcome["closed"])
+                raise GangClosedError(f"Channel '{self._channel}': {outcome['closed']}.")
+            said = outcome.get("version")
+            if said != version and not rounds:
+                continue  # an earlier call's push, which that call gave up on (rule 5)
+            if said != version:
+                raise ValueError(
+                    f"`version` must be the same on every trainer rank: rank 0 pushed "
+                    f"{said}, this rank (rank {self._lane.rank}) {version}."
+                )
+            if "error" in outcome:
+                raise GangError(str(outcome["error"]))
+            report = outcome["report"]
+            made = PushReport(
+                version=int(report["version"]),
+                delivered=tuple(report["delivered"]),
+                dropped=dict(report["dropped"]),
+                seconds=float(report["seconds"]),
+                bytes=int(report["bytes"]),
+                epoch=int(report["epoch"]),
+            )
+            self.last = made
+            return made
+        raise AssertionError("unreachable")
 
-    async def _follow(self, timeout: float) -> dict[str, Any]:  # noqa: ASYNC109
+    async def close(self) -> None:
+        """Takes rank 0's last words, up to its close, within ``CLOSE_SECONDS`` (rule 5):
+        the ranks close together, and no op of the lane is left behind; past that, the
+        lane is closed."""
+        if self.broken is not None:
+            return
+        with anyio.CancelScope(shield=True), anyio.move_on_after(CLOSE_SECONDS) as waited:
+            try:
+                while "closed" not in await self._follow(CLOSE_SECONDS, set()):
+                    pass  # an earlier push's outcome, which a cancelled call left
+            except GangError as error:
+                self._break(f"closing: {one_line(error)}")
+                return
+        if waited.cancelled_caught:
+            self._break(f"rank 0 did not close within {CLOSE_SECONDS:g} s")
+        else:
+            self.broken = "closed"
+
+    async def _cancelled(self, timeout: float) -> None:  # noqa: ASYNC109
+        """A cancelled push (rule 4): shares in flight are sent on within the grace, so
+        that nothing reads the tensors once the call ended; the lane's state is kept
+        for the next call."""
+        if self._next is None and not self._flying:
+            return  # only a word or the outcome awaited: the next call takes it
+        later = self._sends[self._next or 0 :]
+        left = sum(view.numel() * view.element_size() for views in later for view in views)
+        grace = CANCEL_GRACE + left / GRACE_BYTES_PER_SECOND
+        with anyio.CancelScope(shield=True), anyio.move_on_after(grace) as waited:
+            try:
+                await self._send_round(timeout)
+            except GangError as error:
+                self._break(f"a cancelled push failed: {one_line(error)}")
+        if waited.cancelled_caught:
+            self._break(f"a cancelled push's shares were not sent within {grace:.1f} s")
+
+    async def _follow(self, timeout: float, rounds: set[int]) -> dict[str, Any]:  # noqa: ASYNC109
         """Follows the lane's words until ``DONE``; the push's outcome (rule 1). Every op
         it awaits is kept until it ended, so that a call cancelled anywhere goes on where
         it stopped when called again (rule 4)."""
@@ -128,6 +186,7 @@ class Following:
                 text = torch.empty(int(self._word[1]), dtype=torch.uint8, device=self._word.device)
                 self._outcome = lane.broadcast(text, 0, timeout=timeout)
             elif what == ROUND:
+                rounds.add(int(self._word[1]))
                 self._next = 0
             else:
                 raise GangError(f"rank 0 sent an unknown word {what} on the lane")

@@ -31,7 +31,8 @@ Rules:
    raise too. A gang that lost a rank is broken: the publisher over it is too (its
    pushes raise, saying why); open one over the gang re-formed.
 5. *Cancelled* mid-push, the sender still takes the round's shares (for up to
-   ``CANCEL_GRACE`` seconds, sending nothing on) and ends the push on the lane, so
+   ``CANCEL_GRACE`` seconds plus the time they take at ``GRACE_BYTES_PER_SECOND``,
+   sending nothing on) and ends the push on the lane, so
    that the lane stays in step and the next push works; past that, the lane is closed
    (rule 4).
 """
@@ -52,7 +53,7 @@ from agang._handle import Handle
 from agang._runtime.threads import start_daemon
 from agang._weights.blocking import bound
 from agang._weights.buckets import as_bytes, copy_bytes
-from agang._weights.plan import HEADER_BYTES, HEADER_WORDS, Plan
+from agang._weights.plan import ALIGN, HEADER_BYTES, HEADER_WORDS, Plan
 from agang._weights.sharding import Layout
 
 #: The lane's control words (rule 2): (what, version, spare).
@@ -61,8 +62,10 @@ DONE = 2
 CONTROL_WORDS = 3
 #: Buffers the buckets after bucket 0 take turns in (rule 3).
 RING = 2
-#: How long a push that ended early keeps the lane in step (rule 5).
+#: How long a push that ended early keeps the lane in step (rule 5), plus the time the
+#: round's shares left take at ``GRACE_BYTES_PER_SECOND``.
 CANCEL_GRACE = 1.0
+GRACE_BYTES_PER_SECOND = 200e6
 #: The bound of the push's last words on the lane (rule 2): the others wait for them.
 END_SECONDS = 30.0
 #: Elements a strided copy moves at a time, on the calling thread (``buckets`` rule 4).
@@ -172,11 +175,12 @@ class Gathering:
             elif place.is_contiguous():
                 receives.append((rank, place, None))
             else:
-                if self._scratch is None:
-                    self._scratch = self._zeros(max(self._sizes))
+                if self._scratch is None:  # each share at an aligned offset
+                    most = max(len(parts) for _, _, parts in self.plan.buckets())
+                    self._scratch = self._zeros(max(self._sizes) + ALIGN * most)
                 size = place.numel() * place.element_size()
                 landing = self._scratch[used : used + size].view(place.dtype).view(place.shape)
-                used += size
+                used = (used + size + ALIGN - 1) // ALIGN * ALIGN
                 receives.append((rank, landing, place))
         direct = self.plan.buckets()[index][0] and index not in self._copied
         if direct and not receives and len(own) == 1 and own[0][0].is_contiguous():
@@ -202,6 +206,15 @@ class Gathering:
         if renewed:
             self._plans = [self._cut(index) for index in range(self.count)]
 
+    def _renew_slot(self, index: int) -> None:
+        """A new ring buffer for bucket ``index``, where the broadcast of the bucket
+        before in it failed: c10d may not have ended that op, which holds the old one
+        (rule 3; ``agang._weights.buckets`` rule 6). Only the failed rounds pay it."""
+        slot = (index - 1) % len(self._ring)
+        self._ring[slot] = self._zeros(self._ring[slot].numel())
+        for at in range(1 + slot, self.count, len(self._ring)):
+            self._plans[at] = self._cut(at)
+
     async def begin(self, version: int, deadline: float) -> None:
         """Says a round of ``version`` starts (rule 2): the ranks send their shares."""
         self._check()
@@ -215,8 +228,11 @@ class Gathering:
         """Bucket ``index`` of the round, gathered (rules 1, 3), once the broadcast
         ``before`` (its ring buffer's last) ended, well or not."""
         if before is not None:
-            with contextlib.suppress(GangError):  # the fleet's failure: the round's own
+            try:
                 await before
+            except GangError:  # the fleet's failure: the round's own
+                if self._receiving is None:  # the failed op may still hold its buffer
+                    self._renew_slot(index)
         assert self._open_round == index, (self._open_round, index)
         own, receives, direct = self._plans[index]
         if direct is not None:
@@ -240,10 +256,11 @@ class Gathering:
         return self.wire(index)
 
     async def end(self, outcome: dict[str, Any], seconds: float = END_SECONDS) -> None:
-        """Ends the push on the lane with ``outcome`` (rule 2): ``{"report": ...}`` or
-        ``{"error": why}``, within ``seconds``, shielded from a cancel: once said, the
-        push's words are whole whatever becomes of the caller (a second end would put
-        the lane out of step). Where the lane is out of step, nothing is said."""
+        """Ends the push on the lane with ``outcome`` (rule 2): ``{"version": v,
+        "report": ...}``, ``{"version": v, "error": why}`` or ``{"closed": why}``, within
+        ``seconds``, shielded from a cancel: once said, the push's words are whole
+        whatever becomes of the caller (a second end would put the lane out of step).
+        Where the lane is out of step, nothing is said."""
         if self.broken is not None:
             return
         with anyio.CancelScope(shield=True):
@@ -257,21 +274,32 @@ class Gathering:
     async def settle(self) -> None:
         """Sees the words said on the lane through (rule 2)."""
         while self._said:
-            await self._op(self._said[0])
-            del self._said[0]
+            said = self._said.pop(0)  # one task awaits each (a close may settle too)
+            await self._op(said)
 
-    async def abandon(self, why: str) -> None:
-        """A push that raised or was cancelled, ended on the lane within
-        ``CANCEL_GRACE`` (rule 5), else the lane closed (rule 4). Called shielded."""
+    async def abandon(self, why: str, version: object) -> None:
+        """A push of ``version`` that raised or was cancelled, ended on the lane within
+        its grace (rule 5), else the lane closed (rule 4). Called shielded."""
         if self.broken is not None:
             return
-        with anyio.move_on_after(CANCEL_GRACE) as grace:
+        left = 0 if self._open_round is None else sum(self._sizes[self._open_round :])
+        seconds = CANCEL_GRACE + left / GRACE_BYTES_PER_SECOND
+        with anyio.move_on_after(seconds) as grace:
             try:
-                await self.end({"error": why}, CANCEL_GRACE)
+                await self.end({"version": version, "error": why}, seconds)
             except GangError:
                 return  # broken, and closed, by ``_op``
         if grace.cancelled_caught:
             self._break(f"a push that ended early ({why}) could not end on the lane in time")
+
+    async def close(self, why: str) -> None:
+        """Tells the other ranks the publisher closed: their next push raises
+        ``GangClosedError`` (rule 2). The words are said, not waited for (a rank that
+        pushes no more never takes them: the gang's close ends them)."""
+        if self.broken is not None:
+            return
+        with anyio.move_on_after(END_SECONDS), contextlib.suppress(GangError):
+            await self.end({"closed": why})
 
     async def _finish_taking(self, deadline: float) -> None:
         """Takes the rest of a round left open (cancelled), sending nothing on (rule 5)."""

@@ -18,6 +18,7 @@ Rules:
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections.abc import Mapping
 
@@ -72,15 +73,25 @@ def lane_name(gang: Gang, channel: str) -> str:
     return f"weights:{channel}#{opened[channel]}"
 
 
-async def agree(lane: Gang, verdict: str | None, plan: Plan | None, timeout: float | None) -> None:  # noqa: ASYNC109
-    """Raises, on every rank, the first rank's refusal, or that the ranks' plans differ
-    (rules 1, 2)."""
-    mine = [verdict, None if plan is None else plan.fingerprint]
-    said = await lane.all_gather_objects(mine, timeout=timeout)
-    for rank, (refusal, _) in enumerate(said):
+async def agree(
+    lane: Gang,
+    verdict: str | None,
+    plan: Plan | None,
+    layouts: list[Layout],
+    seconds: float | None,
+) -> Plan | None:
+    """Raises, on every rank, the first rank's refusal, or that the ranks' plans or ties
+    differ (rules 1, 2); else the plan every rank uses: the global one, tied where the
+    ranks that hold both tensors' bytes tie them (rule 2)."""
+    empty = [layout.local.numel() == 0 for layout in layouts]
+    aliases = None if plan is None else list(plan.aliases)
+    mine = [verdict, None if plan is None else plan.fingerprint, aliases, empty]
+    said = await lane.all_gather_objects(mine, timeout=seconds)
+    for rank, (refusal, *_) in enumerate(said):
         if refusal is not None:
             raise ValueError(f"Rank {rank} of the gang '{lane.name}' was refused: {refusal}")
-    prints = [fingerprint for _, fingerprint in said]
+    assert plan is not None
+    prints = [fingerprint for _, fingerprint, _, _ in said]
     if len(set(prints)) > 1:
         other = next(rank for rank, p in enumerate(prints) if p != prints[0])
         raise ValueError(
@@ -88,6 +99,19 @@ async def agree(lane: Gang, verdict: str | None, plan: Plan | None, timeout: flo
             f"has the fingerprint {prints[0]}, rank {other}'s {prints[other]} (the same "
             f"names, order, global shapes and dtypes on every rank)."
         )
+    agreed = []
+    for index in range(len(plan.entries)):
+        # The ranks whose shards of the tensor hold bytes say whether it is tied.
+        holders = [rank for rank, (_, _, _, e) in enumerate(said) if not e[index]]
+        ties = {said[rank][2][index] for rank in holders}
+        if len(ties) > 1:
+            raise ValueError(
+                f"`tensors['{plan.entries[index][0]}']` is tied to another tensor on some "
+                f"ranks of the gang '{lane.name}' and not on others: tie it on every rank, "
+                f"or on none."
+            )
+        agreed.append(ties.pop() if ties else index)
+    return dataclasses.replace(plan, aliases=tuple(agreed))
 
 
 def following_bound(seconds: float | None) -> float:

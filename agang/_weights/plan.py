@@ -42,6 +42,7 @@ Rules:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import json
@@ -201,7 +202,13 @@ class Plan:
 
     def buckets(self) -> list[Bucket]:
         """Rule 3: ``(direct, nbytes, [(index, offset, nbytes, tensor_offset), ...])`` per
-        bucket; bucket 0 is packed, its first ``HEADER_BYTES`` the header."""
+        bucket; bucket 0 is packed, its first ``HEADER_BYTES`` the header. Cut once per
+        plan (a model of thousands of buckets is cut in milliseconds, not once a bucket);
+        the list is shared: do not change it."""
+        return self._buckets
+
+    @functools.cached_property
+    def _buckets(self) -> list[Bucket]:
         whole = self._cut(self.bucket_bytes)
         if len(whole) == 1:  # rule 3: the whole model in bucket 0
             return whole

@@ -207,18 +207,14 @@ class WeightPublisher:
             ValueError: An argument is invalid (the message names it; with ``gang``,
                 on every rank, naming the rank whose inputs were refused).
         """
+        if gang is not None:  # every check on every rank, agreed (rule 9)
+            return await cls._open_over(
+                over_gang.check_gang(gang), tensors, store, channel, timeout, bucket_bytes, secret
+            )
         host, port = checks.check_store(store)
         name = checks.check_channel(channel)
         seconds = checks.check_deadline(timeout)
         key = checks.check_secret(secret)
-        if gang is not None:
-
-            def site_of(device: torch.device) -> Site:
-                return Site.of(store, host, port, name, "weights publisher", device)
-
-            return await cls._open_over(
-                over_gang.check_gang(gang), tensors, name, seconds, key, bucket_bytes, site_of
-            )
         checked = checks.check_tensors(tensors)
         site = Site.of(store, host, port, name, "weights publisher", checks.device_of(checked))
         plan = Plan.of(checked, bucket_bytes, site.transport)
@@ -262,26 +258,45 @@ class WeightPublisher:
         cls,
         gang: Gang,
         tensors: object,
-        channel: str,
-        seconds: float | None,
-        secret: bytes | None,
+        store: object,
+        channel: object,
+        timeout: object,  # noqa: ASYNC109  # open's, checked here
         bucket_bytes: int,
-        site_of: Callable[[torch.device], Site],
+        secret: object,
+        site_of: Callable[[torch.device], Site] | None = None,
     ) -> WeightPublisher:
-        """``open`` over a trainer gang (rule 9; ``agang._weights.over_gang``): rank 0
-        opens the channel, the others follow it."""
+        """``open`` over a trainer gang (rule 9; ``agang._weights.over_gang``): every
+        rank checks its inputs and the ranks agree, then rank 0 opens the channel and
+        the others follow it; ``site_of`` gives the channel's site (agang's tests)."""
         refused: str | None = None
         layouts: list[Layout] = []
         plan: Plan | None = None
         site: Site | None = None
+        name, seconds, key = str(channel), None, None
         try:
+            host, port = checks.check_store(store)
+            name = checks.check_channel(channel)
+            seconds = checks.check_deadline(timeout)
+            key = checks.check_secret(secret)
             layouts, local = over_gang.layouts_of(tensors, gang)
-            site = site_of(checks.device_of(local))
+            device = checks.device_of(local)
+            site = (
+                site_of(device)
+                if site_of is not None
+                else Site.of(str(store), host, port, name, "weights publisher", device)
+            )
             plan = over_gang.plan_of(list(local), layouts, bucket_bytes, site.transport)
         except (TypeError, ValueError) as error:
             refused = str(error)
-        lane = await gang.lane(over_gang.lane_name(gang, channel))
-        await over_gang.agree(lane, refused, plan, seconds)
+        open_for = OPEN_SECONDS if seconds is None else seconds
+        with anyio.move_on_after(open_for) as waited:
+            lane = await gang.lane(over_gang.lane_name(gang, name))
+        if waited.cancelled_caught:
+            raise GangInitError(
+                f"Not every rank of the gang '{gang.name}' opened the weights channel "
+                f"'{name}' within {open_for:g} s: `open` over a gang is a collective call."
+            )
+        plan = await over_gang.agree(lane, refused, plan, layouts, open_for)
         assert plan is not None
         assert site is not None
         said: list[Any] = [None]
@@ -289,10 +304,10 @@ class WeightPublisher:
             await lane.broadcast_objects(said, 0, timeout=over_gang.following_bound(seconds))
             if said[0] is not None:
                 raise GangInitError(f"Trainer rank 0 could not open the channel: {said[0]}")
-            return cls._follower(Following(plan, layouts, lane, channel), seconds)
+            return cls._follower(Following(plan, layouts, lane, name), seconds)
         try:
             opened = await cls._open(
-                {}, plan, channel, seconds, secret, site, Gathering(plan, layouts, lane)
+                {}, plan, name, seconds, key, site, Gathering(plan, layouts, lane)
             )
         except BaseException as error:
             with anyio.CancelScope(shield=True), contextlib.suppress(GangError):
@@ -382,6 +397,16 @@ class WeightPublisher:
             raise RuntimeError("The publisher is closed.")
         if self._busy:
             raise RuntimeError("A push is under way on this publisher: await it first.")
+        if self._following is not None:  # rank 0 judges the version (rule 9)
+            version = checks.check_version(version, None)
+        elif self._gathering is not None:
+            try:
+                checks.check_version(version, self._last)
+            except (TypeError, ValueError) as error:  # the other ranks raise it too
+                with anyio.CancelScope(shield=True):
+                    said = version if type(version) is int else None
+                    await self._gathering.abandon(f"rank 0 refused it: {error}", said)
+                raise
         version = checks.check_version(version, self._last)
         seconds = checks.check_deadline(timeout, default=self._timeout)
         self._busy = True
@@ -416,7 +441,7 @@ class WeightPublisher:
                 if gathering is not None:
                     cancelled = isinstance(error, anyio.get_cancelled_exc_class())
                     why = "it was cancelled on rank 0" if cancelled else one_line(error)
-                    await gathering.abandon(why)
+                    await gathering.abandon(why, version)
             raise
         report = PushReport(
             version=version,
@@ -428,7 +453,7 @@ class WeightPublisher:
         )
         if gathering is not None:
             try:
-                await gathering.end({"report": dataclasses.asdict(report)})
+                await gathering.end({"version": version, "report": dataclasses.asdict(report)})
             except GangError as error:  # the fleet holds the version: said, not raised
                 log.warning(
                     "agang: channel '%s': the push's report did not reach the "
@@ -660,12 +685,12 @@ class WeightPublisher:
         if self._closed:
             return
         self._closed = True
-        if self._following is not None:
-            return  # rank 0 holds the channel (rule 9); the lane closes with the gang
+        if self._following is not None:  # rank 0 holds the channel (rule 9)
+            await self._following.close()
+            return
         with anyio.CancelScope(shield=True):
-            if self._gathering is not None:  # the last push's words, seen through
-                with contextlib.suppress(GangError), anyio.move_on_after(STEP_SECONDS):
-                    await self._gathering.settle()
+            if self._gathering is not None:  # the other ranks told (rule 9)
+                await self._gathering.close("the publisher on trainer rank 0 was closed")
             await self._leave_epoch(CLOSE, self._last or 0)
             self._fleet.stop()
             await run_blocking(self._listening.stop, name="weights: stop listening", seconds=5.0)

@@ -98,7 +98,7 @@ async def open_trainer(
     channel: Channel, gang: Gang, tensors: dict[str, Any], bucket_bytes: int = 1024
 ) -> WeightPublisher:
     opened = await WeightPublisher._open_over(
-        gang, tensors, "c", 5.0, None, bucket_bytes, lambda _: channel.site
+        gang, tensors, "127.0.0.1:1", "c", 5.0, bucket_bytes, None, lambda _: channel.site
     )
     if gang.rank == 0:
         channel.opened.append(opened)
@@ -141,6 +141,7 @@ async def test_a_two_rank_trainer_pushes_exact_bytes_to_a_whole_subscriber(
         for version in (1, 2):
             write(tensors, gang.rank, gang.size, version)
             reports.append(await publisher.push(version))
+        await publisher.close()  # on every rank, together
         return reports
 
     by_rank, server = await run_with_server(channel, FakeWorld(2), trainer)
@@ -164,6 +165,7 @@ async def test_the_sender_holds_three_buckets_at_most_whatever_the_model(channel
         publisher = await open_trainer(channel, gang, tensors, bucket)
         await publisher.push(1)
         gathering = getattr(publisher, "_gathering", None)
+        await publisher.close()
         return 0 if gathering is None else gathering.allocated_bytes
 
     allocated = (await world.run(trainer))[0]
@@ -227,7 +229,9 @@ async def test_a_push_cancelled_on_any_rank_tears_nothing_and_the_next_one_goes_
             except GangError as error:
                 outcome = f"raised: {error}"
         write(tensors, gang.rank, gang.size, 3)
-        return outcome, await publisher.push(3)
+        last = await publisher.push(3)
+        await publisher.close()
+        return outcome, last
 
     results, server = await run_with_server(channel, world, trainer)
     assert results[0][1] == results[1][1], results  # the same report for version 3
