@@ -34,7 +34,6 @@ Rules:
 
 from __future__ import annotations
 
-import contextlib
 import time
 from typing import Any
 
@@ -184,6 +183,14 @@ class Gathering:
         if renewed:
             self._plans = [self._cut(index) for index in range(self.count)]
 
+    def _renew_slot(self, index: int) -> None:
+        """A new ring buffer for bucket ``index``, where the broadcast of the bucket
+        before in it failed: c10d may not have ended that op, which holds the old one
+        (rule 3; ``agang._weights.buckets`` rule 6)."""
+        slot = (index - 1) % len(self._ring)
+        self._ring[slot] = self._zeros(self._ring[slot].numel())
+        self._plans = [self._cut(at) for at in range(self.count)]
+
     async def begin(self, version: int, deadline: float) -> None:
         """Says a round of ``version`` starts (rule 2): the ranks send their shares."""
         self._check()
@@ -196,8 +203,11 @@ class Gathering:
         """Bucket ``index`` of the round, gathered (rules 1, 3), once the broadcast
         ``before`` (its ring buffer's last) ended, well or not."""
         if before is not None:
-            with contextlib.suppress(GangError):  # the fleet's failure: the round's own
+            try:
                 await before
+            except GangError:  # the fleet's failure: the round's own
+                if self._receiving is None:  # the failed op may still hold its buffer
+                    self._renew_slot(index)
         assert self._open_round == index, (self._open_round, index)
         own, receives = self._plans[index]
         if self._receiving is None:
