@@ -34,6 +34,7 @@ Rules:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -47,8 +48,10 @@ from agang._weights.buckets import as_bytes, copy_bytes
 from agang._weights.plan import Plan
 from agang._weights.sharding import Layout
 
-#: The lane's control words (rule 2): (what, version, epoch).
+#: The lane's control words (rule 2): (what, version, epoch); ``CLOSE``: the
+#: publisher closed the channel, a normal end.
 DATA = 1
+CLOSE = 2
 CONTROL_WORDS = 3
 #: Buffers the buckets after bucket 0 take turns in (rule 3).
 RING = 2
@@ -252,8 +255,16 @@ class Relay:
             self.broken = why
         start_daemon(self._lane.close_sync, name="agang: weights: close the relay lane")
 
-    def close(self) -> None:
-        """Closes the lane: the other ranks' waits for a round end."""
+    def close(self, closed: bool) -> None:
+        """Closes the lane: the other ranks' waits for a round end; where the publisher
+        ``closed`` the channel, they are told so first (a normal end, not a loss).
+        Called off any loop, on the service's thread as it ends."""
+        if closed and self.broken is None:
+            word = torch.tensor([CLOSE, 0, 0], dtype=torch.int64, device=self.device)
+            told = [self._lane.send(word, rank, timeout=1.0) for rank in self._peers]
+            for handle in told:
+                with contextlib.suppress(Exception):
+                    handle.wait(2.0)
         self._lane.close_sync()
 
 

@@ -8,7 +8,9 @@ Rules:
    buckets' receives in flight; then it says the version is ready and acknowledges it
    to rank 0. ``receive`` copies staging under the same lock (``staging``), as a
    whole server's does.
-2. An op of the lane that fails (rank 0 lost or closed, or it closed the lane when
+2. ``CLOSE`` (rank 0's service ended because the publisher closed the channel) ends
+   the rounds with a ``GangClosedError``, a normal end, as on rank 0.
+3. An op of the lane that fails (rank 0 lost or closed, or it closed the lane when
    another rank was lost) ends the rounds with ``error``, naming rank 0's side, for
    ``receive`` to raise.
 """
@@ -21,13 +23,13 @@ import threading
 
 import torch
 
-from agang._errors import GangError, one_line
+from agang._errors import GangClosedError, GangError, one_line
 from agang._gang import Gang
 from agang._handle import Handle
 from agang._runtime.future import Future, finish
 from agang._runtime.threads import start_daemon
 from agang._weights.plan import Plan
-from agang._weights.relay import CONTROL_WORDS, DATA, server_shares
+from agang._weights.relay import CLOSE, CONTROL_WORDS, DATA, server_shares
 from agang._weights.sharding import Layout
 
 _IN_FLIGHT = 2
@@ -71,6 +73,8 @@ class Relayed:
     def _run(self) -> None:
         try:
             asyncio.run(self._rounds())
+        except GangClosedError as error:
+            self.error = error
         except GangError as error:
             if not self._stopping.is_set():
                 self.error = GangError(
@@ -87,6 +91,11 @@ class Relayed:
         while not self._stopping.is_set():
             await lane.recv(word, 0, timeout=math.inf)
             what, version, _ = (int(x) for x in word.tolist())
+            if what == CLOSE:
+                raise GangClosedError(
+                    f"Subscriber '{self._name}' (server rank {lane.rank}): the publisher "
+                    f"closed the channel; the last version it sent is the last one."
+                )
             if what != DATA:
                 raise GangError(f"rank 0 sent an unknown word {what} on the relay lane")
             with self.staging:

@@ -29,7 +29,7 @@ from collections.abc import Callable
 import anyio
 import torch
 
-from agang._errors import GangError, one_line
+from agang._errors import GangClosedError, GangError, one_line
 from agang._gang import Gang
 from agang._handle import Handle
 from agang._reduce_op import ReduceOp
@@ -85,9 +85,10 @@ class ServerRank:
         for _ in range(1_000_000):  # each pass waits for news, or ends
             news = self.source.news()
             error = self.source.error
-            if error is not None:  # rule 3
+            if error is not None:  # rule 3; a normal close stays a GangClosedError
                 self.agree.close_sync()
-                raise GangError(str(error)) from error
+                kind = GangClosedError if isinstance(error, GangClosedError) else GangError
+                raise kind(str(error)) from error
             ready = self.source.ready
             if self.asking is None and ready is not None and ready > newer:
                 word = self._word([ready, -ready])

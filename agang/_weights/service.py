@@ -161,7 +161,7 @@ class Service:
             if closing is not None:
                 closing.close_sync()
             if self.relay is not None:  # the other ranks' rounds end with this one's
-                self.relay.close()
+                self.relay.close(isinstance(self.error, GangClosedError))
             self._tell()
 
     def _store_or(self, error: BaseException) -> str:

@@ -286,9 +286,10 @@ class WeightSubscriber:
         (plan rules 2, 5; rule 5 here where ``split``), or None."""
         if mine.transport != theirs.transport:  # plan rule 5
             return (
-                f"would move over {mine.transport}, and the channel's publisher moves them "
-                f"over {theirs.transport}: both sides of a channel must hold their tensors "
-                f"where one transport reaches them (GPUs: NCCL; CPUs: Gloo)"
+                f"are where the channel cannot carry them: its publisher moves them over "
+                f"{theirs.transport}, and tensors here move over {mine.transport}. Both "
+                f"sides of a channel must hold their tensors where one transport reaches "
+                f"them (GPUs: NCCL; CPUs: Gloo)"
             )
         difference = mine.difference(theirs)
         if difference is not None:
