@@ -512,6 +512,12 @@ class WeightSubscriber:
         return ready
 
     def _timed_out(self, seconds: float | None) -> str:
+        if self._over is not None and isinstance(self._over.source, Relayed):  # rule 5
+            return (
+                f"Subscriber '{self.name}' (server rank {self._over.agree.rank}) received no "
+                f"version newer than {self._version} that every rank of its server holds "
+                f"within {seconds:g} s; its rank 0 is the channel's member, and says more."
+            )
         upstream = self._upstream
         if upstream.trouble is not None:
             how = f"the store at {self._channel.address} is not reached ({upstream.trouble})"

@@ -51,10 +51,12 @@ async def channel() -> AsyncIterator[Channel]:
     assert not left, left
 
 
-async def open_server(channel: Channel, gang: Gang, tensors: dict[str, Any]) -> WeightSubscriber:
+async def open_server(
+    channel: Channel, gang: Gang, tensors: dict[str, Any], in_place: bool = False
+) -> WeightSubscriber:
     """A sharded server's rank: every rank opens together (collective)."""
     opened = await WeightSubscriber._open_over(
-        gang, tensors, "c", "sharded", 10.0, False, None, lambda _: channel.site
+        gang, tensors, "c", "sharded", 10.0, in_place, None, lambda _: channel.site
     )
     channel.opened.append(opened)
     return opened
@@ -82,7 +84,9 @@ class Fleet:
         self.sharded: list[WeightSubscriber] = []
         self.whole: Any = None
 
-    async def open(self, channel: Channel, bucket_bytes: int = 1024) -> None:
+    async def open(
+        self, channel: Channel, bucket_bytes: int = 1024, in_place: bool = False
+    ) -> None:
         async def trainer(gang: Gang) -> Any:
             tensors = self.trainer_tensors[gang.rank]
             return await open_trainer(channel, gang, tensors, bucket_bytes)
@@ -92,7 +96,8 @@ class Fleet:
             self.whole = await channel.subscriber(whole, "whole")
 
             async def rank(gang: Gang) -> WeightSubscriber:
-                return await open_server(channel, gang, self.server_tensors[gang.rank])
+                tensors = self.server_tensors[gang.rank]
+                return await open_server(channel, gang, tensors, in_place)
 
             self.sharded = await self.servers.run(rank)
 
@@ -128,11 +133,12 @@ def _zeroed(value: Any) -> Any:
     return torch.zeros_like(value)
 
 
+@pytest.mark.parametrize("in_place", [False, True], ids=["staged", "in_place"])
 async def test_a_sharded_server_and_a_whole_one_take_exact_bytes_each_rank_its_slice(
-    channel: Channel,
+    channel: Channel, in_place: bool
 ) -> None:
     world = Fleet()
-    await world.open(channel)
+    await world.open(channel, in_place=in_place)
     for version in (1, 2):
         report = await world.push(version)
         assert sorted(report.delivered) == ["sharded", "whole"], report
@@ -149,8 +155,8 @@ async def test_a_sharded_server_and_a_whole_one_take_exact_bytes_each_rank_its_s
         assert {k: v.shape for k, v in staged.items()} == {
             k: v.shape for k, v in local(world.server_tensors[rank]).items()
         }
-        mine = slice_bytes(world.server_tensors[rank])
-        assert mine < model
+        mine = 0 if in_place else slice_bytes(world.server_tensors[rank])
+        assert slice_bytes(world.server_tensors[rank]) < model
         if rank:
             assert server.staging_bytes == mine
         else:
@@ -208,6 +214,28 @@ async def test_a_sharded_server_rank_lost_drops_that_server_alone_naming_the_ran
     with pytest.raises(GangError, match="server rank 1"):
         await world.sharded[0].receive(timeout=PATIENCE)
     world.assert_holds(1)  # the version it returned last stays whole
+
+
+@pytest.mark.parametrize("alone", [0, 1])
+async def test_a_receive_one_rank_gave_up_on_keeps_the_ranks_in_step(
+    channel: Channel, alone: int
+) -> None:
+    """Rank ``alone`` calls ``receive`` and times out waiting for the other, then is
+    cancelled waiting again: its exchange stays on the lane, and the next ``receive``
+    of both ranks takes the version up (``agang._weights.server_rank`` rule 2)."""
+    world = Fleet()
+    await world.open(channel)
+    await world.push(1)
+    with pytest.raises(TimeoutError, match="newer than None"):
+        await world.sharded[alone].receive(timeout=0.3)
+    with anyio.move_on_after(0.2):
+        await world.sharded[alone].receive()
+    assert world.sharded[alone].version is None
+    assert await world.receive() == [1, 1]
+    world.assert_holds(1)
+    await world.push(2)
+    assert await world.receive() == [2, 2]
+    world.assert_holds(2)
 
 
 async def test_a_whole_publishers_channel_refuses_a_sharded_server_on_every_rank(
