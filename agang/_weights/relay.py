@@ -73,29 +73,23 @@ Share = tuple[int, torch.Tensor, torch.Tensor | None]
 
 
 def server_shares(
-    plan: Plan, layouts: list[Layout], index: int, bucket: torch.Tensor, me: int
+    plan: Plan, layouts: list[Layout], index: int, bucket: torch.Tensor, me: int, size: int
 ) -> list[Share]:
-    """Who takes what of bucket ``index`` (rules 1, 4), in the order both sides of the
-    lane take them: per part of the bucket, per rank."""
+    """Who of a gang of ``size`` takes what of bucket ``index`` (rules 1, 4), in the
+    order both sides of the lane take them: per part of the bucket, per rank."""
     out: list[Share] = []
     for tensor, offset, nbytes, start in plan.buckets()[index][2]:
         layout = layouts[tensor]
         row = plan.row_bytes(tensor)
         rows = (start // row, (start + nbytes) // row)
         part = layout.rows_of(bucket[offset : offset + nbytes], rows)
-        ranks = len(layout.spans) if layout.spans else _size(layouts)
-        for rank in range(ranks):
+        for rank in range(size):
             share = layout.share(rank, rows)
             if share is not None:
                 dim, at, length, local_at, local_length = share
                 local = layout.local_rows(local_at, local_length) if rank == me else None
                 out.append((rank, part.narrow(dim, at, length), local))
     return out
-
-
-def _size(layouts: list[Layout]) -> int:
-    """The gang's size, from a split tensor's spans (1 where every tensor is whole)."""
-    return next((len(layout.spans) for layout in layouts if layout.spans), 1)
 
 
 class Relay:
@@ -140,17 +134,15 @@ class Relay:
         """Bucket ``index``'s buffer in the ring (``index >= 1``)."""
         return self._ring[(index - 1) % len(self._ring)][: self._sizes[index]]
 
-    def _cut(
-        self, index: int, wire: torch.Tensor
-    ) -> tuple[
-        list[tuple[torch.Tensor, torch.Tensor]], list[tuple[int, torch.Tensor, torch.Tensor | None]]
-    ]:
+    def _cut(self, index: int, wire: torch.Tensor) -> Cut:
         """Bucket ``index``'s own copies (into staging, from the bucket), and its sends
         (rank, what is sent, the strided place packed into it first, or None)."""
         own: list[tuple[torch.Tensor, torch.Tensor]] = []
         sends: list[tuple[int, torch.Tensor, torch.Tensor | None]] = []
         used = 0
-        for rank, place, local in server_shares(self.plan, self._layouts, index, wire, 0):
+        for rank, place, local in server_shares(
+            self.plan, self._layouts, index, wire, 0, self._size
+        ):
             if local is not None:
                 own.append((local, place))
             elif place.is_contiguous():
@@ -190,8 +182,9 @@ class Relay:
         ``GangError``: the epoch's gang failed, or (``broken`` set) the relay did."""
         self._check()
         bound = min(timeout, self._bound)  # rule 5
-        word = torch.tensor([DATA, version, epoch], dtype=torch.int64, device=self.device)
-        told = [(rank, self._lane.send(word, rank, timeout=bound)) for rank in self._peers]
+        said = [DATA, version, epoch]  # a word per rank: an op may not read another's
+        words = {r: torch.tensor(said, dtype=torch.int64, device=self.device) for r in self._peers}
+        told = [(r, self._lane.send(words[r], r, timeout=bound)) for r in self._peers]
         for rank, handle in told:
             await self._op(handle, rank)
         posted: dict[int, Handle[torch.Tensor]] = {}
@@ -217,25 +210,23 @@ class Relay:
                 raise GangError(self.broken or "")
         return None
 
-    async def _pass_on(
-        self,
-        cut: tuple[
-            list[tuple[torch.Tensor, torch.Tensor]],
-            list[tuple[int, torch.Tensor, torch.Tensor | None]],
-        ],
-        timeout: float,  # noqa: ASYNC109
-    ) -> None:
+    async def _pass_on(self, cut: Cut, timeout: float) -> None:  # noqa: ASYNC109
         """Copies a bucket's own shares into staging and sends the others theirs; returns
-        once they were sent (rule 3)."""
+        once they were sent (rule 3). A part every rank takes (a whole tensor's) goes to
+        one rank at a time: an op may not read memory another op still holds."""
         own, sends = cut
         for into, came in own:
             _copy(into, came)
-        flying = []
+        flying: dict[tuple[int, int], tuple[int, Handle[None]]] = {}
         for rank, what, place in sends:
             if place is not None:
                 _copy(what, place)
-            flying.append((rank, self._lane.send(what, rank, timeout=timeout)))
-        for rank, handle in flying:
+            key = (what.data_ptr(), what.numel())
+            if key in flying:
+                before, sending = flying.pop(key)
+                await self._op(sending, before)
+            flying[key] = (rank, self._lane.send(what, rank, timeout=timeout))
+        for rank, handle in flying.values():
             await self._op(handle, rank)
 
     async def _op(self, handle: Handle[Any], rank: int) -> Any:
@@ -260,8 +251,11 @@ class Relay:
         ``closed`` the channel, they are told so first (a normal end, not a loss).
         Called off any loop, on the service's thread as it ends."""
         if closed and self.broken is None:
-            word = torch.tensor([CLOSE, 0, 0], dtype=torch.int64, device=self.device)
-            told = [self._lane.send(word, rank, timeout=1.0) for rank in self._peers]
+            word = [CLOSE, 0, 0]
+            told = [
+                self._lane.send(torch.tensor(word, device=self.device), rank, timeout=1.0)
+                for rank in self._peers
+            ]
             for handle in told:
                 with contextlib.suppress(Exception):
                     handle.wait(2.0)

@@ -48,7 +48,7 @@ class Relayed:
         self._recvs: list[list[torch.Tensor]] = []
         for index, (_, nbytes, _) in enumerate(plan.buckets()):
             bucket = torch.empty(nbytes, dtype=torch.uint8, device="meta")
-            mine = server_shares(plan, layouts, index, bucket, rank)
+            mine = server_shares(plan, layouts, index, bucket, rank, lane.size)
             self._recvs.append([local for r, _, local in mine if r == rank and local is not None])
         self._device = layouts[0].local.device
         self.staging = threading.Lock()

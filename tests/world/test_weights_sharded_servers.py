@@ -238,6 +238,37 @@ async def test_a_receive_one_rank_gave_up_on_keeps_the_ranks_in_step(
     world.assert_holds(2)
 
 
+async def test_three_server_ranks_that_hold_every_tensor_whole_each_take_all_of_it(
+    channel: Channel,
+) -> None:
+    """Plain tensors on a sharded server are every rank's: each of three gets them whole."""
+    trainers, servers = FakeWorld(2), FakeWorld(3)
+    held = [{k: torch.zeros_like(v) for k, v in full(0).items()} for _ in range(3)]
+    trainer_tensors = [shards(rank, 2, 0) for rank in range(2)]
+    opened: list[Any] = []
+
+    async def open_servers() -> None:
+        opened.extend(await servers.run(lambda gang: open_server(channel, gang, held[gang.rank])))
+
+    async def trainer(gang: Gang) -> Any:
+        return await open_trainer(channel, gang, trainer_tensors[gang.rank])
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(open_servers)
+        publishers = await trainers.run(trainer)
+
+    async def push(gang: Gang) -> PushReport:
+        write(trainer_tensors[gang.rank], gang.rank, 2, 1)
+        return await publishers[gang.rank].push(1)
+
+    report = (await trainers.run(push))[0]
+    assert report.delivered == ("sharded",), report
+    assert await servers.run(lambda gang: opened[gang.rank].receive(timeout=PATIENCE)) == [1] * 3
+    for rank in range(3):
+        for name, value in full(1).items():
+            assert torch.equal(held[rank][name], value), (rank, name)
+
+
 async def test_a_whole_publishers_channel_refuses_a_sharded_server_on_every_rank(
     channel: Channel,
 ) -> None:
