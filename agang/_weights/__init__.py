@@ -27,6 +27,12 @@ through the gang's public interface only.
 - ``agang._weights.service``: the subscriber's side of every round, on a thread
   and event loop of its own, so that no push waits for the server's application code.
 - ``agang._weights.subscriber``: ``WeightSubscriber``, what the server's code holds.
+- ``agang._weights.relay``: a sharded server's rank 0: each bucket through a ring
+  of buffers, its slices staged and the other ranks' sent on over the gang.
+- ``agang._weights.relayed``: a sharded server's other ranks: their slices, on a
+  thread of their own.
+- ``agang._weights.server_rank``: ``ServerRank``, a sharded server's rank as its
+  subscriber holds it: its staging, and ``receive`` agreed over the gang.
 - ``agang._weights.report``: ``PushReport``, what one push did.
 - ``agang._weights.blocking``: the channel's bounded waits off the loop.
 - ``agang._weights.checks``: the public inputs' checks, each naming its parameter.

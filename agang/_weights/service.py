@@ -38,6 +38,15 @@ Rules:
    ``PUBLISHER_GONE`` while the publisher does not beat, and by ``close``.
 6. Tied tensors (``agang._weights.plan`` rule 4) are copied into their aliases once a
    version came whole, before it is ready (in place), or as ``receive`` copies it.
+7. *A sharded server* (``WeightSubscriber.open(..., gang=)``): the service runs on its
+   rank 0 alone, and a ``DATA`` round goes through its ``Relay``
+   (``agang._weights.relay``): the buckets pass through a ring of buffers into this
+   rank's staging and on to the other ranks, and the version is ready, and confirmed,
+   once every rank acknowledged it. A rank lost (the relay broken) gives the whole
+   server up: the service reports its own member dead to the publisher, naming the
+   lost rank (``agang.report_death``: the publisher ends the round at once and drops
+   it with that why), waits (bounded) for the publisher to move on, and ends with an
+   error naming the rank.
 5. A buffer that an op of a failed epoch still holds (``Gang.holds``, asked of that
    epoch's gang) is replaced before the next epoch's rounds (``agang._weights.buckets``
    rule 6). A version held whole is never in
@@ -62,6 +71,7 @@ import torch
 
 from agang._errors import GangClosedError, GangError, one_line
 from agang._gang import Gang
+from agang._membership import deaths
 from agang._membership.gangs import GangFactory
 from agang._membership.member import Member
 from agang._runtime.future import Future, finish
@@ -69,6 +79,8 @@ from agang._runtime.threads import start_daemon
 from agang._weights.buckets import Buckets, copy_bytes
 from agang._weights.channel import Channel, closed_by_fence
 from agang._weights.epoch import CLOSE, DATA, REFORM, gang_name
+from agang._weights.plan import HEADER_WORDS
+from agang._weights.relay import Relay
 from agang._weights.upstream import Upstream
 
 T = TypeVar("T")
@@ -84,14 +96,16 @@ class Service:
     def __init__(
         self,
         channel: Channel,
-        buckets: Buckets,
+        buckets: Buckets | None,
         me: Member,
         timeout: float | None,
         upstream: Upstream,
         factory: GangFactory,
+        relay: Relay | None = None,
     ) -> None:
         self.channel = channel
         self.buckets = buckets
+        self.relay = relay  # a sharded server's rank 0 (rule 7)
         self.me = me
         self.timeout = timeout  # a round's bound on this side, and a wait's (None: none)
         self.upstream = upstream
@@ -105,7 +119,11 @@ class Service:
         self._news: Future[None] = Future("weights news")
         self._stopping = threading.Event()
         self._epoch = -1
-        self._bucket0 = torch.zeros_like(buckets.wire[0])
+        if relay is not None:
+            self._bucket0 = torch.zeros(relay.first_bytes, dtype=torch.uint8, device=relay.device)
+        else:
+            assert buckets is not None
+            self._bucket0 = torch.zeros_like(buckets.wire[0])
         self._header = self._header_of(self._bucket0)
         self._gang: Gang | None = None
         self._closing: Gang | None = None  # a failed epoch's, to close
@@ -142,6 +160,8 @@ class Service:
             closing, self._closing = self._closing, None
             if closing is not None:
                 closing.close_sync()
+            if self.relay is not None:  # the other ranks' rounds end with this one's
+                self.relay.close(isinstance(self.error, GangClosedError))
             self._tell()
 
     def _store_or(self, error: BaseException) -> str:
@@ -266,7 +286,6 @@ class Service:
     async def _rounds(self, epoch: int) -> int | None:
         gang = self._gang
         assert gang is not None
-        buckets = self.buckets
         confirming: Any = None  # the last version's confirmation, sent, maybe not done
         while not self._stopping.is_set():
             self._say(f"waiting for a round of epoch {epoch} (holds version {self.ready})")
@@ -301,6 +320,37 @@ class Service:
                     epoch, f"the publisher moved on from epoch {epoch} before its round came"
                 )
             self._say(f"receiving version {version} in epoch {epoch}")
+            if self.relay is not None:  # rule 7
+                with self.staging:
+                    self.ready = None
+                    try:
+                        moved = await self.relay.round(
+                            gang,
+                            self._bucket0,
+                            int(version),
+                            epoch,
+                            functools.partial(self._watch, epoch=epoch),
+                            self.timeout or math.inf,
+                        )
+                    except GangError as error:
+                        moved = one_line(error)
+                    if moved is None:
+                        self.ready = int(version)
+                if self.relay.broken is not None:
+                    await self._give_up(epoch, self.relay.broken)
+                if moved is not None:
+                    return await self._after_failure(epoch, moved)
+                try:
+                    on = self._bucket0.device
+                    ack = torch.tensor([version, epoch], dtype=torch.int64, device=on)
+                    confirming = gang.send(ack, 0, timeout=self.timeout or math.inf)
+                except GangError as error:
+                    return await self._after_failure(epoch, one_line(error))
+                self._say(f"holds version {version} in epoch {epoch}")
+                self._tell()
+                continue
+            buckets = self.buckets
+            assert buckets is not None
             with self.staging:
                 self.ready = None  # rule 2: staging is being written
                 try:  # posted first: the publisher sends them as soon as they are
@@ -338,6 +388,19 @@ class Service:
             await self._confirmed(confirming, epoch)
         return None
 
+    async def _give_up(self, epoch: int, why: str) -> None:
+        """A rank of this sharded server was lost (rule 7): the publisher is told, and
+        given (bounded) time to move on; then the service ends naming the rank."""
+        said = f"subscriber '{self.me.name}' gave its whole server gang up: {why}"
+        notice = deaths.Notice(self.me.uid, said, f"{self.me.name} (its server's rank 0)")
+        self._try(functools.partial(deaths.report, self.channel.store, notice), 0)
+        give_up_at = time.monotonic() + min(self.timeout or 10.0, 10.0)
+        while time.monotonic() < give_up_at and not self._stopping.is_set():
+            if self.upstream.newest > epoch or self.upstream.dropped is not None:
+                break
+            await asyncio.sleep(_POLL)
+        raise self._lost(f"its server gang lost a rank: {why}")
+
     async def _confirmed(self, sent: Any, epoch: int) -> str | None:
         """Sees a confirmation's send through; why it was not, or None."""
         try:
@@ -365,13 +428,17 @@ class Service:
         if any(gang.holds(self._bucket0) for gang in old):
             self._bucket0 = torch.zeros_like(self._bucket0)
             self._header = self._header_of(self._bucket0)
+        if self.relay is not None:
+            self.relay.renew_held(old)
+            return
+        assert self.buckets is not None
         with self.staging:
             for index, wire in enumerate(self.buckets.wire):
                 if any(gang.holds(wire) for gang in old):
                     self.buckets.renew(index)
 
     def _header_of(self, bucket0: torch.Tensor) -> torch.Tensor:
-        return bucket0[: self.buckets.header.numel() * 8].view(torch.int64)
+        return bucket0[: HEADER_WORDS * 8].view(torch.int64)
 
     def _close_old(self) -> None:
         """Closes the failed epoch's gang on a thread of its own (rule 3). Its close can

@@ -20,11 +20,22 @@ Rules:
    tensors holding two versions), and the version it copied is not lost: until a
    ``receive`` has returned it, the next one returns it at once (``version`` says what
    the tensors hold all along).
+5. *A sharded server* (``open(..., gang=)``): every rank of the server's gang opens;
+   each holds its slice of each tensor (``DTensor``s on a 1-D mesh of the gang,
+   ``agang.Sharded``, or plain ones held whole) and stages only that. Rank 0 is the
+   channel's one member, and relays each version's shares to the other ranks
+   (``agang._weights.relay``, ``agang._weights.relayed``); the channel's plan must be
+   split (a sharded trainer's), else every rank refuses it at ``open``. ``receive``
+   is collective over a lane of the gang (``agree``): it returns a version once every
+   rank holds it whole, and a rank that fails makes every rank's ``receive`` raise,
+   naming it. A ``receive`` cancelled or timed out while it waited for the other
+   ranks leaves its op for the next one to take up, so the lane stays in step.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 import os
@@ -38,16 +49,20 @@ import anyio
 import anyio.lowlevel
 import torch
 
-from agang._errors import GangClosedError, GangError, GangInitError
+from agang._errors import GangClosedError, GangError, GangInitError, one_line
+from agang._gang import Gang
 from agang._membership.gangs import GangFactory
 from agang._membership.member import Member
 from agang._runtime.threads import run_blocking
 from agang._weights import channel as channel_keys
-from agang._weights import checks
+from agang._weights import checks, over_gang
 from agang._weights.blocking import blocking, run_sync
 from agang._weights.buckets import Buckets
 from agang._weights.channel import Channel
 from agang._weights.plan import Plan
+from agang._weights.relay import Relay
+from agang._weights.relayed import Relayed
+from agang._weights.server_rank import ServerRank
 from agang._weights.service import Service
 from agang._weights.site import Site
 from agang._weights.upstream import Upstream
@@ -81,18 +96,24 @@ class WeightSubscriber:
         in_place: bool,
         factory: GangFactory,
         connect: Callable[[float], Any],
+        relay: Relay | None = None,
     ) -> None:
         self._me = Member.me(name)
         self._channel = channel
         self._tensors = tensors
-        self._buckets = Buckets(plan, tensors, publisher=False, in_place=in_place)
+        self._buckets = (
+            None if relay else Buckets(plan, tensors, publisher=False, in_place=in_place)
+        )
         self._version: int | None = None  # what the tensors hold
         self._returned: int | None = None  # what a receive returned last (rule 4)
         self._closed = False
+        self._over: ServerRank | None = None  # a sharded server's rank (rule 5)
         self._responder = channel.serve_status(self._me.uid, self._status)
         self._upstream = Upstream(channel, self._me, timeout, connect, self._serve_again)
         self._registration = channel.register(self._me)  # before open returns
-        self._service = Service(channel, self._buckets, self._me, timeout, self._upstream, factory)
+        self._service = Service(
+            channel, self._buckets, self._me, timeout, self._upstream, factory, relay
+        )
 
     def _status(self) -> str:
         return self._service.status
@@ -113,6 +134,7 @@ class WeightSubscriber:
         timeout: float | None = 60.0,  # noqa: ASYNC109  # the deadline of open and of a round
         in_place: bool = False,
         secret: str | bytes | None = None,
+        gang: Gang | None = None,
     ) -> WeightSubscriber:
         """Joins ``channel`` on the ``agang store`` at ``store``; admitted at the next push.
 
@@ -130,6 +152,9 @@ class WeightSubscriber:
                 ``open`` waiting for a publisher as long as it takes).
             in_place: Rounds write ``tensors`` themselves (no staging copy; rule 2).
             secret: The channel's secret, as the publisher was given it (None: none).
+            gang: A sharded server's gang (module rule 5): every rank opens, with its
+                slices (``DTensor``s on a 1-D mesh of the gang, ``agang.Sharded``, or
+                plain tensors held whole); ``open`` and ``receive`` are collective.
 
         Raises:
             ValueError: ``tensors`` differ from the publisher's plan (the message names
@@ -137,13 +162,22 @@ class WeightSubscriber:
             GangInitError: The store did not answer, or no publisher opened the channel,
                 before the deadline.
         """
-        checked = checks.check_tensors(tensors)
         host, port = checks.check_store(store)
         channel_name = checks.check_channel(channel)
         named = checks.check_name(name) or f"{socket.gethostname()}:{os.getpid()}"
         seconds = checks.check_deadline(timeout, default=60.0)
         in_place = checks.check_bool(in_place, name="in_place")
         key = checks.check_secret(secret)
+        if gang is not None:
+
+            def site_of(device: torch.device) -> Site:
+                return Site.of(store, host, port, channel_name, f"subscriber '{named}'", device)
+
+            return await cls._open_over(
+                over_gang.check_gang(gang), tensors, channel_name, named, seconds, in_place,
+                key, site_of,
+            )  # fmt: skip
+        checked = checks.check_tensors(tensors)
         device = checks.device_of(checked)
         site = Site.of(store, host, port, channel_name, f"subscriber '{named}'", device)
         return await cls._open(checked, channel_name, named, seconds, in_place, key, site)
@@ -160,6 +194,141 @@ class WeightSubscriber:
         site: Site,
     ) -> WeightSubscriber:
         """``open`` past its checks, on ``site`` (agang's tests give one of their own)."""
+        found, theirs, deadline, given_up = await cls._find(channel, seconds, secret, site)
+        refusal = cls._refusal(Plan.of(tensors, theirs.bucket_bytes, site.transport), theirs)
+        if refusal is not None:
+            raise ValueError(
+                f"`tensors` {refusal} (channel '{channel}', published by "
+                f"{found.publisher()}). Subscriber '{name}' was refused."
+            )
+        subscriber = cls(
+            found, tensors, theirs, name, seconds, in_place, site.factory, site.connect
+        )
+        await subscriber._seen(deadline, given_up)
+        return subscriber
+
+    @classmethod
+    async def _open_over(
+        cls,
+        gang: Gang,
+        tensors: object,
+        channel: str,
+        name: str,
+        seconds: float | None,
+        in_place: bool,
+        secret: bytes | None,
+        site_of: Callable[[torch.device], Site],
+    ) -> WeightSubscriber:
+        """``open`` over a server's gang (rule 5): every rank checks its slices, rank 0
+        finds the channel's plan and tells the others, every rank agrees on the verdict,
+        then rank 0 joins the channel and the others follow it."""
+        refused: str | None = None
+        layouts: list[Any] = []
+        local: dict[str, torch.Tensor] = {}
+        site: Site | None = None
+        try:
+            layouts, local = over_gang.layouts_of(tensors, gang)
+            site = site_of(checks.device_of(local))
+        except (TypeError, ValueError) as error:
+            refused = str(error)
+        with anyio.move_on_after(60.0 if seconds is None else seconds) as waited:
+            relay_lane = await gang.lane(over_gang.lane_name(gang, channel))
+            agree = await gang.lane(over_gang.lane_name(gang, channel))
+        if waited.cancelled_caught:
+            raise GangInitError(
+                f"Not every rank of the gang '{gang.name}' opened subscriber '{name}' in "
+                f"time: `open` over a gang is a collective call."
+            )
+        said: list[Any] = [None, None]  # the plan's text, or why none came
+        opened: tuple[Channel, Plan, float, threading.Event] | None = None
+        if gang.rank == 0 and site is not None:
+            try:
+                opened = await cls._find(channel, seconds, secret, site)
+                said[0] = opened[1].to_text()
+            except GangInitError as error:
+                said[1] = one_line(error)
+        await agree.broadcast_objects(said, 0, timeout=over_gang.following_bound(seconds))
+        if said[1] is not None:
+            raise GangInitError(f"Server rank 0 found no plan: {said[1]}")
+        plan: Plan | None = None
+        if refused is None and site is not None and said[0] is not None:
+            theirs = Plan.from_text(said[0])
+            plan = over_gang.plan_of(list(local), layouts, theirs.bucket_bytes, site.transport)
+            refusal = cls._refusal(plan, theirs, split=True)
+            refused = None if refusal is None else f"`tensors` {refusal}"
+        await over_gang.agree(agree, refused, plan, layouts, seconds)
+        assert plan is not None
+        assert site is not None
+        assert said[0] is not None
+        theirs = Plan.from_text(said[0])
+        staging = {k: v if in_place else torch.zeros_like(v) for k, v in local.items()}
+        staged = [
+            dataclasses.replace(layout, local=staging[k])
+            for k, layout in zip(local, layouts, strict=True)
+        ]
+        if gang.rank != 0:
+            made = cls.__new__(cls)
+            made._me = Member.me(name)
+            made._tensors = local
+            made._buckets = None
+            made._version = made._returned = None
+            made._closed = False
+            relayed = Relayed(theirs, staged, relay_lane, name, seconds)
+            made._over = ServerRank(agree, relayed, staging, local, theirs.ties(), in_place, name)
+            return made
+        assert opened is not None
+        found, _, deadline, given_up = opened
+        relay = Relay(theirs, staged, relay_lane, gang.size)
+        made = cls(found, local, theirs, name, seconds, in_place, site.factory, site.connect, relay)
+        made._over = ServerRank(
+            agree, made._service, staging, local, theirs.ties(), in_place, name, relay
+        )
+        await made._seen(deadline, given_up)
+        return made
+
+    @staticmethod
+    def _refusal(mine: Plan, theirs: Plan, *, split: bool = False) -> str | None:
+        """Why a side whose plan is ``mine`` cannot take the channel's ``theirs``
+        (plan rules 2, 5; rule 5 here where ``split``), or None."""
+        if mine.transport != theirs.transport:  # plan rule 5
+            return (
+                f"are where the channel cannot carry them: its publisher moves them over "
+                f"{theirs.transport}, and tensors here move over {mine.transport}. Both "
+                f"sides of a channel must hold their tensors where one transport reaches "
+                f"them (GPUs: NCCL; CPUs: Gloo)"
+            )
+        difference = mine.difference(theirs)
+        if difference is not None:
+            return f"do not match the channel's plan: {difference}"
+        if split and not theirs.split:
+            return (
+                "are a sharded server's, and the channel's plan is not split (its "
+                "publisher is not a sharded trainer): its direct buckets are whole "
+                "tensors, which a server rank would have to hold whole. Subscribe whole, "
+                "or publish from a sharded trainer (WeightPublisher.open(..., gang=))"
+            )
+        return None
+
+    async def _seen(self, deadline: float, given_up: threading.Event) -> None:
+        """Waits until the publisher saw this registration; cancelled, closes."""
+        try:
+            await blocking(
+                functools.partial(self._wait_until_seen, deadline, given_up),
+                2 * channel_keys.STALE + 2.0,
+                what="the publisher's sight of this subscriber",
+                store=self._channel.address,
+            )
+        except BaseException:  # cancelled: nothing of it may stay behind
+            given_up.set()
+            with anyio.CancelScope(shield=True):
+                await self.close()
+            raise
+
+    @classmethod
+    async def _find(
+        cls, channel: str, seconds: float | None, secret: bytes | None, site: Site
+    ) -> tuple[Channel, Plan, float, threading.Event]:
+        """The channel and its plan, once a publisher wrote it (rule 1)."""
         deadline = time.monotonic() + (math.inf if seconds is None else seconds)
         connect_for = 60.0 if seconds is None else seconds
         given_up = threading.Event()  # set when ``open`` is cancelled: its threads end
@@ -195,38 +364,7 @@ class WeightSubscriber:
         except BaseException:
             given_up.set()
             raise
-        mine = Plan.of(tensors, theirs.bucket_bytes, site.transport)
-        if mine.transport != theirs.transport:  # plan rule 5
-            raise ValueError(
-                f"`tensors` are on {checks.device_of(tensors)}, which channel '{channel}' "
-                f"cannot carry: its publisher ({found.publisher()}) moves them over "
-                f"{theirs.transport}, and "
-                f"tensors here move over {mine.transport}. Both sides of a channel must "
-                f"hold their tensors where one transport reaches them (GPUs: NCCL; CPUs: "
-                f"Gloo). Subscriber '{name}' was refused."
-            )
-        difference = mine.difference(theirs)
-        if difference is not None:
-            raise ValueError(
-                f"`tensors` do not match the plan of channel '{channel}' (published by "
-                f"{found.publisher()}): {difference}. Subscriber '{name}' was refused."
-            )
-        subscriber = cls(
-            found, tensors, theirs, name, seconds, in_place, site.factory, site.connect
-        )
-        try:
-            await blocking(
-                functools.partial(subscriber._wait_until_seen, deadline, given_up),
-                2 * channel_keys.STALE + 2.0,
-                what="the publisher's sight of this subscriber",
-                store=site.address,
-            )
-        except BaseException:  # cancelled: nothing of it may stay behind
-            given_up.set()
-            with anyio.CancelScope(shield=True):
-                await subscriber.close()
-            raise
-        return subscriber
+        return found, theirs, deadline, given_up
 
     def _wait_until_seen(self, deadline: float, given_up: threading.Event) -> None:
         """Waits until the publisher saw this registration (its beat says so within
@@ -276,7 +414,12 @@ class WeightSubscriber:
 
     @property
     def staging_bytes(self) -> int:
-        """The memory this subscriber holds beyond the user's tensors (rule 2)."""
+        """The memory this subscriber holds beyond the user's tensors (rule 2); on a
+        sharded server's rank, its slice's staging, and on rank 0 the relay's buffers
+        (rule 5)."""
+        if self._over is not None:
+            return self._over.staging_bytes
+        assert self._buckets is not None
         return self._buckets.staging_bytes + self._buckets.wire[0].numel()
 
     async def receive(self, timeout: float | None = None) -> int:  # noqa: ASYNC109
@@ -301,6 +444,17 @@ class WeightSubscriber:
         """
         seconds = checks.check_deadline(timeout)
         deadline = time.monotonic() + (math.inf if seconds is None else seconds)
+        if self._over is not None:  # rule 5
+            if self._closed:
+                raise GangClosedError(f"Subscriber '{self.name}' is closed.")
+            if self._version is not None and self._version != self._returned:
+                self._returned = self._version  # rule 4
+                return self._version
+            taken = await self._over.next_version(
+                self._version, deadline, functools.partial(self._timed_out, seconds)
+            )
+            self._version = self._returned = taken
+            return taken
         for _ in range(1_000_000):  # each pass waits for news, or ends
             if self._closed:
                 raise GangClosedError(f"Subscriber '{self.name}' is closed.")
@@ -336,6 +490,7 @@ class WeightSubscriber:
         ready = self._service.ready  # read without the lock: _take looks again under it
         if ready is None or (self._version is not None and ready <= self._version):
             return -1
+        assert self._buckets is not None
         small = self._buckets.in_place or self._buckets.staging_bytes <= INLINE_TAKE_BYTES
         if small and self._service.staging.acquire(blocking=False):
             try:
@@ -355,6 +510,7 @@ class WeightSubscriber:
         ready = self._service.ready
         if ready is None or (self._version is not None and ready <= self._version):
             return -1
+        assert self._buckets is not None
         if not self._buckets.in_place:
             self._buckets.unpack()
         self._version = ready
@@ -362,6 +518,12 @@ class WeightSubscriber:
         return ready
 
     def _timed_out(self, seconds: float | None) -> str:
+        if self._over is not None and isinstance(self._over.source, Relayed):  # rule 5
+            return (
+                f"Subscriber '{self.name}' (server rank {self._over.agree.rank}) received no "
+                f"version newer than {self._version} that every rank of its server holds "
+                f"within {seconds:g} s; its rank 0 is the channel's member, and says more."
+            )
         upstream = self._upstream
         if upstream.trouble is not None:
             how = f"the store at {self._channel.address} is not reached ({upstream.trouble})"
@@ -379,16 +541,24 @@ class WeightSubscriber:
 
     async def close(self) -> None:
         """Leaves the channel: the publisher's next push leaves it out at once (its
-        report says so in ``dropped``: "it closed (left the channel)"). Idempotent."""
+        report says so in ``dropped``: "it closed (left the channel)"). Idempotent.
+        On a sharded server, every rank closes; a rank that closes alone ends the
+        server's rounds (rule 5)."""
         if self._closed:
             return
         self._closed = True
+        if self._over is not None and isinstance(self._over.source, Relayed):
+            with anyio.CancelScope(shield=True):
+                await run_blocking(self._over.stop, name="weights: close", seconds=10.0)
+            return
         self._upstream.stop()
         with anyio.CancelScope(shield=True):
             await run_blocking(self._stop, name="weights: close", seconds=10.0)
 
     def _stop(self) -> None:
         self._service.stop(5.0)
+        if self._over is not None:
+            self._over.stop()
         with contextlib.suppress(Exception):  # a store gone: the push finds out anyway
             self._responder.stop()
             if self._channel.closed() is not None or not self._channel.current():
@@ -400,5 +570,8 @@ class WeightSubscriber:
         """[`close`][agang.WeightSubscriber.close] for programs without an event loop."""
         if not self._closed:
             self._closed = True
+            if self._over is not None and isinstance(self._over.source, Relayed):
+                self._over.stop()
+                return
             self._upstream.stop()
             self._stop()

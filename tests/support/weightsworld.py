@@ -30,6 +30,7 @@ class Channel:
         self.epochs = FakeEpochs(latency)
         self.site = Site("in-process store", lambda _: self.store, self.epochs)
         self.opened: list[Any] = []
+        self.together: list[Any] = []  # the ranks of gangs' sides, closed at once
 
     async def publisher(
         self, tensors: dict[str, torch.Tensor], deadline: float | None = 5.0, **plan: Any
@@ -56,7 +57,12 @@ class Channel:
         subscriber._service._stopping.set()
 
     async def close(self) -> None:
+        """Closes every side: the ranks of a gang's side (``together``) at once, as their
+        close is collective, then the others, the last opened first."""
         with anyio.CancelScope(shield=True):
+            async with anyio.create_task_group() as group:
+                for side in self.together:
+                    group.start_soon(side.close)
             for side in reversed(self.opened):
                 await side.close()
 

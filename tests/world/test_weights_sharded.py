@@ -100,8 +100,7 @@ async def open_trainer(
     opened = await WeightPublisher._open_over(
         gang, tensors, "127.0.0.1:1", "c", 5.0, bucket_bytes, None, lambda _: channel.site
     )
-    if gang.rank == 0:
-        channel.opened.append(opened)
+    channel.together.append(opened)
     return opened
 
 

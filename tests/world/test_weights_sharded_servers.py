@@ -1,0 +1,285 @@
+"""Sharded servers in one process (``agang._weights.relay``, ``relayed``): a server gang
+of FakeWorld ranks, each holding its slices (``agang.Sharded`` along dimensions 0 and 1,
+and plain tensors), subscribed to the channel of a 2-rank sharded trainer beside a
+whole server, through the production publisher and subscribers on the in-process
+channel of ``tests/support/weightsworld.py``. The same over real processes:
+``tests/gloo/test_weights_sharded.py``."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+import pytest
+import torch
+from test_weights_sharded import full, open_trainer, shards, write
+from weightsworld import Channel, agang_threads
+
+from agang import GangError, PushReport, Sharded
+from agang._gang import Gang
+from agang._weights import channel as channel_keys
+from agang._weights import fleet, upstream
+from agang._weights.plan import FIRST_BUCKET_BYTES
+from agang._weights.subscriber import WeightSubscriber
+from agang.testing import FakeWorld
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
+
+PATIENCE = 10.0
+
+
+@pytest.fixture(autouse=True)
+def _beats(monkeypatch: pytest.MonkeyPatch) -> None:
+    for module in (channel_keys, fleet, upstream):
+        monkeypatch.setattr(module, "BEAT", 0.05)
+
+
+@pytest.fixture
+async def channel() -> AsyncIterator[Channel]:
+    before = agang_threads()
+    opened = Channel()
+    try:
+        yield opened
+    finally:
+        await opened.close()
+    for _ in range(100):
+        left = {t.name for t in agang_threads() - before}
+        if not left:
+            break
+        await anyio.sleep(0.05)
+    assert not left, left
+
+
+async def open_server(
+    channel: Channel, gang: Gang, tensors: dict[str, Any], in_place: bool = False
+) -> WeightSubscriber:
+    """A sharded server's rank: every rank opens together (collective)."""
+    opened = await WeightSubscriber._open_over(
+        gang, tensors, "c", "sharded", 10.0, in_place, None, lambda _: channel.site
+    )
+    channel.opened.append(opened)
+    return opened
+
+
+def local(tensors: dict[str, Any]) -> dict[str, torch.Tensor]:
+    return {k: v.tensor if isinstance(v, Sharded) else v for k, v in tensors.items()}
+
+
+def slice_bytes(tensors: dict[str, Any]) -> int:
+    return sum(t.numel() * t.element_size() for t in local(tensors).values())
+
+
+class Fleet:
+    """A 2-rank sharded trainer, a whole server and a 2-rank sharded server, opened."""
+
+    def __init__(self) -> None:
+        self.trainers = FakeWorld(2)
+        self.servers = FakeWorld(2)
+        self.trainer_tensors = [shards(rank, 2, 0) for rank in range(2)]
+        self.server_tensors = [
+            {k: _zeroed(v) for k, v in shards(rank, 2, 0).items()} for rank in range(2)
+        ]
+        self.publishers: list[Any] = []
+        self.sharded: list[WeightSubscriber] = []
+        self.whole: Any = None
+
+    async def open(
+        self, channel: Channel, bucket_bytes: int = 1024, in_place: bool = False
+    ) -> None:
+        async def trainer(gang: Gang) -> Any:
+            tensors = self.trainer_tensors[gang.rank]
+            return await open_trainer(channel, gang, tensors, bucket_bytes)
+
+        async def servers() -> None:
+            whole = {k: torch.zeros_like(v) for k, v in full(0).items()}
+            self.whole = await channel.subscriber(whole, "whole")
+
+            async def rank(gang: Gang) -> WeightSubscriber:
+                tensors = self.server_tensors[gang.rank]
+                return await open_server(channel, gang, tensors, in_place)
+
+            self.sharded = await self.servers.run(rank)
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(servers)
+            self.publishers = await self.trainers.run(trainer)
+
+    async def push(self, version: int) -> PushReport:
+        async def one(gang: Gang) -> PushReport:
+            write(self.trainer_tensors[gang.rank], gang.rank, 2, version)
+            return await self.publishers[gang.rank].push(version, timeout=5.0)
+
+        reports = await self.trainers.run(one)
+        assert reports[0] == reports[1]
+        return reports[0]  # type: ignore[no-any-return]
+
+    async def receive(self) -> list[int]:
+        async def one(gang: Gang) -> int:
+            return await self.sharded[gang.rank].receive(timeout=PATIENCE)
+
+        return await self.servers.run(one)
+
+    def assert_holds(self, version: int) -> None:
+        for rank in range(2):
+            expected = local(shards(rank, 2, version))
+            for name, value in local(self.server_tensors[rank]).items():
+                assert torch.equal(value, expected[name]), (rank, name)
+
+
+def _zeroed(value: Any) -> Any:
+    if isinstance(value, Sharded):
+        return Sharded(torch.zeros_like(value.tensor), value.dim, value.shape)
+    return torch.zeros_like(value)
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["staged", "in_place"])
+async def test_a_sharded_server_and_a_whole_one_take_exact_bytes_each_rank_its_slice(
+    channel: Channel, in_place: bool
+) -> None:
+    world = Fleet()
+    await world.open(channel, in_place=in_place)
+    for version in (1, 2):
+        report = await world.push(version)
+        assert sorted(report.delivered) == ["sharded", "whole"], report
+        assert await world.receive() == [version, version]
+        world.assert_holds(version)
+        assert await world.whole.receive(timeout=PATIENCE) == version
+        for name, value in full(version).items():
+            assert torch.equal(world.whole._tensors[name], value), name
+    # Each rank stages its slice, never the whole model (rank 0 also holds the relay's
+    # buffers: bucket 0 and a ring of two buckets, and a scratch one for Shard(1)).
+    model = sum(v.numel() * v.element_size() for v in full(0).values())
+    for rank, server in enumerate(world.sharded):
+        staged = server._over.staging if server._over else {}
+        assert {k: v.shape for k, v in staged.items()} == {
+            k: v.shape for k, v in local(world.server_tensors[rank]).items()
+        }
+        mine = 0 if in_place else slice_bytes(world.server_tensors[rank])
+        assert slice_bytes(world.server_tensors[rank]) < model
+        if rank:
+            assert server.staging_bytes == mine
+        else:
+            assert mine < server.staging_bytes <= mine + 4 * 1024
+
+
+async def test_rank_0_of_a_sharded_server_holds_its_slice_and_a_few_buckets(
+    channel: Channel,
+) -> None:
+    """A 2 MiB model in 64 KiB buckets: rank 0 holds its 1 MiB slice and four buckets."""
+    bucket = 64 * 1024
+    whole = torch.arange(2 * 1024 * 1024 // 4, dtype=torch.float32).reshape(-1, 64)
+    trainers, servers = FakeWorld(2), FakeWorld(2)
+
+    def mine(rank: int, value: torch.Tensor) -> dict[str, Any]:
+        return {"w": Sharded(torch.chunk(value, 2)[rank].clone(), 0, tuple(whole.shape))}
+
+    held = [mine(rank, torch.zeros_like(whole)) for rank in range(2)]
+    opened: list[Any] = []
+
+    async def open_servers() -> None:
+        opened.extend(await servers.run(lambda gang: open_server(channel, gang, held[gang.rank])))
+
+    async def trainer(gang: Gang) -> Any:
+        return await open_trainer(channel, gang, mine(gang.rank, whole), bucket)
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(open_servers)
+        publishers = await trainers.run(trainer)
+    reports = await trainers.run(lambda gang: publishers[gang.rank].push(1))
+    assert reports[0].delivered == ("sharded",)
+    assert await servers.run(lambda gang: opened[gang.rank].receive(timeout=PATIENCE)) == [1, 1]
+    for rank in range(2):
+        assert torch.equal(held[rank]["w"].tensor, torch.chunk(whole, 2)[rank])
+    slice_ = whole.numel() * 4 // 2
+    assert opened[1].staging_bytes == slice_
+    assert opened[0].staging_bytes <= slice_ + min(bucket, FIRST_BUCKET_BYTES) + 3 * bucket
+
+
+async def test_a_sharded_server_rank_lost_drops_that_server_alone_naming_the_rank(
+    channel: Channel,
+) -> None:
+    world = Fleet()
+    await world.open(channel)
+    report = await world.push(1)
+    assert sorted(report.delivered) == ["sharded", "whole"], report
+    assert await world.receive() == [1, 1]
+    await world.sharded[1].close()  # rank 1 lost: its lanes closed, its rounds ended
+    report = await world.push(2)
+    assert report.delivered == ("whole",), report
+    assert "server rank 1" in report.dropped["sharded"], report.dropped
+    assert await world.whole.receive(timeout=PATIENCE) == 2
+    for name, value in full(2).items():
+        assert torch.equal(world.whole._tensors[name], value), name
+    with pytest.raises(GangError, match="server rank 1"):
+        await world.sharded[0].receive(timeout=PATIENCE)
+    world.assert_holds(1)  # the version it returned last stays whole
+
+
+@pytest.mark.parametrize("alone", [0, 1])
+async def test_a_receive_one_rank_gave_up_on_keeps_the_ranks_in_step(
+    channel: Channel, alone: int
+) -> None:
+    """Rank ``alone`` calls ``receive`` and times out waiting for the other, then is
+    cancelled waiting again: its exchange stays on the lane, and the next ``receive``
+    of both ranks takes the version up (``agang._weights.server_rank`` rule 2)."""
+    world = Fleet()
+    await world.open(channel)
+    await world.push(1)
+    with pytest.raises(TimeoutError, match="newer than None"):
+        await world.sharded[alone].receive(timeout=0.3)
+    with anyio.move_on_after(0.2):
+        await world.sharded[alone].receive()
+    assert world.sharded[alone].version is None
+    assert await world.receive() == [1, 1]
+    world.assert_holds(1)
+    await world.push(2)
+    assert await world.receive() == [2, 2]
+    world.assert_holds(2)
+
+
+async def test_three_server_ranks_that_hold_every_tensor_whole_each_take_all_of_it(
+    channel: Channel,
+) -> None:
+    """Plain tensors on a sharded server are every rank's: each of three gets them whole."""
+    trainers, servers = FakeWorld(2), FakeWorld(3)
+    held = [{k: torch.zeros_like(v) for k, v in full(0).items()} for _ in range(3)]
+    trainer_tensors = [shards(rank, 2, 0) for rank in range(2)]
+    opened: list[Any] = []
+
+    async def open_servers() -> None:
+        opened.extend(await servers.run(lambda gang: open_server(channel, gang, held[gang.rank])))
+
+    async def trainer(gang: Gang) -> Any:
+        return await open_trainer(channel, gang, trainer_tensors[gang.rank])
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(open_servers)
+        publishers = await trainers.run(trainer)
+
+    async def push(gang: Gang) -> PushReport:
+        write(trainer_tensors[gang.rank], gang.rank, 2, 1)
+        return await publishers[gang.rank].push(1)
+
+    report = (await trainers.run(push))[0]
+    assert report.delivered == ("sharded",), report
+    assert await servers.run(lambda gang: opened[gang.rank].receive(timeout=PATIENCE)) == [1] * 3
+    for rank in range(3):
+        for name, value in full(1).items():
+            assert torch.equal(held[rank][name], value), (rank, name)
+
+
+async def test_a_whole_publishers_channel_refuses_a_sharded_server_on_every_rank(
+    channel: Channel,
+) -> None:
+    await channel.publisher(full(0), bucket_bytes=1024)
+    servers = FakeWorld(2)
+    tensors = [shards(rank, 2, 0) for rank in range(2)]
+
+    async def rank(gang: Gang) -> str:
+        with pytest.raises(ValueError, match="not split") as refused:
+            await open_server(channel, gang, tensors[gang.rank])
+        return str(refused.value)
+
+    said = await servers.run(rank)
+    assert all("Rank 0" in s for s in said), said
