@@ -2,15 +2,17 @@
 
 One command runs the whole demo on 127.0.0.1::
 
-    python examples/sharded_weight_sync.py --trainer-ranks 2
+    python examples/sharded_weight_sync.py --trainer-ranks 2 --server-ranks 2
 
-It starts an ``agang store``, a trainer of ``--trainer-ranks`` ranks under ``torchrun``
-and a whole-tensor server (``whole``), all processes of its own that it ends by pid
-however it exits. At the end it prints each push (version, delivered, seconds) and
-each server's versions, and exits 0 only if the checks hold: every version a server
-took holds exactly the trainer's weights of that version (a checksum of every tensor,
-the trainer's taken over the whole model with ``full_tensor()``), and every server took
-the last one. Every wait is bounded (``--timeout``).
+It starts an ``agang store``, a trainer of ``--trainer-ranks`` ranks under ``torchrun``,
+a whole-tensor server (``whole``) and, with ``--server-ranks`` above 1, a sharded server
+(``sharded``) of that many ranks under ``torchrun``: all processes of its own, that it
+ends by pid however it exits. At the end it prints each push (version, delivered,
+seconds) and each server's versions, and exits 0 only if the checks hold: every version
+a server took holds exactly the trainer's weights of that version (a checksum of every
+tensor, the trainer's taken over the whole model with ``full_tensor()``, the sharded
+server's over its ranks' slices), and every server took the last one. Every wait is
+bounded (``--timeout``).
 
 How it works:
 
@@ -22,8 +24,14 @@ How it works:
   awaits ``publisher.push(version)`` together: rank 0 gathers each bucket of the
   weights from the ranks' shards while the bucket before moves to the servers, so no
   rank ever holds the whole model; every rank gets the same report.
-- The server (``--role server``) opens an ``agang.WeightSubscriber`` on whole tensors
-  of the model's global shapes and takes each version with ``receive()``.
+- The whole server (``--role server``) opens an ``agang.WeightSubscriber`` on whole
+  tensors of the model's global shapes and takes each version with ``receive()``.
+- The sharded server (``--role sharded``, under ``torchrun``) is a tensor-parallel-like
+  server: each rank holds its slice of every weight (rows of the first layers, columns
+  of the last one, as ``DTensor``s on its own mesh) and every rank opens one
+  ``WeightSubscriber`` over its gang. Its rank 0 is the channel's member and relays
+  each bucket's slices to the others; each rank stages only its slice; ``receive()`` is
+  collective and returns a version every rank holds.
 """
 
 from __future__ import annotations
@@ -66,8 +74,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     for name in ("trainer_ranks", "pushes", "every", "hidden"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
-    if args.server_ranks != 1:
-        parser.error("--server-ranks: this version of the demo runs whole-tensor servers (1)")
+    if args.server_ranks < 1:
+        parser.error("--server-ranks must be at least 1")
     return args
 
 
@@ -160,6 +168,38 @@ async def run_server(args: argparse.Namespace) -> int:
         await subscriber.close()
 
 
+async def run_sharded(args: argparse.Namespace) -> int:
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import agang
+
+    gang = await agang.init()
+    mesh = init_device_mesh("cpu", (gang.size,))
+    shapes = {k: v.shape for k, v in make_model(args.hidden).state_dict().items()}
+    last = list(shapes)[-2]  # the last layer's weight: columns; the others rows
+    state = {
+        name: distribute_tensor(torch.zeros(shape), mesh, [Shard(1 if name == last else 0)])
+        for name, shape in shapes.items()
+    }
+    subscriber = await agang.WeightSubscriber.open(
+        state, store=args.store, channel=CHANNEL, name="sharded", timeout=30.0, gang=gang
+    )
+    try:
+        while True:
+            try:
+                version = await subscriber.receive(timeout=args.timeout)
+            except agang.GangClosedError:
+                return 0
+            whole = {name: value.full_tensor() for name, value in state.items()}  # collective
+            if gang.rank == 0:
+                emit("took", server="sharded", version=version, checksum=checksum(whole))
+    finally:
+        await subscriber.close()
+        await gang.close()
+
+
 # -- the demo: the store, the children, the checks -----------------------------------------
 
 
@@ -212,6 +252,7 @@ class Demo:
             *("--role", role, "--store", store, "--hidden", str(args.hidden)),
             *("--every", str(args.every), "--pushes", str(args.pushes)),
             *("--timeout", str(args.timeout), "--trainer-ranks", str(args.trainer_ranks)),
+            *("--server-ranks", str(args.server_ranks)),
         ]
 
     async def run(self) -> int:
@@ -223,19 +264,22 @@ class Demo:
             "trainer", *torchrun, f"--nproc-per-node={args.trainer_ranks}",
             *self.role("trainer", store),
         )  # fmt: skip
-        server = await self.spawn("whole", *self.role("server", store))
+        servers = [await self.spawn("whole", *self.role("server", store))]
+        if args.server_ranks > 1:
+            ranks = f"--nproc-per-node={args.server_ranks}"
+            sharded = self.role("sharded", store)
+            servers.append(await self.spawn("sharded", *torchrun, ranks, *sharded))
         readers = [
             asyncio.create_task(self.read(label, process))
             for label, process in self.children
             if label != "store"
         ]
-        codes = await asyncio.gather(trainer.wait(), server.wait())
+        codes = await asyncio.gather(trainer.wait(), *(s.wait() for s in servers))
         await asyncio.gather(*readers)
         return self.report(codes)
 
     def report(self, codes: list[int]) -> int:
         pushes = [e for e in self.events if e["kind"] == "push"]
-        took = [e for e in self.events if e["kind"] == "took"]
         print(f"\n{'version':>8} {'ms':>8} {'loss':>8}  delivered")
         for push in pushes:
             print(
@@ -243,20 +287,25 @@ class Demo:
                 f"{', '.join(push['delivered']) or '-'}"
             )
         expected = {p["version"]: p["checksum"] for p in pushes}
-        versions = ", ".join(f"v{e['version']}" for e in took)
-        print(f"whole took: {versions or 'nothing'}")
-        wrong = [
-            e["version"]
-            for e in took
-            if not math.isclose(e["checksum"], expected.get(e["version"], math.nan), rel_tol=1e-9)
-        ]
         failures = []
         if any(codes):
-            failures.append(f"a child failed (exit codes: trainer {codes[0]}, server {codes[1]})")
-        if wrong:
-            failures.append(f"versions held other bytes than the trainer's: {wrong}")
-        if not pushes or not took or took[-1]["version"] != pushes[-1]["version"]:
-            failures.append("the server did not take the last version")
+            failures.append(f"a child failed (exit codes: trainer, then servers: {codes})")
+        names = ["whole", *(["sharded"] if self.args.server_ranks > 1 else [])]
+        for name in names:
+            took = [e for e in self.events if e["kind"] == "took" and e["server"] == name]
+            versions = ", ".join(f"v{e['version']}" for e in took)
+            print(f"{name} took: {versions or 'nothing'}")
+            wrong = [
+                e["version"]
+                for e in took
+                if not math.isclose(
+                    e["checksum"], expected.get(e["version"], math.nan), rel_tol=1e-9
+                )
+            ]
+            if wrong:
+                failures.append(f"{name}: versions held other bytes than the trainer's: {wrong}")
+            if not pushes or not took or took[-1]["version"] != pushes[-1]["version"]:
+                failures.append(f"{name} did not take the last version")
         for failure in failures:
             print(f"CHECK FAILED: {failure}")
         if failures:
@@ -299,6 +348,8 @@ def main(argv: list[str] | None = None) -> int:
         return asyncio.run(run_trainer(args))
     if args.role == "server":
         return asyncio.run(run_server(args))
+    if args.role == "sharded":
+        return asyncio.run(run_sharded(args))
     return asyncio.run(demo(args))
 
 

@@ -1,5 +1,6 @@
 """examples/sharded_weight_sync.py as the weights guide runs it: an FSDP2 trainer of 2
-ranks under torchrun pushes to a whole-tensor server, every version exact."""
+ranks under torchrun pushes to a whole-tensor server and a sharded server of 2 ranks,
+every version exact on both."""
 
 from __future__ import annotations
 
@@ -16,12 +17,14 @@ PUSH = re.compile(r"^\s+(\d+)\s+[\d.]+\s+[\d.]+\s+(.*)$")
 
 @pytest.mark.timeout(150)
 def test_an_fsdp2_trainer_under_torchrun_delivers_every_version_exact() -> None:
-    run = run_script(SCRIPT, ["--trainer-ranks", "2"], timeout=120)
+    run = run_script(SCRIPT, ["--trainer-ranks", "2", "--server-ranks", "2"], timeout=120)
     assert run.returncode == 0, (run.stdout, run.stderr)
     assert "sharded weight sync ok: every check held" in run.stdout, run.stdout
     pushes = [m.groups() for line in run.stdout.splitlines() if (m := PUSH.match(line))]
     assert len(pushes) >= 6, run.stdout
-    assert pushes[-1][1] == "whole", run.stdout
+    assert pushes[-1][1] == "sharded, whole", run.stdout
+    for name in ("whole", "sharded"):
+        assert f"{name} took: v1," in run.stdout, run.stdout
     assert not any(alive(pid) for pid in ended_pids(run.stdout)), run.stdout
 
 
