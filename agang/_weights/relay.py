@@ -3,15 +3,20 @@ into a small ring of buffers, this rank's shares copied into its staging, and th
 ranks' shares sent to them over a lane of the server's gang.
 
 Rules:
-1. *One member.* Rank 0 of the server's gang is the channel's member (the publisher
-   sees one subscriber); the other ranks (``agang._weights.relayed``) take their shares
-   from it over the gang's relay lane (``weights:CHANNEL#N``, ``agang._weights.over_gang``
+1. *One member.* Rank 0 of the server's gang is the channel's member (the publisher sees
+   one subscriber); the other ranks (``agang._weights.relayed``) take their shares from
+   it over the gang's relay lane (``weights:CHANNEL#N``, ``agang._weights.over_gang``
    rule 3), in the order both sides derive from the plan (``server_shares``).
-2. *The lane's words.* Each ``DATA`` round starts with a control word sent to each
-   rank on the lane (``DATA``, the version, the epoch); rank 0 then sends each rank its shares of
-   each bucket in plan order, and each rank acknowledges the whole version (its
-   number, sent to rank 0). Rank 0 confirms the version to the publisher, and says it
-   is ready, only once every rank acknowledged it: all or nothing per version.
+2. *The lane's words.* Each ``DATA`` round starts with a control word sent to each rank
+   on the lane (``DATA``, the version, the epoch); rank 0 then sends each rank its
+   shares of each bucket in plan order, and each rank acknowledges the whole version
+   (its number, sent to rank 0). Rank 0 then ends the round with ``COMMIT`` to each
+   rank, and confirms the version to the publisher, and says it is ready, only once
+   every rank acknowledged it: all or nothing per version. A round that stops part way
+   (the publisher moved on, the epoch's gang failed: a fleet's hiccup) still ends on the
+   lane: rank 0 sends zeros for the shares that never came, takes the acknowledgements
+   and says ``ABORT``, so the ranks stay in step and hold no version of it; a rank marks
+   a version ready only on ``COMMIT``.
 3. *Bounded memory.* Bucket 0 is the service's own buffer; the others take turns in a
    ring of ``RING`` buffers of one bucket each: bucket ``i``'s receive is posted once
    the shares of the bucket before in its buffer were sent on. A share strided in the
@@ -49,9 +54,11 @@ from agang._weights.plan import Plan
 from agang._weights.sharding import Layout
 
 #: The lane's control words (rule 2): (what, version, epoch); ``CLOSE``: the
-#: publisher closed the channel, a normal end.
+#: publisher closed the channel, a normal end; ``COMMIT`` or ``ABORT``: a round's end.
 DATA = 1
 CLOSE = 2
+COMMIT = 3
+ABORT = 4
 CONTROL_WORDS = 3
 #: Buffers the buckets after bucket 0 take turns in (rule 3).
 RING = 2
@@ -191,14 +198,25 @@ class Relay:
         for index in range(1, min(1 + len(self._ring), self.count)):
             posted[index] = gang.broadcast(self.wire(index), 0, timeout=timeout)
         await self._pass_on(self._cut(0, bucket0), bound)
-        for index in range(1, self.count):
-            moved = await watch([posted.pop(index)])
-            if moved is not None:
-                return moved
+        moved: str | None = None
+        failure: GangError | None = None
+        index = 1
+        while index < self.count:
+            try:
+                moved = await watch([posted.pop(index)])
+            except GangError as error:  # the epoch's gang's, unless the relay broke
+                if self.broken is not None:
+                    raise
+                failure = error
+            if moved is not None or failure is not None:
+                break
             await self._pass_on(self._plans[index - 1], bound)
             after = index + len(self._ring)
             if after < self.count:  # its ring buffer is free: its shares went on
                 posted[after] = gang.broadcast(self.wire(after), 0, timeout=timeout)
+            index += 1
+        for rest in range(index, self.count):  # an interrupted round ends too (rule 2)
+            await self._pass_on_nothing(self._plans[rest - 1], bound)
         acks = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in range(self._size)]
         acked = [(rank, self._lane.recv(acks[rank], rank, timeout=bound)) for rank in self._peers]
         for rank, ack in acked:
@@ -208,7 +226,29 @@ class Relay:
                     f"server rank {rank} acknowledged version {int(acks[rank][0])}, not {version}"
                 )
                 raise GangError(self.broken or "")
-        return None
+        whole = moved is None and failure is None
+        verdict = [COMMIT if whole else ABORT, version, epoch]
+        ended = [
+            (r, self._lane.send(torch.tensor(verdict, device=self.device), r, timeout=bound))
+            for r in self._peers
+        ]
+        for rank, handle in ended:
+            await self._op(handle, rank)
+        if failure is not None:
+            raise failure
+        return moved
+
+    async def _pass_on_nothing(self, cut: Cut, timeout: float) -> None:  # noqa: ASYNC109
+        """An interrupted round's bucket: zeros of each share's shape in place of its
+        bytes, which never came (rule 2): the others' receives end, and the round's
+        ``ABORT`` tells them it is not a version."""
+        _, sends = cut
+        told = [
+            (rank, self._lane.send(torch.zeros_like(what), rank, timeout=timeout))
+            for rank, what, _ in sends
+        ]
+        for rank, handle in told:
+            await self._op(handle, rank)
 
     async def _pass_on(self, cut: Cut, timeout: float) -> None:  # noqa: ASYNC109
         """Copies a bucket's own shares into staging and sends the others theirs; returns

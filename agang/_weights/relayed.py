@@ -4,10 +4,11 @@ an event loop of its own, like the service's (``agang._weights.service`` rule 1)
 
 Rules:
 1. Each round rank 0 announces, this rank receives its shares of every bucket straight
-   into its staging (or, in place, its own tensors), in plan order, at most two
-   buckets' receives in flight; then it says the version is ready and acknowledges it
-   to rank 0. ``receive`` copies staging under the same lock (``staging``), as a
-   whole server's does.
+   into its staging (or, in place, its own tensors), in plan order, at most two buckets'
+   receives in flight; then it acknowledges the version to rank 0, and marks it ready
+   once rank 0 ends the round with ``COMMIT`` (``ABORT``: the round stopped part way,
+   and staging holds no version: ``agang._weights.relay`` rule 2). ``receive`` copies
+   staging under the same lock (``staging``), as a whole server's does.
 2. ``CLOSE`` (rank 0's service ended because the publisher closed the channel) ends
    the rounds with a ``GangClosedError``, a normal end, as on rank 0.
 3. An op of the lane that fails (rank 0 lost or closed, or it closed the lane when
@@ -29,7 +30,7 @@ from agang._handle import Handle
 from agang._runtime.future import Future, finish
 from agang._runtime.threads import start_daemon
 from agang._weights.plan import Plan
-from agang._weights.relay import CLOSE, CONTROL_WORDS, DATA, server_shares
+from agang._weights.relay import ABORT, CLOSE, COMMIT, CONTROL_WORDS, DATA, server_shares
 from agang._weights.sharding import Layout
 
 _IN_FLIGHT = 2
@@ -109,10 +110,15 @@ class Relayed:
                 for handles in flying:
                     for handle in handles:
                         await handle
-                self.ready = version
             ack = torch.tensor([version], dtype=torch.int64, device=self._device)
             await lane.send(ack, 0, timeout=self._timeout)
-            self._tell()
+            await lane.recv(word, 0, timeout=self._timeout)  # the round's end (rule 1)
+            if int(word[0]) == COMMIT:
+                with self.staging:
+                    self.ready = version
+                self._tell()
+            elif int(word[0]) != ABORT:
+                raise GangError(f"rank 0 ended a round with an unknown word {int(word[0])}")
 
     def stop(self, seconds: float) -> None:
         """Ends the rounds: the lane is closed under them."""

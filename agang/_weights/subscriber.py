@@ -162,21 +162,17 @@ class WeightSubscriber:
             GangInitError: The store did not answer, or no publisher opened the channel,
                 before the deadline.
         """
+        if gang is not None:  # every check on every rank, agreed (rule 5)
+            return await cls._open_over(
+                over_gang.check_gang(gang), tensors, store, channel, name, timeout,
+                in_place, secret,
+            )  # fmt: skip
         host, port = checks.check_store(store)
         channel_name = checks.check_channel(channel)
         named = checks.check_name(name) or f"{socket.gethostname()}:{os.getpid()}"
         seconds = checks.check_deadline(timeout, default=60.0)
         in_place = checks.check_bool(in_place, name="in_place")
         key = checks.check_secret(secret)
-        if gang is not None:
-
-            def site_of(device: torch.device) -> Site:
-                return Site.of(store, host, port, channel_name, f"subscriber '{named}'", device)
-
-            return await cls._open_over(
-                over_gang.check_gang(gang), tensors, channel_name, named, seconds, in_place,
-                key, site_of,
-            )  # fmt: skip
         checked = checks.check_tensors(tensors)
         device = checks.device_of(checked)
         site = Site.of(store, host, port, channel_name, f"subscriber '{named}'", device)
@@ -212,12 +208,13 @@ class WeightSubscriber:
         cls,
         gang: Gang,
         tensors: object,
-        channel: str,
-        name: str,
-        seconds: float | None,
-        in_place: bool,
-        secret: bytes | None,
-        site_of: Callable[[torch.device], Site],
+        store: object,
+        channel: object,
+        name: object,
+        timeout: object,  # noqa: ASYNC109  # open's, checked here
+        in_place: object,
+        secret: object,
+        site_of: Callable[[torch.device], Site] | None = None,
     ) -> WeightSubscriber:
         """``open`` over a server's gang (rule 5): every rank checks its slices, rank 0
         finds the channel's plan and tells the others, every rank agrees on the verdict,
@@ -226,9 +223,25 @@ class WeightSubscriber:
         layouts: list[Any] = []
         local: dict[str, torch.Tensor] = {}
         site: Site | None = None
+        channel, name = str(channel), str(name)
+        seconds: float | None = 60.0
+        key: bytes | None = None
+        placed = False
         try:
+            host, port = checks.check_store(store)
+            channel = checks.check_channel(channel)
+            name = checks.check_name(name) or f"{socket.gethostname()}:{os.getpid()}"
+            seconds = checks.check_deadline(timeout, default=60.0)
+            placed = checks.check_bool(in_place, name="in_place")
+            key = checks.check_secret(secret)
             layouts, local = over_gang.layouts_of(tensors, gang)
-            site = site_of(checks.device_of(local))
+            device = checks.device_of(local)
+            who = f"subscriber '{name}'"
+            site = (
+                site_of(device)
+                if site_of is not None
+                else Site.of(str(store), host, port, channel, who, device)
+            )
         except (TypeError, ValueError) as error:
             refused = str(error)
         with anyio.move_on_after(60.0 if seconds is None else seconds) as waited:
@@ -239,11 +252,16 @@ class WeightSubscriber:
                 f"Not every rank of the gang '{gang.name}' opened subscriber '{name}' in "
                 f"time: `open` over a gang is a collective call."
             )
+        # The inputs first, agreed before rank 0 goes to the store (over_gang rule 1).
+        verdicts = await agree.all_gather_objects(refused, timeout=seconds)
+        for rank, verdict in enumerate(verdicts):
+            if verdict is not None:
+                raise ValueError(f"Rank {rank} of the gang '{agree.name}' was refused: {verdict}")
         said: list[Any] = [None, None]  # the plan's text, or why none came
         opened: tuple[Channel, Plan, float, threading.Event] | None = None
         if gang.rank == 0 and site is not None:
             try:
-                opened = await cls._find(channel, seconds, secret, site)
+                opened = await cls._find(channel, seconds, key, site)
                 said[0] = opened[1].to_text()
             except GangInitError as error:
                 said[1] = one_line(error)
@@ -261,7 +279,7 @@ class WeightSubscriber:
         assert site is not None
         assert said[0] is not None
         theirs = Plan.from_text(said[0])
-        staging = {k: v if in_place else torch.zeros_like(v) for k, v in local.items()}
+        staging = {k: v if placed else torch.zeros_like(v) for k, v in local.items()}
         staged = [
             dataclasses.replace(layout, local=staging[k])
             for k, layout in zip(local, layouts, strict=True)
@@ -274,14 +292,14 @@ class WeightSubscriber:
             made._version = made._returned = None
             made._closed = False
             relayed = Relayed(theirs, staged, relay_lane, name, seconds)
-            made._over = ServerRank(agree, relayed, staging, local, theirs.ties(), in_place, name)
+            made._over = ServerRank(agree, relayed, staging, local, theirs.ties(), placed, name)
             return made
         assert opened is not None
         found, _, deadline, given_up = opened
         relay = Relay(theirs, staged, relay_lane, gang.size)
-        made = cls(found, local, theirs, name, seconds, in_place, site.factory, site.connect, relay)
+        made = cls(found, local, theirs, name, seconds, placed, site.factory, site.connect, relay)
         made._over = ServerRank(
-            agree, made._service, staging, local, theirs.ties(), in_place, name, relay
+            agree, made._service, staging, local, theirs.ties(), placed, name, relay
         )
         await made._seen(deadline, given_up)
         return made

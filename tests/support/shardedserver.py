@@ -1,4 +1,4 @@
-"""A sharded server for the weights tests (``tests/gloo/test_weights_sharded_servers.py``):
+"""A sharded server for the weights tests (``tests/gloo/test_weights_tp_servers.py``):
 every rank of its gang holds its slices of ``tests/support/shardedtrainer.py``'s model as
 DTensors on its own mesh (rows, columns, and a tensor held whole), subscribes with
 ``gang=``, and checks each version it receives against the whole value. Run by

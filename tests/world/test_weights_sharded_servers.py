@@ -19,8 +19,11 @@ from weightsworld import Channel, agang_threads
 from agang import GangError, PushReport, Sharded
 from agang._gang import Gang
 from agang._weights import channel as channel_keys
-from agang._weights import fleet, upstream
+from agang._weights import fleet, over_gang, upstream
 from agang._weights.plan import FIRST_BUCKET_BYTES
+from agang._weights.relay import Relay
+from agang._weights.relayed import Relayed
+from agang._weights.sharding import Layout
 from agang._weights.subscriber import WeightSubscriber
 from agang.testing import FakeWorld
 
@@ -56,7 +59,7 @@ async def open_server(
 ) -> WeightSubscriber:
     """A sharded server's rank: every rank opens together (collective)."""
     opened = await WeightSubscriber._open_over(
-        gang, tensors, "c", "sharded", 10.0, in_place, None, lambda _: channel.site
+        gang, tensors, "127.0.0.1:1", "c", "sharded", 10.0, in_place, None, lambda _: channel.site
     )
     channel.opened.append(opened)
     return opened
@@ -283,3 +286,90 @@ async def test_a_whole_publishers_channel_refuses_a_sharded_server_on_every_rank
 
     said = await servers.run(rank)
     assert all("Rank 0" in s for s in said), said
+
+
+class _NoEpochGang:
+    """An epoch's gang whose broadcasts end at once (the bytes do not matter here)."""
+
+    def broadcast(self, tensor: torch.Tensor, root: int, timeout: float | None = None) -> Any:
+        return tensor
+
+
+async def test_a_relay_round_that_stops_part_way_ends_on_the_lane_and_the_next_one_goes_on() -> (
+    None
+):
+    """``relay`` rule 2: the publisher moves on after bucket 2 of 8 (a fleet's hiccup):
+    rank 0 still ends the round on the lane (zeros, then ``ABORT``), the other rank
+    marks no version ready, and the next round is whole on both."""
+    whole = torch.arange(4096, dtype=torch.float32).reshape(-1, 16)
+
+    async def rank(gang: Gang) -> tuple[Any, ...]:
+        mine = torch.chunk(whole, 2)[gang.rank].clone()
+        layouts = [Layout.of("w", Sharded(mine, 0, tuple(whole.shape)), gang.rank, 2)]
+        plan = over_gang.plan_of(["w"], layouts, 1024, "gloo")
+        lane = await gang.lane("relay")
+        if gang.rank == 1:
+            relayed = Relayed(plan, layouts, lane, "s", 10.0)
+            seen = []
+            for _ in range(200):  # bounded: the two rounds take milliseconds
+                seen.append(relayed.ready)
+                if relayed.ready == 2 or relayed.error is not None:
+                    break
+                await anyio.sleep(0.02)
+            error, ready = relayed.error, relayed.ready
+            relayed.stop(2.0)
+            return (error, 1 in seen, ready)
+        relay = Relay(plan, layouts, lane, 2)
+        bucket0 = torch.zeros(relay.first_bytes, dtype=torch.uint8)
+        looks = 0
+
+        async def moves_on_at_the_third(handles: list[Any]) -> str | None:
+            nonlocal looks
+            looks += 1
+            return "the publisher moved on" if looks == 3 else None
+
+        async def stays(handles: list[Any]) -> str | None:
+            return None
+
+        epoch = _NoEpochGang()
+        first = await relay.round(epoch, bucket0, 1, 1, moves_on_at_the_third, 10.0)  # type: ignore[arg-type]
+        second = await relay.round(epoch, bucket0, 2, 2, stays, 10.0)  # type: ignore[arg-type]
+        await anyio.sleep(0.5)
+        relay.close(False)
+        return (first, second, relay.broken)
+
+    (first, second, broken), (error, saw_one, ready) = await FakeWorld(2).run(rank)
+    assert first == "the publisher moved on"
+    assert second is None
+    assert broken is None
+    assert error is None
+    assert not saw_one  # the stopped round's version was never ready
+    assert ready == 2
+
+
+async def test_an_argument_refused_on_one_rank_is_refused_on_all_and_opens_stay_in_step() -> None:
+    """A sharded server's ``open`` checks every argument on every rank before its lanes
+    are made, and the ranks agree: a bad ``store`` on rank 1 alone is refused on both,
+    naming rank 1, and the next ``open`` of both ranks meets (here, to find no store)."""
+    whole = torch.zeros(8, 4)
+
+    async def rank(gang: Gang) -> list[str]:
+        tensors = {"w": Sharded(torch.chunk(whole, 2)[gang.rank].clone(), 0, (8, 4))}
+        said = []
+        for attempt in range(2):
+            store = "bad" if (gang.rank == 1 and attempt == 0) else "127.0.0.1:1"
+            try:
+                await WeightSubscriber.open(
+                    tensors, store=store, channel="c", timeout=1.0, gang=gang
+                )
+                said.append("opened")
+            except (ValueError, GangError) as error:
+                said.append(f"{type(error).__name__}: {error}")
+        return said
+
+    with anyio.fail_after(30):
+        (first0, second0), (first1, second1) = await FakeWorld(2).run(rank)
+    assert first0 == first1, (first0, first1)
+    assert first0.startswith("ValueError: Rank 1 of the gang"), first0
+    assert "`store`" in first0, first0
+    assert second0.split(":")[0] == second1.split(":")[0] == "GangInitError", (second0, second1)
