@@ -6,17 +6,20 @@ gang's ``agree`` lane.
 Rules:
 1. *All or nothing per version.* ``receive`` is collective: the ranks exchange the
    version each holds whole (the highest and the lowest, in one all-reduce); where
-   every rank holds the same new one, each copies its staging into its tensors under
-   its staging lock, and the ranks agree that every copy was made (a rank whose
-   staging moved on meanwhile says no, and all ask again). A version is returned only
-   where every rank holds it.
+   every rank holds the same new one, the ranks vote, each holding its staging lock
+   (a rank whose staging is being written, or moved on, says no, and all ask again),
+   and only on every rank's yes does each copy its staging into its tensors, under
+   that lock. A version is returned only where every rank holds it, and the tensors
+   never hold different versions across the ranks.
 2. *In step when cancelled.* The exchange's op, once issued, is kept until it ended: a
    ``receive`` cancelled or timed out while it waited for the other ranks leaves it
-   for the next ``receive`` to take up. The copy and the agreement that follows run
-   shielded and bounded (every rank is there by then).
+   for the next ``receive`` to take up. The vote and the copy run shielded and bounded
+   (every rank is there by then).
 3. *A rank that fails* (its rounds ended with an error: a rank lost, the publisher
-   gone) closes the agree lane, so that every other rank's ``receive`` raises too; its
-   own raises its rounds' error, the others theirs or the lane's, naming the failure.
+   gone or closed) closes the agree lane, so that every other rank's ``receive`` raises
+   too; its own raises its rounds' error (a normal close stays a ``GangClosedError``),
+   the others theirs or the lane's, naming the failure. A wait for the other ranks
+   looks at its own rounds every ``_LOOK`` seconds.
 """
 
 from __future__ import annotations
@@ -39,8 +42,10 @@ from agang._weights.relay import Relay
 from agang._weights.relayed import Relayed
 from agang._weights.service import Service
 
-#: The bound of the agreement after a copy (rule 2): every rank is there already.
+#: The bound of the agreement before a copy (rule 2): every rank is there already.
 AGREE_SECONDS = 30.0
+#: How often a wait for the other ranks looks at this rank's own rounds (rule 3).
+_LOOK = 0.1
 
 
 @dataclasses.dataclass
@@ -96,10 +101,17 @@ class ServerRank:
             if self.asking is not None:
                 word, asked = self.asking
                 try:
-                    with anyio.fail_after(max(0.0, min(deadline - time.monotonic(), 86400.0))):
-                        await asked  # cancelled or timed out: the next call takes it up
-                except TimeoutError:
-                    raise TimeoutError(timed_out()) from None
+                    # Cancelled or timed out: the next call takes it up (rule 2); this
+                    # rank's own rounds ending meanwhile end the wait (rule 3).
+                    while not asked.done():
+                        left = deadline - time.monotonic()
+                        if left <= 0:
+                            raise TimeoutError(timed_out())
+                        with anyio.move_on_after(min(left, _LOOK)):
+                            await asked
+                        if not asked.done() and self.source.error is not None:
+                            raise self._lost(None)
+                    await asked
                 except GangError as failed:
                     self.asking = None
                     raise self._lost(failed) from failed
@@ -117,14 +129,21 @@ class ServerRank:
         raise AssertionError("unreachable")
 
     async def _take(self, version: int) -> bool:
-        """Copies ``version`` into the tensors where staging still holds it, and agrees
-        with the other ranks that every one did (rule 1)."""
+        """Agrees with the other ranks that every one's staging holds ``version``, then
+        copies it into the tensors; a rank whose staging is being written says no, and
+        none copies (rule 1). Each holds its staging lock from its vote to its copy."""
         source = self.source
+        held = source.staging.acquire(blocking=False)  # a round under way: no
+        try:
+            word = self._word([1 if held and source.ready == version else 0])
+            try:
+                await self.agree.all_reduce(word, ReduceOp.MIN, timeout=AGREE_SECONDS)
+            except GangError as failed:
+                raise self._lost(failed) from failed
+            if int(word[0]) != 1:
+                return False
 
-        def take() -> bool:
-            with source.staging:
-                if source.ready != version:
-                    return False
+            def take() -> None:
                 if not self.in_place:
                     for name, staged in self.staging.items():
                         if staged.numel():
@@ -135,25 +154,25 @@ class ServerRank:
                     if into.numel() and into.data_ptr() != came.data_ptr():
                         copy_bytes(as_bytes(into), as_bytes(came))
                 source.taken = version
-                return True
 
-        took = await run_blocking(take, name="weights: receive", seconds=None)
-        word = self._word([1 if took else 0])
-        try:
-            await self.agree.all_reduce(word, ReduceOp.MIN, timeout=AGREE_SECONDS)
-        except GangError as failed:
-            raise self._lost(failed) from failed
-        return int(word[0]) == 1
+            await run_blocking(take, name="weights: receive", seconds=None)
+            return True
+        finally:
+            if held:
+                source.staging.release()
 
-    def _lost(self, failed: GangError) -> GangError:
-        """Why ``receive`` failed on the agree lane (rule 3)."""
+    def _lost(self, failed: GangError | None) -> GangError:
+        """Why ``receive`` failed (rule 3): this rank's rounds' error, keeping its kind
+        (a normal close stays a ``GangClosedError``), else the agree lane's."""
         self.agree.close_sync()
         error = self.source.error
         if error is not None:
-            return GangError(str(error))
+            kind = GangClosedError if isinstance(error, GangClosedError) else GangError
+            return kind(str(error))
         return GangError(
             f"Subscriber '{self.name}': a rank of its server's gang failed or was lost, "
-            f"so no version is whole on every rank: {one_line(failed)}"
+            f"so no version is whole on every rank: "
+            f"{'its lane was closed' if failed is None else one_line(failed)}"
         )
 
     def stop(self) -> None:
