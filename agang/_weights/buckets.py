@@ -68,6 +68,21 @@ def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.reshape(-1).view(torch.uint8)
 
 
+def copy_views(into: torch.Tensor, came: torch.Tensor) -> None:
+    """Copies ``came`` into ``into`` (equal shapes, either may be strided) on this thread
+    alone (rule 4): as bytes where both are contiguous, else in runs of whole rows of at
+    most ``GRAIN`` elements (a sharded side's strided shares)."""
+    if came.numel() == 0:
+        return
+    if into.is_contiguous() and came.is_contiguous():
+        copy_bytes(as_bytes(into), as_bytes(came))
+        return
+    step = max(1, GRAIN // max(1, came[0].numel()))
+    for start in range(0, came.shape[0], step):
+        length = min(step, came.shape[0] - start)
+        into.narrow(0, start, length).copy_(came.narrow(0, start, length))
+
+
 class Buckets:
     """The buffers of ``plan``'s buckets over ``tensors`` (rules 1, 2)."""
 

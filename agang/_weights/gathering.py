@@ -52,7 +52,7 @@ from agang._gang import Gang
 from agang._handle import Handle
 from agang._runtime.threads import start_daemon
 from agang._weights.blocking import bound
-from agang._weights.buckets import as_bytes, copy_bytes
+from agang._weights.buckets import as_bytes, copy_views
 from agang._weights.plan import ALIGN, HEADER_BYTES, HEADER_WORDS, Plan
 from agang._weights.sharding import Layout
 
@@ -68,8 +68,6 @@ CANCEL_GRACE = 1.0
 GRACE_BYTES_PER_SECOND = 200e6
 #: The bound of the push's last words on the lane (rule 2): the others wait for them.
 END_SECONDS = 30.0
-#: Elements a strided copy moves at a time, on the calling thread (``buckets`` rule 4).
-_GRAIN = 32768
 
 #: Per share of a bucket: (rank, its place in the bucket's rows, and where that rank is
 #: ``me``, the local rows it is; else None) (``agang._weights.sharding`` rule 3).
@@ -244,14 +242,14 @@ class Gathering:
             seconds = bound(deadline, 0.001)
             self._receiving = [self._lane.exchange(recvs=pairs, timeout=seconds)] if pairs else []
             for into, came in own:
-                _copy(into, came)
+                copy_views(into, came)
         await self.settle()  # the round's word, posted before these receives
         for handle in self._receiving:
             await self._op(handle)
         self._receiving = None
         for _, landing, place in receives:
             if place is not None:
-                _copy(place, landing)
+                copy_views(place, landing)
         self._open_round = index + 1 if index + 1 < self.count else None
         return self.wire(index)
 
@@ -323,16 +321,3 @@ class Gathering:
         if self.broken is None:
             self.broken = why
         start_daemon(self._lane.close_sync, name="agang: weights: close the trainer lane")
-
-
-def _copy(into: torch.Tensor, came: torch.Tensor) -> None:
-    """Copies ``came`` into ``into`` (equal shapes) on this thread alone
-    (``agang._weights.buckets`` rule 4)."""
-    if into.is_contiguous() and came.is_contiguous():
-        copy_bytes(as_bytes(into), as_bytes(came))
-        return
-    row = max(1, came[0].numel()) if came.dim() else 1
-    step = max(1, _GRAIN // row)
-    for start in range(0, came.shape[0], step):
-        length = min(step, came.shape[0] - start)
-        into.narrow(0, start, length).copy_(came.narrow(0, start, length))

@@ -49,7 +49,7 @@ from agang._errors import GangError, one_line
 from agang._gang import Gang
 from agang._handle import Handle
 from agang._runtime.threads import start_daemon
-from agang._weights.buckets import as_bytes, copy_bytes
+from agang._weights.buckets import copy_views
 from agang._weights.plan import Plan
 from agang._weights.sharding import Layout
 
@@ -66,8 +66,6 @@ RING = 2
 #: ``RELAY_BYTES_PER_SECOND``, at most the subscriber's timeout.
 RELAY_SECONDS = 2.0
 RELAY_BYTES_PER_SECOND = 100e6
-#: Elements a strided copy moves at a time, on the calling thread.
-_GRAIN = 32768
 
 #: A bucket's own copies (into staging, from the bucket), and its sends (rank, what is
 #: sent, the strided place packed into it first, or None).
@@ -256,11 +254,11 @@ class Relay:
         one rank at a time: an op may not read memory another op still holds."""
         own, sends = cut
         for into, came in own:
-            _copy(into, came)
+            copy_views(into, came)
         flying: dict[tuple[int, int], tuple[int, Handle[None]]] = {}
         for rank, what, place in sends:
             if place is not None:
-                _copy(what, place)
+                copy_views(what, place)
             key = (what.data_ptr(), what.numel())
             if key in flying:
                 before, sending = flying.pop(key)
@@ -300,18 +298,3 @@ class Relay:
                 with contextlib.suppress(Exception):
                     handle.wait(2.0)
         self._lane.close_sync()
-
-
-def _copy(into: torch.Tensor, came: torch.Tensor) -> None:
-    """Copies ``came`` into ``into`` (equal shapes) on this thread alone
-    (``agang._weights.buckets`` rule 4)."""
-    if came.numel() == 0:
-        return
-    if into.is_contiguous() and came.is_contiguous():
-        copy_bytes(as_bytes(into), as_bytes(came))
-        return
-    row = max(1, came[0].numel()) if came.dim() else 1
-    step = max(1, _GRAIN // row)
-    for start in range(0, came.shape[0], step):
-        length = min(step, came.shape[0] - start)
-        into.narrow(0, start, length).copy_(came.narrow(0, start, length))
