@@ -20,8 +20,9 @@ Rules:
    across the push) is not taken, so the version held stays whole.
 3. *Membership.* The service registers, waits for an epoch that lists it, checks in,
    and makes the group once the publisher says go. ``REFORM`` moves it to the epoch
-   named. A failed epoch's group is closed on a thread of its own once the next one is
-   made: its close can take seconds, and the next epoch's first round must not wait.
+   named. A failed epoch's group is closed at once, on a thread of its own: its close
+   can take seconds, and the next epoch's first round must not wait; and a member that
+   waits on this one in Gloo's broadcast tree sees its round end.
    Its group failing, it looks at the store for what happened: a newer epoch
    that lists it (it goes on there), a drop (it registers again, to be admitted at a
    later push; a drop because another subscriber of its name replaced it ends it), or
@@ -441,11 +442,12 @@ class Service:
         return bucket0[: HEADER_WORDS * 8].view(torch.int64)
 
     def _close_old(self) -> None:
-        """Closes the failed epoch's gang on a thread of its own (rule 3). Its close can
-        take seconds (Gloo's destructor waits for an aborted op that no closed pair
-        ended), while the publisher gives this epoch's first round only what is left of
-        its recovery bound: a survivor that waited for it here was dropped. Its idle
-        wait may still hold bucket 0's buffer, so this epoch takes a new one."""
+        """Closes the failed epoch's gang on a thread of its own, as it failed (rule 3).
+        Its close can take seconds (Gloo's destructor waits for an aborted op that no
+        closed pair ended), while the publisher gives the next epoch's first round only
+        what is left of its recovery bound: a survivor that waited for it was dropped.
+        Its idle wait may still hold bucket 0's buffer, so the next epoch takes a new
+        one."""
         closing, self._closing = self._closing, None
         if closing is None:
             return
@@ -490,9 +492,14 @@ class Service:
 
     async def _after_failure(self, epoch: int, error: str) -> int | None:
         """Rule 3: what happened to ``epoch``, from the store; the epoch to look at next."""
-        # Closed once this subscriber made the next epoch's group (``_serve``): closing
-        # may wait up to 2 s for the aborted ops' ends, which the others must not wait for.
-        self._closing, self._gang = self._gang, None
+        # Closed now, on a thread of its own (closing may wait up to 2 s for the aborted
+        # ops' ends, which the others must not wait for): a member behind this one in
+        # Gloo's broadcast tree waits on this one's connections, not the publisher's,
+        # and must see the round end too, or the publisher takes it for stalled
+        # (``agang._weights.admission`` rule 3).
+        if self._gang is not None:
+            self._closing, self._gang = self._gang, None
+            self._close_old()
         self._say(f"lost epoch {epoch}'s group ({error}); looking for the next epoch")
         give_up_at = self._deadline()
         while not self._stopping.is_set():
