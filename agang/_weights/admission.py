@@ -18,11 +18,26 @@ Rules:
    so that the members are not dropped for the time it took. Every step is bounded.
 3. *After a failed round* (``agang._weights.publisher`` rule 3). The news first: a
    member that closed since the last beat is not blamed, and one a death notice named
-   is dropped with the watcher's why, not asked. The others that did not confirm are
-   asked where they stand (blame, ``agang._weights.channel`` rule 5); those that do not
-   answer, and on the second failure all of them, are dropped, with why, and the rest
-   move to a new epoch, within ``RECOVERY_SECONDS`` (plus the time the bytes take at
-   ``RECOVERY_BYTES_PER_SECOND``) after the failure.
+   is dropped with the watcher's why, not asked. The others that did not confirm (in
+   either round of the push) are asked where they stand (blame,
+   ``agang._weights.channel`` rule 5); those that do not answer, and on the second
+   failure all of them, are dropped, with why, and the rest move to a new epoch, within
+   ``RECOVERY_SECONDS`` (plus the time the bytes take at ``RECOVERY_BYTES_PER_SECOND``)
+   after the failure.
+   *Stalled.* One failed round does not say whose the failure was: a round is the
+   members' collective, so one member that does not take its buckets (stalled, while
+   its process answers) holds every other one's round up too, and none confirms. So,
+   where the epochs' transport ends every peer's ops when the publisher ends the
+   group (Gloo: ``agang._setup.epoch_gang`` rule 1), a member whose answer says that
+   its rounds still wait in the failed epoch's group (``channel.still_in_group``) is
+   asked again until ``NOTICE_SECONDS`` after the failure: one that still does is
+   stalled, and dropped, with why, at the first failure, so that the round runs again
+   without it, and the others take the version within the bound. Without that test a
+   stalled member that answered was kept for the second round, which it failed again,
+   and every healthy member with it (all dropped, "failed twice"). A member behind the
+   stalled one in Gloo's broadcast tree waits on it, not on the publisher, and is
+   dropped with it; the next push admits it again. On NCCL a peer's kernels wait after
+   the publisher's abort, so no member is judged so there.
 4. *Cancellation* (``agang._weights.publisher`` rule 6). The state is whole at every
    await, so a push cancelled anywhere leaves members, an epoch and a gang (or None:
    the next push reforms) that the next push goes on from; the joiners it took are
@@ -43,7 +58,7 @@ from agang._gang import Gang
 from agang._membership.gangs import GangFactory
 from agang._membership.member import Member
 from agang._weights.blocking import STEP_SECONDS, StoreTrouble, blocking, bound, store_trouble
-from agang._weights.channel import Channel
+from agang._weights.channel import Channel, still_in_group
 from agang._weights.epoch import gang_name
 from agang._weights.fleet import Fleet
 from agang._weights.housekeeping import Housekeeping
@@ -56,6 +71,10 @@ from agang._weights.housekeeping import Housekeeping
 RECOVERY_SECONDS = 2.0
 RECOVERY_BYTES_PER_SECOND = 200e6
 CHECK_IN_SECONDS = 2.0
+#: How long after a failure a member's rounds may still wait in the failed epoch's
+#: group, the publisher having ended it, before the member is judged stalled (rule 3):
+#: a healthy one's ops end within milliseconds of the abort, its loop's wake-up after.
+NOTICE_SECONDS = 0.5
 _POLL = 0.01
 _NO_ANSWER = "no answer (dead, stopped, or cut off from the store)"
 
@@ -74,6 +93,8 @@ class Admission:
         nbytes: The bytes a round moves (the recovery's bound grows with them).
         leave: The publisher's: tells the current gang ``REFORM`` at a version, and
             closes it (rule 1).
+        aborts_seen: Whether the epochs' peers see the publisher end a group (their
+            ops end: Gloo), so that a member still in it is stalled (rule 3).
     """
 
     def __init__(
@@ -86,6 +107,7 @@ class Admission:
         op_timeout: float | None,
         nbytes: int,
         leave: Callable[[int], Awaitable[None]],
+        aborts_seen: bool,
     ) -> None:
         self._channel = channel
         self._fleet = fleet
@@ -95,6 +117,7 @@ class Admission:
         self._op_timeout = op_timeout
         self._nbytes = nbytes
         self._leave = leave
+        self._aborts_seen = aborts_seen
         self._members: list[Member] = []  # the current epoch's subscribers, by rank - 1
         self._gang: Gang | None = None  # None with members: the next push reforms
         self._epoch = -1
@@ -193,10 +216,11 @@ class Admission:
         self, version: int, acked: set[str], failure: BaseException, last: bool
     ) -> float:
         """After a round of ``version`` that failed with ``failure`` (rule 3): drops the
-        members that did not confirm (``acked``: the uids that did) and do not answer,
-        or all of them on the ``last`` try, and moves the rest to a new epoch; returns
-        the next round's deadline."""
+        members that did not confirm (``acked``: the uids that did, in either round) and
+        do not answer, or are stalled, or all of them on the ``last`` try, and moves the
+        rest to a new epoch; returns the next round's deadline."""
         recovery = self.recovery_bound(time.monotonic())
+        noticed_by = time.monotonic() + NOTICE_SECONDS
         # The news first: a member that closed since the last beat is not blamed.
         await self._blocking(self._fleet.look_now, bound(recovery), "reading the news")
         seen = self._fleet.take()
@@ -210,7 +234,7 @@ class Admission:
                 self._unreported[member.name] = seen.dead[member.uid]
         missing = [m for m in kept if m.uid not in acked]
         answers = await self._blocking(
-            functools.partial(self._channel.ask, [m.uid for m in missing]),
+            functools.partial(self._ask, [m.uid for m in missing], noticed_by),
             bound(recovery),
             "asking the subscribers",
         )
@@ -218,8 +242,18 @@ class Admission:
         why_of = {}
         for member in missing:
             answer = answers.get(member.uid)
-            if answer is None or last:
-                said = _NO_ANSWER if answer is None else f"failed twice; it says: {answer}"
+            stalled = answer is not None and self._stalled(answer)
+            if answer is None or stalled or last:
+                if answer is None:
+                    said = _NO_ANSWER
+                elif stalled:
+                    said = (
+                        f"stalled: its round still waited in epoch {self._epoch}'s group "
+                        f"{NOTICE_SECONDS:g} s after the publisher ended it (its receive "
+                        f"side stopped or too slow); it says: {answer}"
+                    )
+                else:
+                    said = f"failed twice; it says: {answer}"
                 why = f"{said}; version {version}'s round failed: {error}"
                 self._unreported[member.name] = why
                 why_of[member.uid] = why
@@ -235,6 +269,23 @@ class Admission:
 
     def _blocking(self, fn: Callable[[], Any], seconds: float, what: str) -> Any:
         return blocking(fn, seconds, what=what, store=self._channel.address)
+
+    def _stalled(self, answer: str) -> bool:
+        """Whether ``answer`` says its rounds still wait in the failed epoch's group,
+        which the publisher ended (rule 3)."""
+        return self._aborts_seen and still_in_group(answer, self._epoch)
+
+    def _ask(self, uids: list[str], until: float) -> dict[str, str | None]:
+        """Each of ``uids``' answer, None for one that gave none; one whose rounds still
+        wait in the failed epoch's group is asked again until it says it left, or until
+        ``until`` (rule 3; blocking)."""
+        answers = self._channel.ask(uids)
+        while True:
+            waiting = [uid for uid, a in answers.items() if a is not None and self._stalled(a)]
+            if not waiting or time.monotonic() >= until:
+                return answers
+            time.sleep(_POLL * 5)
+            answers.update(self._channel.ask(waiting))
 
     def _drop_all(self, why_of: dict[str, str]) -> None:
         """Drops each uid of ``why_of``, telling it why (blocking)."""

@@ -30,7 +30,10 @@ Rules:
    on a mailbox under ``sub/<uid>/``, with no traffic until asked: a
    ``weights_status`` question asks where its side of the rounds stands. No answer
    within ``ASK_SECONDS``: dead, stopped, or cut off from the store. Late answers are
-   deleted as they come (the questions' rule 3).
+   deleted as they come (the questions' rule 3). While its rounds wait in an epoch's
+   group, the answer says so first (``in_group``), so that the publisher can tell one
+   whose round still waits in a group it ended (``still_in_group``: its receive side
+   stalled) from one that saw the group end (``agang._weights.admission`` rule 3).
 6. *Nothing grows with the channel's age* (``agang._weights.housekeeping``): what
    stays is a session's handful of fixed keys (plan, publisher, beat, counts, epoch,
    closed), which its subscribers read to learn that the publisher closed or was
@@ -411,6 +414,16 @@ class Channel:
         """Deletes the late answers that have come to questions not answered in time
         (rule 5)."""
         self._asker.sweep()
+
+
+def in_group(epoch: int, doing: str) -> str:
+    """A subscriber's status while its rounds wait in ``epoch``'s group (rule 5)."""
+    return f"in epoch {epoch}'s group, {doing}"
+
+
+def still_in_group(answer: str, epoch: int) -> bool:
+    """Whether a status ``answer`` says its rounds still wait in ``epoch``'s group."""
+    return answer.startswith(f"in epoch {epoch}'s group, ")
 
 
 def _digest(members: list[Member]) -> str:

@@ -12,14 +12,15 @@ Rules:
    (its version and epoch, sent to rank 0). The whole round has the push's deadline.
 3. *Recovery.* A round that fails (a deadline: the gang aborts; a lost connection)
    leaves the subscribers that confirmed delivered; the others are asked where they
-   stand (``agang._weights.admission`` rule 3). Those that do not answer are dropped,
-   with why; the rest move to a new epoch without them and the round runs again
-   there, once, within ``RECOVERY_SECONDS`` (plus the time the bytes take at
-   ``RECOVERY_BYTES_PER_SECOND``; both admission's) after the failure; a bucket that
-   an op of the failed round still holds (``Gang.holds``) moves in a new buffer
-   (``agang._weights.buckets`` rule 6). A member that fails the second round too is
-   dropped. So a push returns within its deadline plus that bound, and never raises
-   for a lost server.
+   stand (``agang._weights.admission`` rule 3). Those that do not answer, or whose
+   rounds still wait in the failed round's group after the publisher ended it (stalled:
+   they held the others' round up), are dropped, with why; the rest move to a new epoch
+   without them and the round runs again there, once, within ``RECOVERY_SECONDS``
+   (plus the time the bytes take at ``RECOVERY_BYTES_PER_SECOND``; both admission's)
+   after the failure; a bucket that an op of the failed round still holds
+   (``Gang.holds``) moves in a new buffer (``agang._weights.buckets`` rule 6). A member
+   that fails the second round too, having confirmed neither, is dropped. So a push
+   returns within its deadline plus that bound, and never raises for a lost server.
 4. *Check-ins are bounded* (``agang._weights.admission`` rule 2): a member that does
    not come to make a new epoch's gang is dropped, within the recovery's bound.
 5. *One publisher per channel: the newest fences the others.* ``open`` takes the
@@ -159,6 +160,7 @@ class WeightPublisher:
             timeout,
             plan.nbytes,
             functools.partial(self._leave_epoch, REFORM),
+            aborts_seen=plan.transport == "gloo",
         )
         # Death notices (rule 8) come to a mailbox of the publisher's own.
         self._listening = deaths.Listening(
@@ -555,7 +557,7 @@ class WeightPublisher:
             delivered |= acked
             if failure is None:
                 return delivered
-            deadline = await self._admission.recover(version, acked, failure, last=attempt == 1)
+            deadline = await self._admission.recover(version, delivered, failure, last=attempt == 1)
         return delivered
 
     async def _round(self, version: int, deadline: float) -> tuple[set[str], BaseException | None]:

@@ -78,7 +78,7 @@ from agang._membership.member import Member
 from agang._runtime.future import Future, finish
 from agang._runtime.threads import start_daemon
 from agang._weights.buckets import Buckets, copy_bytes
-from agang._weights.channel import Channel, closed_by_fence
+from agang._weights.channel import Channel, closed_by_fence, in_group
 from agang._weights.epoch import CLOSE, DATA, REFORM, gang_name
 from agang._weights.plan import HEADER_WORDS
 from agang._weights.relay import Relay
@@ -289,7 +289,7 @@ class Service:
         assert gang is not None
         confirming: Any = None  # the last version's confirmation, sent, maybe not done
         while not self._stopping.is_set():
-            self._say(f"waiting for a round of epoch {epoch} (holds version {self.ready})")
+            self._say(in_group(epoch, f"waiting for a round (holds version {self.ready})"))
             # The next round's bucket 0 is posted before the last confirmation is seen
             # through: a publisher that took it starts the next push at once, and the
             # round must not wait for this side's loop to learn that a send ended.
@@ -320,7 +320,7 @@ class Service:
                 return await self._after_failure(
                     epoch, f"the publisher moved on from epoch {epoch} before its round came"
                 )
-            self._say(f"receiving version {version} in epoch {epoch}")
+            self._say(in_group(epoch, f"receiving version {version}"))
             if self.relay is not None:  # rule 7
                 with self.staging:
                     self.ready = None
@@ -347,7 +347,7 @@ class Service:
                     confirming = gang.send(ack, 0, timeout=self.timeout or math.inf)
                 except GangError as error:
                     return await self._after_failure(epoch, one_line(error))
-                self._say(f"holds version {version} in epoch {epoch}")
+                self._say(in_group(epoch, f"holds version {version}"))
                 self._tell()
                 continue
             buckets = self.buckets
@@ -383,7 +383,7 @@ class Service:
                     confirming = gang.send(ack, 0, timeout=self.timeout or math.inf)
                 except GangError as error:
                     return await self._after_failure(epoch, one_line(error))
-            self._say(f"holds version {version} in epoch {epoch}")
+            self._say(in_group(epoch, f"holds version {version}"))
             self._tell()
         if confirming is not None:  # stopping: the last confirmation goes out first
             await self._confirmed(confirming, epoch)
