@@ -144,6 +144,7 @@ class WeightPublisher:
         self._connect = connect  # a new client of the store, by a deadline
         self._abandoned: list[Gang] = []  # failed epochs' gangs, whose ops may hold buckets
         self._in_flight: list[Handle[Any]] = []  # the round under way's ops (rule 6)
+        self._in_round = False  # a round is under way, its ops issued or not (rule 8)
         self._keeping = Housekeeping(channel, factory.rendezvous_keys)
         self._last: int | None = None
         self._busy = False
@@ -500,9 +501,11 @@ class WeightPublisher:
     def _member_died(self) -> None:
         """A death notice named a member (rule 8), on the listener's thread: a round
         under way, which waits on it, is ended now (its gang closed on a thread), so
-        that the push drops it and goes on with the others without its deadline."""
+        that the push drops it and goes on with the others without its deadline. Under
+        way from its first bucket on: a gathering round (rule 9) waits for a bucket's
+        broadcast before it issues the next, so its ops are not all in flight yet."""
         gang = self._admission.gang
-        if gang is not None and self._in_flight:
+        if gang is not None and (self._in_flight or self._in_round):
             start_daemon(gang.close_sync, name=f"agang: weights: end round of '{gang.name}'")
 
     def _blocking(self, fn: Callable[[], Any], seconds: float, what: str) -> Any:
@@ -562,9 +565,23 @@ class WeightPublisher:
 
     async def _round(self, version: int, deadline: float) -> tuple[set[str], BaseException | None]:
         """Rule 2: the subscribers (uids) that confirmed ``version``, and the first failure."""
+        self._in_round = True  # a death notice ends it from now on (rule 8)
+        try:
+            return await self._round_under_way(version, deadline)
+        finally:
+            self._in_round = False
+
+    async def _round_under_way(
+        self, version: int, deadline: float
+    ) -> tuple[set[str], BaseException | None]:
+        """``_round``'s body."""
         gang = self._admission.gang
         assert gang is not None
         members, epoch = self._admission.members, self._admission.epoch
+        if self._fleet.any_dead(members):
+            # A notice heard after this push's sighting, before the round was under way:
+            # ``_member_died`` found none to end then, so this round ends here (rule 8).
+            self._member_died()
         self._renew_held()
         header = torch.tensor([DATA, version, epoch, 0])
         handles: list[Handle[Any]] = []
@@ -607,10 +624,6 @@ class WeightPublisher:
         # before it is awaited costs no wake-up of the loop (one a push, not one an op).
         # Cancelled here, the push's abandon lets them end, or closes the gang (rule 6).
         self._in_flight = handles
-        if self._fleet.any_dead(members):
-            # A notice heard after this push's sighting, before its ops were in flight:
-            # ``_member_died`` found none to end then, so this round ends here (rule 8).
-            self._member_died()
         errors: dict[int, GangError] = {}
         for index in reversed(range(len(handles))):
             try:
