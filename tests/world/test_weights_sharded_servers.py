@@ -7,7 +7,8 @@ channel of ``tests/support/weightsworld.py``. The same over real processes:
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import math
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -16,10 +17,10 @@ import torch
 from test_weights_sharded import full, open_trainer, shards, write
 from weightsworld import Channel, agang_threads
 
-from agang import GangError, PushReport, Sharded
+from agang import GangError, GangInitError, PushReport, Sharded
 from agang._gang import Gang
 from agang._weights import channel as channel_keys
-from agang._weights import fleet, over_gang, upstream
+from agang._weights import fleet, over_gang, subscriber, upstream
 from agang._weights.plan import FIRST_BUCKET_BYTES
 from agang._weights.relay import Relay
 from agang._weights.relayed import Relayed
@@ -55,11 +56,16 @@ async def channel() -> AsyncIterator[Channel]:
 
 
 async def open_server(
-    channel: Channel, gang: Gang, tensors: dict[str, Any], in_place: bool = False
+    channel: Channel,
+    gang: Gang,
+    tensors: dict[str, Any],
+    in_place: bool = False,
+    name: str | None = "sharded",
+    timeout: float = 10.0,  # noqa: ASYNC109
 ) -> WeightSubscriber:
     """A sharded server's rank: every rank opens together (collective)."""
     opened = await WeightSubscriber._open_over(
-        gang, tensors, "127.0.0.1:1", "c", "sharded", 10.0, in_place, None, lambda _: channel.site
+        gang, tensors, "127.0.0.1:1", "c", name, timeout, in_place, None, lambda _: channel.site
     )
     channel.opened.append(opened)
     return opened
@@ -373,3 +379,123 @@ async def test_an_argument_refused_on_one_rank_is_refused_on_all_and_opens_stay_
     assert first0.startswith("ValueError: Rank 1 of the gang"), first0
     assert "`store`" in first0, first0
     assert second0.split(":")[0] == second1.split(":")[0] == "GangInitError", (second0, second1)
+
+
+# --- A sharded server's open ends the same on every rank (subscriber rule 6) ----------
+
+
+async def _open_beside_a_trainer(
+    channel: Channel,
+    server: Callable[[Gang], Awaitable[Any]],
+    trainer_after: float = 0.0,
+) -> tuple[list[Any], list[Any]]:
+    """``server(gang)`` on each rank of a 2-rank server gang, beside a 2-rank sharded
+    trainer that opens ``trainer_after`` seconds later; (the servers', the trainers')."""
+    trainers, servers = FakeWorld(2), FakeWorld(2)
+    tensors = [shards(rank, 2, 0) for rank in range(2)]
+    said: list[Any] = []
+
+    async def open_servers() -> None:
+        said.extend(await servers.run(server))
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(open_servers)
+        await anyio.sleep(trainer_after)
+        publishers = await trainers.run(
+            lambda gang: open_trainer(channel, gang, tensors[gang.rank])
+        )
+    return said, publishers
+
+
+def _held() -> list[dict[str, Any]]:
+    return [{k: _zeroed(v) for k, v in shards(rank, 2, 0).items()} for rank in range(2)]
+
+
+async def test_rank_0_failing_to_join_the_channel_fails_every_ranks_open_naming_it(
+    channel: Channel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 0 found the plan and the ranks agreed on it, then the store refused its
+    registration: rank 1's ``open`` raises the same error, naming rank 0 and why (it
+    returned a subscriber whose ``receive`` waited for rounds that never came), and no
+    thread of either rank stays behind (the fixture)."""
+
+    def refuse(self: Any, member: Any) -> int:
+        raise GangError("the store refused the registration")
+
+    monkeypatch.setattr(channel_keys.Channel, "register", refuse)
+    held = _held()
+
+    async def server(gang: Gang) -> str:
+        try:
+            opened = await open_server(channel, gang, held[gang.rank])
+        except GangInitError as error:
+            return str(error)
+        await opened.close()
+        return "opened"
+
+    with anyio.fail_after(30):
+        said, _ = await _open_beside_a_trainer(channel, server)
+    assert said[0] == said[1], said
+    assert said[0].startswith("Server rank 0 of the gang"), said[0]
+    assert "the store refused the registration" in said[0], said[0]
+
+
+async def test_with_no_timeout_the_other_ranks_wait_for_rank_0_as_long_as_it_takes(
+    channel: Channel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``timeout=math.inf``: rank 0 waits for the publisher with no bound, and so does
+    rank 1 for rank 0 (it waited ``following_bound``, 150 s, then failed alone while
+    rank 0 went on); here that bound is made 0.3 s, and the publisher comes after 1 s."""
+    monkeypatch.setattr(over_gang, "following_bound", lambda seconds: 0.3)
+    held = _held()
+
+    async def server(gang: Gang) -> WeightSubscriber:
+        return await open_server(channel, gang, held[gang.rank], timeout=math.inf)
+
+    with anyio.fail_after(30):
+        servers, publishers = await _open_beside_a_trainer(channel, server, trainer_after=1.0)
+    reports = await FakeWorld(2).run(lambda gang: publishers[gang.rank].push(1, timeout=5.0))
+    assert reports[0].delivered == ("sharded",), reports[0]
+    got = await FakeWorld(2).run(lambda gang: servers[gang.rank].receive(timeout=PATIENCE))
+    assert got == [1, 1]
+
+
+async def test_rank_0_that_gives_up_its_open_ends_the_others_wait_with_no_timeout(
+    channel: Channel,
+) -> None:
+    """``timeout=math.inf`` and no publisher: rank 0's ``open`` is cancelled (it would
+    wait for ever); it tells rank 1, whose ``open`` raises at once, naming rank 0 (it
+    waited 150 s)."""
+    held = _held()
+
+    async def server(gang: Gang) -> str:
+        try:
+            with anyio.move_on_after(0.5 if gang.rank == 0 else 60.0):
+                await open_server(channel, gang, held[gang.rank], timeout=math.inf)
+                return "opened"
+        except GangInitError as error:
+            return str(error)
+        return "cancelled"
+
+    with anyio.fail_after(20):
+        said = await FakeWorld(2).run(server)
+    assert said[0] == "cancelled"
+    assert said[1].startswith("Server rank 0 found no plan: its open was cancelled"), said
+
+
+async def test_every_rank_of_a_server_opened_with_no_name_takes_rank_0s(
+    channel: Channel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``name=None``: each rank made its own ``HOST:PID``; the server's name is its rank
+    0's, the channel's member's, on every rank (here each call names a new process)."""
+    names = iter(f"host:{pid}" for pid in range(100, 200))
+    monkeypatch.setattr(subscriber, "default_name", lambda: next(names))
+    held = _held()
+
+    async def server(gang: Gang) -> WeightSubscriber:
+        return await open_server(channel, gang, held[gang.rank], name=None)
+
+    with anyio.fail_after(30):
+        servers, _ = await _open_beside_a_trainer(channel, server)
+    assert servers[0].name.startswith("host:")
+    assert servers[1].name == servers[0].name
