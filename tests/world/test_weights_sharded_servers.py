@@ -8,6 +8,7 @@ channel of ``tests/support/weightsworld.py``. The same over real processes:
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -21,6 +22,7 @@ from agang import GangError, GangInitError, PushReport, Sharded
 from agang._gang import Gang
 from agang._weights import channel as channel_keys
 from agang._weights import fleet, over_gang, subscriber, upstream
+from agang._weights import relay as relay_module
 from agang._weights.plan import FIRST_BUCKET_BYTES
 from agang._weights.relay import Relay
 from agang._weights.relayed import Relayed
@@ -223,6 +225,9 @@ async def test_a_sharded_server_rank_lost_drops_that_server_alone_naming_the_ran
     with pytest.raises(GangError, match="server rank 1"):
         await world.sharded[0].receive(timeout=PATIENCE)
     world.assert_holds(1)  # the version it returned last stays whole
+    status = world.sharded[0]._service.status  # what the publisher's probe reads
+    assert status.startswith("ended: "), status
+    assert "server rank 1" in status, status
 
 
 @pytest.mark.parametrize("alone", [0, 1])
@@ -341,7 +346,7 @@ async def test_a_relay_round_that_stops_part_way_ends_on_the_lane_and_the_next_o
         first = await relay.round(epoch, bucket0, 1, 1, moves_on_at_the_third, 10.0)  # type: ignore[arg-type]
         second = await relay.round(epoch, bucket0, 2, 2, stays, 10.0)  # type: ignore[arg-type]
         await anyio.sleep(0.5)
-        relay.close(False)
+        relay.close("the test ended", False)
         return (first, second, relay.broken)
 
     (first, second, broken), (error, saw_one, ready) = await FakeWorld(2).run(rank)
@@ -499,3 +504,127 @@ async def test_every_rank_of_a_server_opened_with_no_name_takes_rank_0s(
         servers, _ = await _open_beside_a_trainer(channel, server)
     assert servers[0].name.startswith("host:")
     assert servers[1].name == servers[0].name
+
+
+# --- The relay lane (relay rules 5, 6; relayed rule 1) ---------------------------------
+
+
+def _relay_plan(gang: Gang, rows: int) -> tuple[Any, list[Layout]]:
+    """A ``rows`` x 16 float32 tensor sharded along dimension 0, in 1 KiB buckets."""
+    whole = torch.arange(rows * 16, dtype=torch.float32).reshape(-1, 16)
+    mine = torch.chunk(whole, 2)[gang.rank].clone()
+    layouts = [Layout.of("w", Sharded(mine, 0, tuple(whole.shape)), gang.rank, 2)]
+    return over_gang.plan_of(["w"], layouts, 1024, "gloo"), layouts
+
+
+async def test_a_stuck_rank_is_named_within_a_bound_of_one_op_not_of_the_version(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Rank 1 takes nothing from the lane (a stopped process): rank 0's round breaks
+    within ``RELAY_SECONDS`` plus one op's bytes, naming rank 1. Here the lane is made
+    slow (10 KB/s, 0.2 s) and the version 64 KiB: the version's bound was 6.8 s."""
+    monkeypatch.setattr(relay_module, "RELAY_SECONDS", 0.2)
+    monkeypatch.setattr(relay_module, "RELAY_BYTES_PER_SECOND", 1e4)
+    done = anyio.Event()
+
+    async def rank(gang: Gang) -> Any:
+        plan, layouts = _relay_plan(gang, 1024)
+        lane = await gang.lane("relay")
+        if gang.rank == 1:  # stuck: it never takes a word
+            await done.wait()
+            lane.close_sync()
+            return None
+        relay = Relay(plan, layouts, lane, 2)
+        bucket0 = torch.zeros(relay.first_bytes, dtype=torch.uint8)
+
+        async def stays(handles: list[Any]) -> str | None:
+            return None
+
+        began = time.monotonic()
+        try:
+            with pytest.raises(GangError):  # the lane's; ``broken`` names the rank
+                await relay.round(_NoEpochGang(), bucket0, 1, 1, stays, 60.0)  # type: ignore[arg-type]
+            return time.monotonic() - began, relay.broken
+        finally:
+            done.set()
+            relay.close("the test ended", False)
+
+    with anyio.fail_after(30):
+        (took, broken), _ = await FakeWorld(2).run(rank)
+    assert "server rank 1" in broken
+    assert took < 2.0, took
+
+
+class _Counting:
+    """A lane that counts a rank's share receives in flight (its control words aside)."""
+
+    def __init__(self, lane: Gang) -> None:
+        self._lane = lane
+        self._posted: list[Any] = []
+        self.most = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._lane, name)
+
+    def recv(self, tensor: torch.Tensor, source: int, timeout: float | None = None) -> Any:
+        handle = self._lane.recv(tensor, source, timeout=timeout)
+        if tensor.dtype == torch.float32:
+            self._posted.append(handle)
+            self.most = max(self.most, sum(not h.done() for h in self._posted))
+        return handle
+
+
+async def test_a_rank_has_at_most_two_buckets_receives_in_flight() -> None:
+    """``relayed`` rule 1: while rank 0 waits for each bucket (0.1 s here), rank 1 has
+    at most two buckets' receives posted (it posted a third before it awaited the first)."""
+
+    async def rank(gang: Gang) -> Any:
+        plan, layouts = _relay_plan(gang, 64 * 6)
+        lane = await gang.lane("relay")
+        if gang.rank == 1:
+            counting = _Counting(lane)
+            relayed = Relayed(plan, layouts, counting, "s", 10.0)  # type: ignore[arg-type]
+            for _ in range(300):
+                if relayed.ready == 1 or relayed.error is not None:
+                    break
+                await anyio.sleep(0.02)
+            relayed.stop(2.0)
+            return relayed.ready, counting.most
+        relay = Relay(plan, layouts, lane, 2)
+        bucket0 = torch.zeros(relay.first_bytes, dtype=torch.uint8)
+
+        async def slowly(handles: list[Any]) -> str | None:
+            await anyio.sleep(0.1)
+            return None
+
+        assert relay.count >= 5
+        moved = await relay.round(_NoEpochGang(), bucket0, 1, 1, slowly, 10.0)  # type: ignore[arg-type]
+        await anyio.sleep(0.3)
+        relay.close("the test ended", False)
+        return moved
+
+    with anyio.fail_after(30):
+        moved, (ready, most) = await FakeWorld(2).run(rank)
+    assert moved is None
+    assert ready == 1
+    assert most == 2, most
+
+
+async def test_rank_0_closed_alone_tells_the_other_ranks_why_and_its_status_says_ended(
+    channel: Channel,
+) -> None:
+    """``relay`` rule 6, ``service`` rule 8: rank 0's subscriber closed alone ends rank
+    1's rounds with rank 0's reason (it said only that its lane closed), and rank 0's
+    service's status says it ended."""
+    world = Fleet()
+    await world.open(channel)
+    await world.push(1)
+    assert await world.receive() == [1, 1]
+    await world.sharded[0].close()
+    assert world.sharded[0]._service.status == "ended: subscriber 'sharded' was closed"
+    with pytest.raises(GangError) as raised:
+        await world.sharded[1].receive(timeout=PATIENCE)
+    assert "ended with its rank 0, the channel's member: subscriber 'sharded' was closed" in (
+        str(raised.value)
+    ), raised.value
+    world.assert_holds(1)
