@@ -628,3 +628,41 @@ async def test_rank_0_closed_alone_tells_the_other_ranks_why_and_its_status_says
         str(raised.value)
     ), raised.value
     world.assert_holds(1)
+
+
+# --- The vote and the copy (server_rank rule 1) ----------------------------------------
+
+
+async def test_a_receive_that_times_out_in_the_vote_still_copies_as_every_rank_does(
+    channel: Channel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 1 comes to the vote 0.5 s late; rank 0's ``receive`` times out (0.2 s)
+    meanwhile, after the exchange, in the vote: the vote and the copy run shielded and
+    bounded, so both ranks copy version 1 and return it, and neither tensors nor
+    ``version`` differ across the ranks; the next push goes on as usual."""
+    world = Fleet()
+    await world.open(channel)
+    await world.push(1)
+    late = world.sharded[1]._over
+    assert late is not None
+    take = late._take
+
+    async def late_take(version: int) -> bool:
+        await anyio.sleep(0.5)
+        return await take(version)
+
+    monkeypatch.setattr(late, "_take", late_take)
+
+    async def one(gang: Gang) -> int | None:
+        if gang.rank == 0:
+            await anyio.sleep(0.1)  # rank 1 asks first: rank 0's exchange ends at once
+            return await world.sharded[0].receive(timeout=0.2)
+        return await world.sharded[1].receive(timeout=PATIENCE)
+
+    assert await world.servers.run(one) == [1, 1]
+    assert [s.version for s in world.sharded] == [1, 1]
+    world.assert_holds(1)
+    monkeypatch.setattr(late, "_take", take)
+    await world.push(2)
+    assert await world.receive() == [2, 2]
+    world.assert_holds(2)
