@@ -31,10 +31,17 @@ Rules:
    wait ends too; the service then gives up the whole server for that round
    (``agang._weights.service`` rule 7). A rank that is alive takes its shares as soon
    as rank 0 has them (its rounds run on a thread of their own, and wait at most for
-   a copy into the application's tensors), so the lane's ops are bounded by
-   ``RELAY_SECONDS`` plus the version's bytes at ``RELAY_BYTES_PER_SECOND``: a rank
-   lost or stopped is named well within the publisher's deadline of a push, where a
-   transport that does not see a closed connection (a stopped process) says nothing.
+   a copy into the application's tensors, which runs while rank 0 makes its own: the
+   ranks copy together, once every one voted yes), so each op of the lane is bounded by
+   ``RELAY_SECONDS`` plus that op's own bytes at ``RELAY_BYTES_PER_SECOND`` (``bound``),
+   never by the version's: a rank lost or stopped is named within seconds whatever the
+   model's size, well within the publisher's deadline of a push, where a transport
+   that does not see a closed connection (a stopped process) says nothing.
+6. *The end.* Rank 0's service ending closes the lane; before it does, it tells each
+   rank why in a ``CLOSE`` word and the reason's text (the word: ``CLOSE``, the text's
+   bytes, 1 where the publisher closed the channel, a normal end, else 0), so that a
+   rank's ``receive`` raises what rank 0's raises; where the relay broke, the lane is
+   closed already, and the ranks name the lost one themselves.
 """
 
 from __future__ import annotations
@@ -53,8 +60,9 @@ from agang._weights.buckets import copy_views
 from agang._weights.plan import Plan
 from agang._weights.sharding import Layout
 
-#: The lane's control words (rule 2): (what, version, epoch); ``CLOSE``: the
-#: publisher closed the channel, a normal end; ``COMMIT`` or ``ABORT``: a round's end.
+#: The lane's control words (rule 2): (what, version, epoch); ``CLOSE``: rank 0's
+#: service ended (rule 6: CLOSE, the reason's bytes, 1 for a normal end);
+#: ``COMMIT`` or ``ABORT``: a round's end.
 DATA = 1
 CLOSE = 2
 COMMIT = 3
@@ -62,10 +70,20 @@ ABORT = 4
 CONTROL_WORDS = 3
 #: Buffers the buckets after bucket 0 take turns in (rule 3).
 RING = 2
-#: The bound of the relay lane's ops (rule 5): this, plus the version's bytes at
+#: The bound of each op of the relay lane (rule 5): this, plus the op's bytes at
 #: ``RELAY_BYTES_PER_SECOND``, at most the subscriber's timeout.
 RELAY_SECONDS = 2.0
 RELAY_BYTES_PER_SECOND = 100e6
+
+
+def bound(nbytes: int, timeout: float) -> float:
+    """The bound of an op of the lane that moves ``nbytes`` (rule 5)."""
+    return min(timeout, RELAY_SECONDS + nbytes / RELAY_BYTES_PER_SECOND)
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
 
 #: A bucket's own copies (into staging, from the bucket), and its sends (rank, what is
 #: sent, the strided place packed into it first, or None).
@@ -113,7 +131,6 @@ class Relay:
         self._ring = [self._zeros(ring) for _ in range(min(RING, len(self._sizes) - 1))]
         self._scratch: torch.Tensor | None = None  # made where a share is strided
         self._plans = [self._cut(index, self.wire(index)) for index in range(1, self.count)]
-        self._bound = RELAY_SECONDS + plan.nbytes / RELAY_BYTES_PER_SECOND
         #: Why the relay is broken (rule 5), or None.
         self.broken: str | None = None
 
@@ -186,16 +203,12 @@ class Relay:
         moved on, else None once every rank acknowledged the version. Raises
         ``GangError``: the epoch's gang failed, or (``broken`` set) the relay did."""
         self._check()
-        bound = min(timeout, self._bound)  # rule 5
-        said = [DATA, version, epoch]  # a word per rank: an op may not read another's
-        words = {r: torch.tensor(said, dtype=torch.int64, device=self.device) for r in self._peers}
-        told = [(r, self._lane.send(words[r], r, timeout=bound)) for r in self._peers]
-        for rank, handle in told:
-            await self._op(handle, rank)
+        word = bound(CONTROL_WORDS * 8, timeout)  # a control word's op (rule 5)
+        await self._tell([DATA, version, epoch], word)
         posted: dict[int, Handle[torch.Tensor]] = {}
         for index in range(1, min(1 + len(self._ring), self.count)):
             posted[index] = gang.broadcast(self.wire(index), 0, timeout=timeout)
-        await self._pass_on(self._cut(0, bucket0), bound)
+        await self._pass_on(self._cut(0, bucket0), timeout)
         moved: str | None = None
         failure: GangError | None = None
         index = 1
@@ -208,15 +221,15 @@ class Relay:
                 failure = error
             if moved is not None or failure is not None:
                 break
-            await self._pass_on(self._plans[index - 1], bound)
+            await self._pass_on(self._plans[index - 1], timeout)
             after = index + len(self._ring)
             if after < self.count:  # its ring buffer is free: its shares went on
                 posted[after] = gang.broadcast(self.wire(after), 0, timeout=timeout)
             index += 1
         for rest in range(index, self.count):  # an interrupted round ends too (rule 2)
-            await self._pass_on_nothing(self._plans[rest - 1], bound)
+            await self._pass_on_nothing(self._plans[rest - 1], timeout)
         acks = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in range(self._size)]
-        acked = [(rank, self._lane.recv(acks[rank], rank, timeout=bound)) for rank in self._peers]
+        acked = [(rank, self._lane.recv(acks[rank], rank, timeout=word)) for rank in self._peers]
         for rank, ack in acked:
             await self._op(ack, rank)
             if int(acks[rank][0]) != version:
@@ -225,33 +238,40 @@ class Relay:
                 )
                 raise GangError(self.broken or "")
         whole = moved is None and failure is None
-        verdict = [COMMIT if whole else ABORT, version, epoch]
-        ended = [
-            (r, self._lane.send(torch.tensor(verdict, device=self.device), r, timeout=bound))
-            for r in self._peers
-        ]
-        for rank, handle in ended:
-            await self._op(handle, rank)
+        await self._tell([COMMIT if whole else ABORT, version, epoch], word)
         if failure is not None:
             raise failure
         return moved
 
+    async def _tell(self, said: list[int], timeout: float) -> None:  # noqa: ASYNC109
+        """Sends the control word ``said`` to every other rank (rule 2), a tensor per
+        rank: an op may not read another's."""
+        told = [
+            (r, self._lane.send(torch.tensor(said, dtype=torch.int64, device=self.device), r,
+                                timeout=timeout))
+            for r in self._peers
+        ]  # fmt: skip
+        for rank, handle in told:
+            await self._op(handle, rank)
+
     async def _pass_on_nothing(self, cut: Cut, timeout: float) -> None:  # noqa: ASYNC109
         """An interrupted round's bucket: zeros of each share's shape in place of its
         bytes, which never came (rule 2): the others' receives end, and the round's
-        ``ABORT`` tells them it is not a version."""
+        ``ABORT`` tells them it is not a version. Each op bounded by its bytes (rule 5)."""
         _, sends = cut
         told = [
-            (rank, self._lane.send(torch.zeros_like(what), rank, timeout=timeout))
+            (rank, self._lane.send(torch.zeros_like(what), rank,
+                                   timeout=bound(_nbytes(what), timeout)))
             for rank, what, _ in sends
-        ]
+        ]  # fmt: skip
         for rank, handle in told:
             await self._op(handle, rank)
 
     async def _pass_on(self, cut: Cut, timeout: float) -> None:  # noqa: ASYNC109
         """Copies a bucket's own shares into staging and sends the others theirs; returns
         once they were sent (rule 3). A part every rank takes (a whole tensor's) goes to
-        one rank at a time: an op may not read memory another op still holds."""
+        one rank at a time: an op may not read memory another op still holds. Each op
+        is bounded by its own bytes (rule 5)."""
         own, sends = cut
         for into, came in own:
             copy_views(into, came)
@@ -263,7 +283,8 @@ class Relay:
             if key in flying:
                 before, sending = flying.pop(key)
                 await self._op(sending, before)
-            flying[key] = (rank, self._lane.send(what, rank, timeout=timeout))
+            sending = self._lane.send(what, rank, timeout=bound(_nbytes(what), timeout))
+            flying[key] = (rank, sending)
         for rank, handle in flying.values():
             await self._op(handle, rank)
 
@@ -284,17 +305,22 @@ class Relay:
             self.broken = why
         start_daemon(self._lane.close_sync, name="agang: weights: close the relay lane")
 
-    def close(self, closed: bool) -> None:
-        """Closes the lane: the other ranks' waits for a round end; where the publisher
-        ``closed`` the channel, they are told so first (a normal end, not a loss).
-        Called off any loop, on the service's thread as it ends."""
-        if closed and self.broken is None:
-            word = [CLOSE, 0, 0]
-            told = [
-                self._lane.send(torch.tensor(word, device=self.device), rank, timeout=1.0)
+    def close(self, why: str, closed: bool) -> None:
+        """Closes the lane: the other ranks' waits for a round end; they are told ``why``
+        first (rule 6), where the relay did not break: ``closed`` where the publisher
+        closed the channel (a normal end, not a loss). Called off any loop, on the
+        service's thread as it ends."""
+        if self.broken is None:
+            text = list(why.encode())
+            parts = [([CLOSE, len(text), 1 if closed else 0], torch.int64)]
+            parts += [(text, torch.uint8)] if text else []
+            told = [  # a tensor per op: an op may not read another's
+                self._lane.send(torch.tensor(part, dtype=kind, device=self.device), rank,
+                                timeout=1.0)
                 for rank in self._peers
-            ]
+                for part, kind in parts
+            ]  # fmt: skip
             for handle in told:
-                with contextlib.suppress(Exception):
+                with contextlib.suppress(Exception):  # a rank gone: its waits end anyway
                     handle.wait(2.0)
         self._lane.close_sync()

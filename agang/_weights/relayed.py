@@ -4,13 +4,15 @@ an event loop of its own, like the service's (``agang._weights.service`` rule 1)
 
 Rules:
 1. Each round rank 0 announces, this rank receives its shares of every bucket straight
-   into its staging (or, in place, its own tensors), in plan order, at most two buckets'
-   receives in flight; then it acknowledges the version to rank 0, and marks it ready
+   into its staging (or, in place, its own tensors), in plan order, at most
+   ``IN_FLIGHT`` (two) buckets' receives in flight: a bucket's are posted once the
+   bucket two before it came; then it acknowledges the version to rank 0, and marks it ready
    once rank 0 ends the round with ``COMMIT`` (``ABORT``: the round stopped part way,
    and staging holds no version: ``agang._weights.relay`` rule 2). ``receive`` copies
    staging under the same lock (``staging``), as a whole server's does.
-2. ``CLOSE`` (rank 0's service ended because the publisher closed the channel) ends
-   the rounds with a ``GangClosedError``, a normal end, as on rank 0.
+2. ``CLOSE`` (rank 0's service ended: ``agang._weights.relay`` rule 6) ends the
+   rounds with rank 0's reason: a ``GangClosedError`` where the publisher closed the
+   channel, a normal end, as on rank 0; else a ``GangError`` saying why rank 0 ended.
 3. An op of the lane that fails (rank 0 lost or closed, or it closed the lane when
    another rank was lost) ends the rounds with ``error``, naming rank 0's side, for
    ``receive`` to raise.
@@ -33,7 +35,8 @@ from agang._weights.plan import Plan
 from agang._weights.relay import ABORT, CLOSE, COMMIT, CONTROL_WORDS, DATA, server_shares
 from agang._weights.sharding import Layout
 
-_IN_FLIGHT = 2
+#: The most buckets whose receives are in flight at once (rule 1).
+IN_FLIGHT = 2
 
 
 class Relayed:
@@ -93,20 +96,18 @@ class Relayed:
             await lane.recv(word, 0, timeout=math.inf)
             what, version, _ = (int(x) for x in word.tolist())
             if what == CLOSE:
-                raise GangClosedError(
-                    f"Subscriber '{self._name}' (server rank {lane.rank}): the publisher "
-                    f"closed the channel; the last version it sent is the last one."
-                )
+                self.error = await self._closed(version, bool(word[2]))
+                return
             if what != DATA:
                 raise GangError(f"rank 0 sent an unknown word {what} on the relay lane")
             with self.staging:
                 self.ready = None  # staging is being written (rule 1)
                 flying: list[list[Handle[torch.Tensor]]] = []
                 for views in self._recvs:
-                    flying.append([lane.recv(v, 0, timeout=self._timeout) for v in views])
-                    while len(flying) > _IN_FLIGHT:
+                    while len(flying) >= IN_FLIGHT:  # rule 1
                         for handle in flying.pop(0):
                             await handle
+                    flying.append([lane.recv(v, 0, timeout=self._timeout) for v in views])
                 for handles in flying:
                     for handle in handles:
                         await handle
@@ -119,6 +120,18 @@ class Relayed:
                 self._tell()
             elif int(word[0]) != ABORT:
                 raise GangError(f"rank 0 ended a round with an unknown word {int(word[0])}")
+
+    async def _closed(self, nbytes: int, normal: bool) -> GangError:
+        """The end rank 0 said, with its reason (``nbytes`` of text; rule 2)."""
+        text = torch.zeros(nbytes, dtype=torch.uint8, device=self._device)
+        if nbytes:
+            await self._lane.recv(text, 0, timeout=self._timeout)
+        why = bytes(text.tolist()).decode(errors="replace") or "no reason given"
+        kind = GangClosedError if normal else GangError
+        return kind(
+            f"Subscriber '{self._name}' (server rank {self._lane.rank}) ended with its "
+            f"rank 0, the channel's member: {why}"
+        )
 
     def stop(self, seconds: float) -> None:
         """Ends the rounds: the lane is closed under them."""

@@ -10,7 +10,11 @@ Rules:
    (a rank whose staging is being written, or moved on, says no, and all ask again),
    and only on every rank's yes does each copy its staging into its tensors, under
    that lock. A version is returned only where every rank holds it, and the tensors
-   never hold different versions across the ranks.
+   never hold different versions across the ranks. A ``receive`` that times out or is
+   cancelled in the vote or the copy still ends both (rule 2). What no protocol can
+   close: the vote's op ending well on one rank and failing on another (a connection
+   lost as it finished); that rank raises and closes the agree lane (rule 3), so the
+   server can take no further version on any rank.
 2. *In step when cancelled.* The exchange's op, once issued, is kept until it ended: a
    ``receive`` cancelled or timed out while it waited for the other ranks leaves it
    for the next ``receive`` to take up. The vote and the copy run shielded and bounded

@@ -47,7 +47,9 @@ Rules:
    server up: the service reports its own member dead to the publisher, naming the
    lost rank (``agang.report_death``: the publisher ends the round at once and drops
    it with that why), waits (bounded) for the publisher to move on, and ends with an
-   error naming the rank.
+   error naming the rank. The stale round of rule 2 is looked for first, as on a whole
+   server: one not taken leaves the lane untouched, so every rank keeps the version it
+   holds, which ``receive`` may still take on every rank.
 5. A buffer that an op of a failed epoch still holds (``Gang.holds``, asked of that
    epoch's gang) is replaced before the next epoch's rounds (``agang._weights.buckets``
    rule 6). A version held whole is never in
@@ -55,6 +57,9 @@ Rules:
    the op may be one that writes the server's own tensor; it was the failed round's,
    whose bytes the server may already be reading anyway (in place is for servers that
    pause serving during an update).
+8. *Its status* (what the publisher's status probe, and a ``receive`` that timed
+   out, say it is doing) says where it stands in its rounds; once the service ended,
+   that it ended and why (the error ``receive`` raises, or that it was closed).
 """
 
 from __future__ import annotations
@@ -161,8 +166,11 @@ class Service:
             closing, self._closing = self._closing, None
             if closing is not None:
                 closing.close_sync()
-            if self.relay is not None:  # the other ranks' rounds end with this one's
-                self.relay.close(isinstance(self.error, GangClosedError))
+            ended = self.error
+            why = f"subscriber '{self.me.name}' was closed" if ended is None else str(ended)
+            self._say(f"ended: {why}")  # rule 8
+            if self.relay is not None:  # the other ranks' rounds end with this one's, and why
+                self.relay.close(why, isinstance(ended, GangClosedError))
             self._tell()
 
     def _store_or(self, error: BaseException) -> str:
@@ -316,7 +324,7 @@ class Service:
                 raise self._lost(why, closed=not closed_by_fence(why))
             if what != DATA:
                 raise self._lost(f"a round of epoch {epoch} had an unknown header {what}")
-            if self._stale(epoch):
+            if self._stale(epoch):  # rule 2, on a sharded server's rank 0 too (rule 7)
                 return await self._after_failure(
                     epoch, f"the publisher moved on from epoch {epoch} before its round came"
                 )

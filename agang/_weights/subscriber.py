@@ -30,6 +30,15 @@ Rules:
    rank holds it whole, and a rank that fails makes every rank's ``receive`` raise,
    naming it. A ``receive`` cancelled or timed out while it waited for the other
    ranks leaves its op for the next one to take up, so the lane stays in step.
+6. *A sharded server's open ends the same on every rank.* Rank 0 tells the others the
+   channel's plan, or why it found none, and then, once it joined the channel (or
+   failed to: the store refused, its service could not start, it was cancelled),
+   whether it did: every rank returns, or every rank raises the same
+   ``GangInitError`` naming rank 0 and why (a rank > 0 that returned alone would wait
+   for rounds that never come). The other ranks wait for rank 0 as long as ``timeout``
+   lets rank 0 wait (``over_gang.following_bound``; ``math.inf``: until rank 0 says,
+   or the lane fails: rank 0 lost). Every rank's name is rank 0's, the channel's
+   member's (the one given, else rank 0's ``HOST:PID``); messages add the rank.
 """
 
 from __future__ import annotations
@@ -68,9 +77,16 @@ from agang._weights.site import Site
 from agang._weights.upstream import Upstream
 
 _PLAN_POLL = 0.05
+#: How long rank 0 takes to tell the other ranks that its ``open`` failed (rule 6).
+_TELL_SECONDS = 5.0
 _SEEN_POLL = 0.01
 #: The most staging bytes ``receive`` copies on the caller's loop (about 0.1 ms here).
 INLINE_TAKE_BYTES = 1 << 20
+
+
+def default_name() -> str:
+    """A subscriber's name where ``open`` was given none: ``HOST:PID``."""
+    return f"{socket.gethostname()}:{os.getpid()}"
 
 
 class WeightSubscriber:
@@ -110,10 +126,15 @@ class WeightSubscriber:
         self._over: ServerRank | None = None  # a sharded server's rank (rule 5)
         self._responder = channel.serve_status(self._me.uid, self._status)
         self._upstream = Upstream(channel, self._me, timeout, connect, self._serve_again)
-        self._registration = channel.register(self._me)  # before open returns
-        self._service = Service(
-            channel, self._buckets, self._me, timeout, self._upstream, factory, relay
-        )
+        try:
+            self._registration = channel.register(self._me)  # before open returns
+            self._service = Service(
+                channel, self._buckets, self._me, timeout, self._upstream, factory, relay
+            )
+        except BaseException:  # the store refused: no thread of it stays behind
+            self._upstream.stop()
+            self._responder.stop()
+            raise
 
     def _status(self) -> str:
         return self._service.status
@@ -144,8 +165,9 @@ class WeightSubscriber:
                 are, or not at all).
             store: The store's "HOST:PORT".
             channel: The channel's name.
-            name: This subscriber's name in reports (None: "host:pid"). A subscriber that
-                opens with the name of an admitted one replaces it.
+            name: This subscriber's name in reports (None: "host:pid"; on a sharded
+                server, rank 0's). A subscriber that opens with the name of an
+                admitted one replaces it.
             timeout: Seconds ``open`` waits for the store and the publisher's plan, a
                 round may take on this side once it began, and the store may be gone
                 before the subscriber gives up (None: 60 s; ``math.inf``: no bound,
@@ -169,7 +191,7 @@ class WeightSubscriber:
             )  # fmt: skip
         host, port = checks.check_store(store)
         channel_name = checks.check_channel(channel)
-        named = checks.check_name(name) or f"{socket.gethostname()}:{os.getpid()}"
+        named = checks.check_name(name) or default_name()
         seconds = checks.check_deadline(timeout, default=60.0)
         in_place = checks.check_bool(in_place, name="in_place")
         key = checks.check_secret(secret)
@@ -223,14 +245,14 @@ class WeightSubscriber:
         layouts: list[Any] = []
         local: dict[str, torch.Tensor] = {}
         site: Site | None = None
-        channel, name = str(channel), str(name)
+        given, channel, name = name, str(channel), str(name)  # for messages until checked
         seconds: float | None = 60.0
         key: bytes | None = None
         placed = False
         try:
             host, port = checks.check_store(store)
             channel = checks.check_channel(channel)
-            name = checks.check_name(name) or f"{socket.gethostname()}:{os.getpid()}"
+            name = checks.check_name(given) or default_name()  # None: not "None"
             seconds = checks.check_deadline(timeout, default=60.0)
             placed = checks.check_bool(in_place, name="in_place")
             key = checks.check_secret(secret)
@@ -257,17 +279,24 @@ class WeightSubscriber:
         for rank, verdict in enumerate(verdicts):
             if verdict is not None:
                 raise ValueError(f"Rank {rank} of the gang '{agree.name}' was refused: {verdict}")
-        said: list[Any] = [None, None]  # the plan's text, or why none came
+        said: list[Any] = [None, None, name]  # the plan's text, or why none came; the name
+        follow = math.inf if seconds is None else over_gang.following_bound(seconds)
         opened: tuple[Channel, Plan, float, threading.Event] | None = None
         if gang.rank == 0 and site is not None:
             try:
                 opened = await cls._find(channel, seconds, key, site)
                 said[0] = opened[1].to_text()
-            except GangInitError as error:
+            except Exception as error:
                 said[1] = one_line(error)
-        await agree.broadcast_objects(said, 0, timeout=over_gang.following_bound(seconds))
+            except BaseException:  # cancelled: the others are told (rule 6)
+                with anyio.CancelScope(shield=True), contextlib.suppress(GangError):
+                    said[1] = "its open was cancelled"
+                    await agree.broadcast_objects(said, 0, timeout=_TELL_SECONDS)
+                raise
+        await agree.broadcast_objects(said, 0, timeout=follow)
         if said[1] is not None:
             raise GangInitError(f"Server rank 0 found no plan: {said[1]}")
+        name = str(said[2])  # rank 0's, the channel's member's (rule 6)
         plan: Plan | None = None
         if refused is None and site is not None and said[0] is not None:
             theirs = Plan.from_text(said[0])
@@ -284,6 +313,8 @@ class WeightSubscriber:
             dataclasses.replace(layout, local=staging[k])
             for k, layout in zip(local, layouts, strict=True)
         ]
+        failed = f"Server rank 0 of the gang '{gang.name}' could not open subscriber '{name}'"
+        outcome: list[Any] = [None]  # why rank 0 could not join the channel (rule 6)
         if gang.rank != 0:
             made = cls.__new__(cls)
             made._me = Member.me(name)
@@ -291,17 +322,49 @@ class WeightSubscriber:
             made._buckets = None
             made._version = made._returned = None
             made._closed = False
+            # Its rounds wait on the lane before rank 0 says: a push may follow at once.
             relayed = Relayed(theirs, staged, relay_lane, name, seconds)
             made._over = ServerRank(agree, relayed, staging, local, theirs.ties(), placed, name)
+            told = False
+            try:
+                await agree.broadcast_objects(outcome, 0, timeout=follow)
+                told = True
+            except GangError as error:  # rank 0 lost (its lane failed), or too slow
+                outcome[0] = f"it did not say whether it joined ({one_line(error)})"
+            finally:
+                if not told or outcome[0] is not None:  # failed or cancelled: nothing stays
+                    with anyio.CancelScope(shield=True):
+                        await run_blocking(made._over.stop, name="weights: close", seconds=10.0)
+            if outcome[0] is not None:
+                raise GangInitError(f"{failed}: {outcome[0]}")
             return made
         assert opened is not None
         found, _, deadline, given_up = opened
-        relay = Relay(theirs, staged, relay_lane, gang.size)
-        made = cls(found, local, theirs, name, seconds, placed, site.factory, site.connect, relay)
+        try:
+            relay = Relay(theirs, staged, relay_lane, gang.size)
+            made = cls(
+                found, local, theirs, name, seconds, placed, site.factory, site.connect, relay
+            )
+            await made._seen(deadline, given_up)  # cancelled: it closes, the agree lane stays
+        except BaseException as error:
+            why = one_line(error) if isinstance(error, Exception) else "it was cancelled"
+            with anyio.CancelScope(shield=True), contextlib.suppress(GangError):
+                outcome[0] = f"{type(error).__name__}: {why}"
+                await agree.broadcast_objects(outcome, 0, timeout=_TELL_SECONDS)
+            relay_lane.close_sync()
+            agree.close_sync()
+            if isinstance(error, Exception):
+                raise GangInitError(f"{failed}: {outcome[0]}") from error
+            raise
         made._over = ServerRank(
             agree, made._service, staging, local, theirs.ties(), placed, name, relay
         )
-        await made._seen(deadline, given_up)
+        try:
+            await agree.broadcast_objects(outcome, 0, timeout=seconds)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await made.close()
+            raise
         return made
 
     @staticmethod

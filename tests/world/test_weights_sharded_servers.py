@@ -7,7 +7,9 @@ channel of ``tests/support/weightsworld.py``. The same over real processes:
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import math
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -16,10 +18,11 @@ import torch
 from test_weights_sharded import full, open_trainer, shards, write
 from weightsworld import Channel, agang_threads
 
-from agang import GangError, PushReport, Sharded
+from agang import GangError, GangInitError, PushReport, Sharded
 from agang._gang import Gang
 from agang._weights import channel as channel_keys
-from agang._weights import fleet, over_gang, upstream
+from agang._weights import fleet, over_gang, subscriber, upstream
+from agang._weights import relay as relay_module
 from agang._weights.plan import FIRST_BUCKET_BYTES
 from agang._weights.relay import Relay
 from agang._weights.relayed import Relayed
@@ -55,11 +58,16 @@ async def channel() -> AsyncIterator[Channel]:
 
 
 async def open_server(
-    channel: Channel, gang: Gang, tensors: dict[str, Any], in_place: bool = False
+    channel: Channel,
+    gang: Gang,
+    tensors: dict[str, Any],
+    in_place: bool = False,
+    name: str | None = "sharded",
+    timeout: float = 10.0,  # noqa: ASYNC109
 ) -> WeightSubscriber:
     """A sharded server's rank: every rank opens together (collective)."""
     opened = await WeightSubscriber._open_over(
-        gang, tensors, "127.0.0.1:1", "c", "sharded", 10.0, in_place, None, lambda _: channel.site
+        gang, tensors, "127.0.0.1:1", "c", name, timeout, in_place, None, lambda _: channel.site
     )
     channel.opened.append(opened)
     return opened
@@ -217,6 +225,9 @@ async def test_a_sharded_server_rank_lost_drops_that_server_alone_naming_the_ran
     with pytest.raises(GangError, match="server rank 1"):
         await world.sharded[0].receive(timeout=PATIENCE)
     world.assert_holds(1)  # the version it returned last stays whole
+    status = world.sharded[0]._service.status  # what the publisher's probe reads
+    assert status.startswith("ended: "), status
+    assert "server rank 1" in status, status
 
 
 @pytest.mark.parametrize("alone", [0, 1])
@@ -335,7 +346,7 @@ async def test_a_relay_round_that_stops_part_way_ends_on_the_lane_and_the_next_o
         first = await relay.round(epoch, bucket0, 1, 1, moves_on_at_the_third, 10.0)  # type: ignore[arg-type]
         second = await relay.round(epoch, bucket0, 2, 2, stays, 10.0)  # type: ignore[arg-type]
         await anyio.sleep(0.5)
-        relay.close(False)
+        relay.close("the test ended", False)
         return (first, second, relay.broken)
 
     (first, second, broken), (error, saw_one, ready) = await FakeWorld(2).run(rank)
@@ -373,3 +384,285 @@ async def test_an_argument_refused_on_one_rank_is_refused_on_all_and_opens_stay_
     assert first0.startswith("ValueError: Rank 1 of the gang"), first0
     assert "`store`" in first0, first0
     assert second0.split(":")[0] == second1.split(":")[0] == "GangInitError", (second0, second1)
+
+
+# --- A sharded server's open ends the same on every rank (subscriber rule 6) ----------
+
+
+async def _open_beside_a_trainer(
+    channel: Channel,
+    server: Callable[[Gang], Awaitable[Any]],
+    trainer_after: float = 0.0,
+) -> tuple[list[Any], list[Any]]:
+    """``server(gang)`` on each rank of a 2-rank server gang, beside a 2-rank sharded
+    trainer that opens ``trainer_after`` seconds later; (the servers', the trainers')."""
+    trainers, servers = FakeWorld(2), FakeWorld(2)
+    tensors = [shards(rank, 2, 0) for rank in range(2)]
+    said: list[Any] = []
+
+    async def open_servers() -> None:
+        said.extend(await servers.run(server))
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(open_servers)
+        await anyio.sleep(trainer_after)
+        publishers = await trainers.run(
+            lambda gang: open_trainer(channel, gang, tensors[gang.rank])
+        )
+    return said, publishers
+
+
+def _held() -> list[dict[str, Any]]:
+    return [{k: _zeroed(v) for k, v in shards(rank, 2, 0).items()} for rank in range(2)]
+
+
+async def test_rank_0_failing_to_join_the_channel_fails_every_ranks_open_naming_it(
+    channel: Channel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 0 found the plan and the ranks agreed on it, then the store refused its
+    registration: rank 1's ``open`` raises the same error, naming rank 0 and why (it
+    returned a subscriber whose ``receive`` waited for rounds that never came), and no
+    thread of either rank stays behind (the fixture)."""
+
+    def refuse(self: Any, member: Any) -> int:
+        raise GangError("the store refused the registration")
+
+    monkeypatch.setattr(channel_keys.Channel, "register", refuse)
+    held = _held()
+
+    async def server(gang: Gang) -> str:
+        try:
+            opened = await open_server(channel, gang, held[gang.rank])
+        except GangInitError as error:
+            return str(error)
+        await opened.close()
+        return "opened"
+
+    with anyio.fail_after(30):
+        said, _ = await _open_beside_a_trainer(channel, server)
+    assert said[0] == said[1], said
+    assert said[0].startswith("Server rank 0 of the gang"), said[0]
+    assert "the store refused the registration" in said[0], said[0]
+
+
+async def test_with_no_timeout_the_other_ranks_wait_for_rank_0_as_long_as_it_takes(
+    channel: Channel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``timeout=math.inf``: rank 0 waits for the publisher with no bound, and so does
+    rank 1 for rank 0 (it waited ``following_bound``, 150 s, then failed alone while
+    rank 0 went on); here that bound is made 0.3 s, and the publisher comes after 1 s."""
+    monkeypatch.setattr(over_gang, "following_bound", lambda seconds: 0.3)
+    held = _held()
+
+    async def server(gang: Gang) -> WeightSubscriber:
+        return await open_server(channel, gang, held[gang.rank], timeout=math.inf)
+
+    with anyio.fail_after(30):
+        servers, publishers = await _open_beside_a_trainer(channel, server, trainer_after=1.0)
+    reports = await FakeWorld(2).run(lambda gang: publishers[gang.rank].push(1, timeout=5.0))
+    assert reports[0].delivered == ("sharded",), reports[0]
+    got = await FakeWorld(2).run(lambda gang: servers[gang.rank].receive(timeout=PATIENCE))
+    assert got == [1, 1]
+
+
+async def test_rank_0_that_gives_up_its_open_ends_the_others_wait_with_no_timeout(
+    channel: Channel,
+) -> None:
+    """``timeout=math.inf`` and no publisher: rank 0's ``open`` is cancelled (it would
+    wait for ever); it tells rank 1, whose ``open`` raises at once, naming rank 0 (it
+    waited 150 s)."""
+    held = _held()
+
+    async def server(gang: Gang) -> str:
+        try:
+            with anyio.move_on_after(0.5 if gang.rank == 0 else 60.0):
+                await open_server(channel, gang, held[gang.rank], timeout=math.inf)
+                return "opened"
+        except GangInitError as error:
+            return str(error)
+        return "cancelled"
+
+    with anyio.fail_after(20):
+        said = await FakeWorld(2).run(server)
+    assert said[0] == "cancelled"
+    assert said[1].startswith("Server rank 0 found no plan: its open was cancelled"), said
+
+
+async def test_every_rank_of_a_server_opened_with_no_name_takes_rank_0s(
+    channel: Channel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``name=None``: each rank made its own ``HOST:PID``; the server's name is its rank
+    0's, the channel's member's, on every rank (here each call names a new process)."""
+    names = iter(f"host:{pid}" for pid in range(100, 200))
+    monkeypatch.setattr(subscriber, "default_name", lambda: next(names))
+    held = _held()
+
+    async def server(gang: Gang) -> WeightSubscriber:
+        return await open_server(channel, gang, held[gang.rank], name=None)
+
+    with anyio.fail_after(30):
+        servers, _ = await _open_beside_a_trainer(channel, server)
+    assert servers[0].name.startswith("host:")
+    assert servers[1].name == servers[0].name
+
+
+# --- The relay lane (relay rules 5, 6; relayed rule 1) ---------------------------------
+
+
+def _relay_plan(gang: Gang, rows: int) -> tuple[Any, list[Layout]]:
+    """A ``rows`` x 16 float32 tensor sharded along dimension 0, in 1 KiB buckets."""
+    whole = torch.arange(rows * 16, dtype=torch.float32).reshape(-1, 16)
+    mine = torch.chunk(whole, 2)[gang.rank].clone()
+    layouts = [Layout.of("w", Sharded(mine, 0, tuple(whole.shape)), gang.rank, 2)]
+    return over_gang.plan_of(["w"], layouts, 1024, "gloo"), layouts
+
+
+async def test_a_stuck_rank_is_named_within_a_bound_of_one_op_not_of_the_version(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Rank 1 takes nothing from the lane (a stopped process): rank 0's round breaks
+    within ``RELAY_SECONDS`` plus one op's bytes, naming rank 1. Here the lane is made
+    slow (10 KB/s, 0.2 s) and the version 64 KiB: the version's bound was 6.8 s."""
+    monkeypatch.setattr(relay_module, "RELAY_SECONDS", 0.2)
+    monkeypatch.setattr(relay_module, "RELAY_BYTES_PER_SECOND", 1e4)
+    done = anyio.Event()
+
+    async def rank(gang: Gang) -> Any:
+        plan, layouts = _relay_plan(gang, 1024)
+        lane = await gang.lane("relay")
+        if gang.rank == 1:  # stuck: it never takes a word
+            await done.wait()
+            lane.close_sync()
+            return None
+        relay = Relay(plan, layouts, lane, 2)
+        bucket0 = torch.zeros(relay.first_bytes, dtype=torch.uint8)
+
+        async def stays(handles: list[Any]) -> str | None:
+            return None
+
+        began = time.monotonic()
+        try:
+            with pytest.raises(GangError):  # the lane's; ``broken`` names the rank
+                await relay.round(_NoEpochGang(), bucket0, 1, 1, stays, 60.0)  # type: ignore[arg-type]
+            return time.monotonic() - began, relay.broken
+        finally:
+            done.set()
+            relay.close("the test ended", False)
+
+    with anyio.fail_after(30):
+        (took, broken), _ = await FakeWorld(2).run(rank)
+    assert "server rank 1" in broken
+    assert took < 2.0, took
+
+
+class _Counting:
+    """A lane that counts a rank's share receives in flight (its control words aside)."""
+
+    def __init__(self, lane: Gang) -> None:
+        self._lane = lane
+        self._posted: list[Any] = []
+        self.most = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._lane, name)
+
+    def recv(self, tensor: torch.Tensor, source: int, timeout: float | None = None) -> Any:
+        handle = self._lane.recv(tensor, source, timeout=timeout)
+        if tensor.dtype == torch.float32:
+            self._posted.append(handle)
+            self.most = max(self.most, sum(not h.done() for h in self._posted))
+        return handle
+
+
+async def test_a_rank_has_at_most_two_buckets_receives_in_flight() -> None:
+    """``relayed`` rule 1: while rank 0 waits for each bucket (0.1 s here), rank 1 has
+    at most two buckets' receives posted (it posted a third before it awaited the first)."""
+
+    async def rank(gang: Gang) -> Any:
+        plan, layouts = _relay_plan(gang, 64 * 6)
+        lane = await gang.lane("relay")
+        if gang.rank == 1:
+            counting = _Counting(lane)
+            relayed = Relayed(plan, layouts, counting, "s", 10.0)  # type: ignore[arg-type]
+            for _ in range(300):
+                if relayed.ready == 1 or relayed.error is not None:
+                    break
+                await anyio.sleep(0.02)
+            relayed.stop(2.0)
+            return relayed.ready, counting.most
+        relay = Relay(plan, layouts, lane, 2)
+        bucket0 = torch.zeros(relay.first_bytes, dtype=torch.uint8)
+
+        async def slowly(handles: list[Any]) -> str | None:
+            await anyio.sleep(0.1)
+            return None
+
+        assert relay.count >= 5
+        moved = await relay.round(_NoEpochGang(), bucket0, 1, 1, slowly, 10.0)  # type: ignore[arg-type]
+        await anyio.sleep(0.3)
+        relay.close("the test ended", False)
+        return moved
+
+    with anyio.fail_after(30):
+        moved, (ready, most) = await FakeWorld(2).run(rank)
+    assert moved is None
+    assert ready == 1
+    assert most == 2, most
+
+
+async def test_rank_0_closed_alone_tells_the_other_ranks_why_and_its_status_says_ended(
+    channel: Channel,
+) -> None:
+    """``relay`` rule 6, ``service`` rule 8: rank 0's subscriber closed alone ends rank
+    1's rounds with rank 0's reason (it said only that its lane closed), and rank 0's
+    service's status says it ended."""
+    world = Fleet()
+    await world.open(channel)
+    await world.push(1)
+    assert await world.receive() == [1, 1]
+    await world.sharded[0].close()
+    assert world.sharded[0]._service.status == "ended: subscriber 'sharded' was closed"
+    with pytest.raises(GangError) as raised:
+        await world.sharded[1].receive(timeout=PATIENCE)
+    assert "ended with its rank 0, the channel's member: subscriber 'sharded' was closed" in (
+        str(raised.value)
+    ), raised.value
+    world.assert_holds(1)
+
+
+# --- The vote and the copy (server_rank rule 1) ----------------------------------------
+
+
+async def test_a_receive_that_times_out_in_the_vote_still_copies_as_every_rank_does(
+    channel: Channel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 1 comes to the vote 0.5 s late; rank 0's ``receive`` times out (0.2 s)
+    meanwhile, after the exchange, in the vote: the vote and the copy run shielded and
+    bounded, so both ranks copy version 1 and return it, and neither tensors nor
+    ``version`` differ across the ranks; the next push goes on as usual."""
+    world = Fleet()
+    await world.open(channel)
+    await world.push(1)
+    late = world.sharded[1]._over
+    assert late is not None
+    take = late._take
+
+    async def late_take(version: int) -> bool:
+        await anyio.sleep(0.5)
+        return await take(version)
+
+    monkeypatch.setattr(late, "_take", late_take)
+
+    async def one(gang: Gang) -> int | None:
+        if gang.rank == 0:
+            await anyio.sleep(0.1)  # rank 1 asks first: rank 0's exchange ends at once
+            return await world.sharded[0].receive(timeout=0.2)
+        return await world.sharded[1].receive(timeout=PATIENCE)
+
+    assert await world.servers.run(one) == [1, 1]
+    assert [s.version for s in world.sharded] == [1, 1]
+    world.assert_holds(1)
+    monkeypatch.setattr(late, "_take", take)
+    await world.push(2)
+    assert await world.receive() == [2, 2]
+    world.assert_holds(2)
