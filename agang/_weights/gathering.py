@@ -24,12 +24,15 @@ Rules:
    buckets and (for ``Shard(d >= 1)``) one more, whatever the model's size; the other
    ranks send views of their shards (``agang._weights.sharding`` rule 3) and hold
    nothing more.
-4. *A share that does not come* (a rank lost, or past the push's deadline) ends the
-   push on every rank with the blame of the lane's op: the sender stops sending to
-   the fleet and closes the round's gang before any server holds the version
-   (``agang._weights.publisher``), and the lane is closed, so the other ranks' pushes
-   raise too. A gang that lost a rank is broken: the publisher over it is too (its
-   pushes raise, saying why); open one over the gang re-formed.
+4. *A share that does not come* (a rank lost, or late) ends the push on every rank
+   with the blame of the lane's op. Late is past the push's deadline, but never sooner
+   than ``CANCEL_GRACE`` plus the bucket's time at ``GRACE_BYTES_PER_SECOND``: the
+   deadline is the fleet's, and a stalled server that held the round past it is
+   dropped by the recovery, not blamed on the trainer ranks. Such a failure: the
+   sender stops sending to the fleet and closes the round's gang before any server
+   holds the version (``agang._weights.publisher``), and the lane is closed, so the
+   other ranks' pushes raise too. A gang that lost a rank is broken: the publisher
+   over it is too (its pushes raise, saying why); open one over the gang re-formed.
 5. *Cancelled* mid-push, the sender still takes the round's shares (for up to
    ``CANCEL_GRACE`` seconds plus the time they take at ``GRACE_BYTES_PER_SECOND``,
    sending nothing on) and ends the push on the lane, so
@@ -239,7 +242,8 @@ class Gathering:
         if self._receiving is None:
             # One batch a bucket: one op, however many shares (``Gang.exchange``).
             pairs = [(into, rank) for rank, into, _ in receives]
-            seconds = bound(deadline, 0.001)
+            least = CANCEL_GRACE + self._sizes[index] / GRACE_BYTES_PER_SECOND  # rule 4
+            seconds = max(bound(deadline, 0.001), least)
             self._receiving = [self._lane.exchange(recvs=pairs, timeout=seconds)] if pairs else []
             for into, came in own:
                 copy_views(into, came)

@@ -201,6 +201,49 @@ async def test_a_trainer_rank_whose_shares_do_not_come_fails_the_push_and_no_ser
         assert torch.equal(server_tensors[name], value), name
 
 
+async def test_a_stalled_server_is_dropped_and_the_push_past_its_deadline_still_gathers(
+    channel: Channel,
+) -> None:
+    """A whole server that stops taking buckets holds the round's broadcasts up past the
+    push's deadline: the trainer ranks' shares must still be taken then (the lane's ops
+    are not bound by the fleet's deadline), so the stalled server is dropped and the
+    other takes the version, where the push raised "a trainer rank's shares of the
+    weights did not come" before (an exchange given the 0.001 s left)."""
+    servers: dict[str, Any] = {}
+    ready = anyio.Event()
+
+    async def trainer(gang: Gang) -> list[PushReport]:
+        tensors = shards(gang.rank, gang.size, 0)
+        publisher = await open_trainer(channel, gang, tensors)
+        await ready.wait()
+        reports = []
+        for version in (1, 2, 3):
+            write(tensors, gang.rank, gang.size, version)
+            if version == 2 and gang.rank == 0:
+                channel.epochs.stall(servers["late"]._me.uid)
+            reports.append(await publisher.push(version, timeout=0.5))
+        await publisher.close()
+        return reports
+
+    async def open_servers() -> None:
+        for name in ("good", "late"):
+            servers[name] = await whole_server(channel, name)
+        ready.set()
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(open_servers)
+        by_rank = await FakeWorld(2).run(trainer)
+    assert by_rank[0] == by_rank[1]
+    first, stalled, after = by_rank[0]
+    assert first.delivered == ("good", "late"), first
+    assert stalled.delivered == ("good",), stalled
+    assert stalled.dropped["late"].startswith("stalled"), stalled
+    assert after.delivered == ("good",), after
+    assert await servers["good"].receive(timeout=PATIENCE) == 3
+    for name, value in full(3).items():
+        assert torch.equal(servers["good"]._tensors[name], value), name
+
+
 @pytest.mark.parametrize("cancelled", [(0, 1), (0,), (1,)], ids=["both", "rank0", "rank1"])
 async def test_a_push_cancelled_on_any_rank_tears_nothing_and_the_next_one_goes_on(
     channel: Channel, cancelled: tuple[int, ...]
