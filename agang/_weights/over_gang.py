@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -28,6 +28,7 @@ from agang._gang import Gang
 from agang._weights import checks
 from agang._weights.plan import Plan
 from agang._weights.sharding import Layout
+from agang._weights.site import Site
 
 #: Per gang, per channel, the lanes opened (rule 3).
 _OPENED: weakref.WeakKeyDictionary[Gang, dict[str, int]] = weakref.WeakKeyDictionary()
@@ -54,6 +55,44 @@ def layouts_of(tensors: object, gang: Gang) -> tuple[list[Layout], dict[str, tor
         {name: layout.local for name, layout in zip(tensors, layouts, strict=True)}
     )
     return layouts, local
+
+
+@dataclasses.dataclass(frozen=True)
+class Inputs:
+    """What both sides' ``open(gang=)`` take, checked on this rank (rule 1)."""
+
+    channel: str
+    seconds: float | None
+    key: bytes | None
+    layouts: list[Layout]
+    local: dict[str, torch.Tensor]
+    site: Site
+
+
+def check_inputs(
+    gang: Gang,
+    tensors: object,
+    store: object,
+    channel: object,
+    timeout: object,
+    secret: object,
+    who: str,
+    site_of: Callable[[torch.device], Site] | None,
+    default_timeout: float | None = None,
+) -> Inputs:
+    """This rank's inputs to a side's ``open(gang=)``, checked (rule 1); ``who`` is the
+    side, in the store's messages; ``site_of`` gives the channel's site (agang's tests)."""
+    host, port = checks.check_store(store)
+    name = checks.check_channel(channel)
+    seconds = checks.check_deadline(timeout, default=default_timeout)
+    key = checks.check_secret(secret)
+    layouts, local = layouts_of(tensors, gang)
+    device = checks.device_of(local)
+    if site_of is not None:
+        site = site_of(device)
+    else:
+        site = Site.of(str(store), host, port, name, who, device)
+    return Inputs(name, seconds, key, layouts, local, site)
 
 
 def plan_of(names: list[str], layouts: list[Layout], bucket_bytes: int, transport: str) -> Plan:

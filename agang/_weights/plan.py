@@ -55,6 +55,13 @@ HEADER_WORDS = 4
 HEADER_BYTES = 64
 ALIGN = 64
 DEFAULT_BUCKET_BYTES = 4 * 1024 * 1024
+#: The default over a trainer gang (``agang._weights.gathering``): a bucket there costs
+#: two ops, the ranks' shares gathered and then the broadcast, with the wake-ups between,
+#: where a single publisher's costs one; the sender's memory stays a few buckets. In
+#: `bench_weights.py --sharded` runs taking turns (2-core machine, 2026-11-29), a 256 MiB
+#: push took 1.35-1.46x the hand-made gather-and-broadcast with 4 MiB buckets, and
+#: 1.05-1.22x with 16 MiB.
+GANG_BUCKET_BYTES = 16 * 1024 * 1024
 #: The most bytes of bucket 0 where the model needs more than one bucket: a subscriber
 #: receives it apart (its header says what the round is), posts the other buckets'
 #: receives, then copies it. 4 MiB left

@@ -94,7 +94,7 @@ from agang._weights.fleet import Fleet
 from agang._weights.following import Following
 from agang._weights.gathering import Gathering
 from agang._weights.housekeeping import Housekeeping
-from agang._weights.plan import DEFAULT_BUCKET_BYTES, Plan
+from agang._weights.plan import DEFAULT_BUCKET_BYTES, GANG_BUCKET_BYTES, Plan
 from agang._weights.report import PushReport
 from agang._weights.sharding import Layout
 from agang._weights.site import Site
@@ -176,7 +176,7 @@ class WeightPublisher:
         store: str,
         channel: str,
         timeout: float | None = 60.0,  # noqa: ASYNC109  # the default deadline of open and push
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        bucket_bytes: int | None = None,
         secret: str | bytes | None = None,
         gang: Gang | None = None,
     ) -> WeightPublisher:
@@ -196,7 +196,9 @@ class WeightPublisher:
             channel: The channel's name; subscribers name the same.
             timeout: The deadline of ``open`` and each push's default one (seconds; None
                 or ``math.inf``: pushes have none, and ``open`` waits up to 60 s).
-            bucket_bytes: The most bytes of small tensors packed into one broadcast.
+            bucket_bytes: The most bytes of small tensors packed into one broadcast
+                (with ``gang``, also of a larger tensor's, cut between rows); None:
+                4 MiB, or 16 MiB with ``gang``, where each bucket costs a gather too.
             secret: The channel's secret, if it has one: the same on every side. It
                 authenticates the channel's control records in the store, so that a
                 stranger who reaches the store cannot publish or strand a server
@@ -210,6 +212,8 @@ class WeightPublisher:
             ValueError: An argument is invalid (the message names it; with ``gang``,
                 on every rank, naming the rank whose inputs were refused).
         """
+        if bucket_bytes is None:
+            bucket_bytes = DEFAULT_BUCKET_BYTES if gang is None else GANG_BUCKET_BYTES
         if gang is not None:  # every check on every rank, agreed (rule 9)
             return await cls._open_over(
                 over_gang.check_gang(gang), tensors, store, channel, timeout, bucket_bytes, secret
@@ -277,18 +281,12 @@ class WeightPublisher:
         site: Site | None = None
         name, seconds, key = str(channel), None, None
         try:
-            host, port = checks.check_store(store)
-            name = checks.check_channel(channel)
-            seconds = checks.check_deadline(timeout)
-            key = checks.check_secret(secret)
-            layouts, local = over_gang.layouts_of(tensors, gang)
-            device = checks.device_of(local)
-            site = (
-                site_of(device)
-                if site_of is not None
-                else Site.of(str(store), host, port, name, "weights publisher", device)
+            given = over_gang.check_inputs(
+                gang, tensors, store, channel, timeout, secret, "weights publisher", site_of
             )
-            plan = over_gang.plan_of(list(local), layouts, bucket_bytes, site.transport)
+            name, seconds, key, site = given.channel, given.seconds, given.key, given.site
+            layouts = given.layouts
+            plan = over_gang.plan_of(list(given.local), layouts, bucket_bytes, site.transport)
         except (TypeError, ValueError) as error:
             refused = str(error)
         open_for = OPEN_SECONDS if seconds is None else seconds
@@ -345,7 +343,7 @@ class WeightPublisher:
         store: str,
         channel: str,
         timeout: float | None = 60.0,
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        bucket_bytes: int | None = None,
         secret: str | bytes | None = None,
     ) -> WeightPublisher:
         """[`open`][agang.WeightPublisher.open] for programs without an event loop."""

@@ -250,20 +250,14 @@ class WeightSubscriber:
         key: bytes | None = None
         placed = False
         try:
-            host, port = checks.check_store(store)
-            channel = checks.check_channel(channel)
             name = checks.check_name(given) or default_name()  # None: not "None"
-            seconds = checks.check_deadline(timeout, default=60.0)
             placed = checks.check_bool(in_place, name="in_place")
-            key = checks.check_secret(secret)
-            layouts, local = over_gang.layouts_of(tensors, gang)
-            device = checks.device_of(local)
             who = f"subscriber '{name}'"
-            site = (
-                site_of(device)
-                if site_of is not None
-                else Site.of(str(store), host, port, channel, who, device)
+            inputs = over_gang.check_inputs(
+                gang, tensors, store, channel, timeout, secret, who, site_of, 60.0
             )
+            channel, seconds, key, site = inputs.channel, inputs.seconds, inputs.key, inputs.site
+            layouts, local = inputs.layouts, inputs.local
         except (TypeError, ValueError) as error:
             refused = str(error)
         with anyio.move_on_after(60.0 if seconds is None else seconds) as waited:
