@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import functools
 import json
 import os
@@ -50,6 +51,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -127,9 +129,7 @@ async def serve(address: str, servers: int, rank: int, sizes: list[int], quick: 
                 in_place=mode == "in place",
             )
             admitted = int(store.get(key(servers, size, mode, "admitted")).decode())
-            version = 0
-            while version < admitted:
-                version = await subscriber.receive(timeout=120)
+            version = await take_until(subscriber, admitted)
             store.set(key(servers, size, mode, f"taken/{rank}"), str(version))
             for _ in range(rounds_for(size, quick) + 1):  # a raw round, then a push
                 raw_round(group, flat)
@@ -168,12 +168,7 @@ async def publish(
             publisher = await WeightPublisher.open(
                 tensors, store=address, channel=channel_of(servers, size, mode), timeout=120
             )
-            version = 0
-            for _ in range(200):  # the first push that reaches every server admits them
-                version += 1
-                if len((await publisher.push(version)).delivered) == servers:
-                    break
-                await asyncio.sleep(0.05)
+            version = await admit(publisher, servers)
             store.set(key(servers, size, mode, "admitted"), str(version))
             raw, pushes = [], []
             for turn in range(count + 1):  # turn 0 warms up
@@ -211,9 +206,19 @@ async def publish(
     return rows
 
 
-def run(servers: int, sizes: list[int], quick: bool) -> list[dict[str, Any]]:
+@contextlib.contextmanager
+def store_and_servers(sizes: list[int], quick: bool) -> Iterator[tuple[str, Callable[..., None]]]:
+    """An ``agang store``'s address, and a call that starts a server (this script with
+    the arguments given, then the sizes' and ``--quick``); every process started is
+    killed by its pid at the end."""
     started: list[subprocess.Popen[str]] = []
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    sized = [str(s) for s in sizes] + (["--quick"] if quick else [])
+
+    def start_server(*args: str) -> None:
+        command = [sys.executable, __file__, *args, *sized]
+        started.append(subprocess.Popen(command, env=env, text=True))
+
     try:
         store = subprocess.Popen(
             [sys.executable, "-m", "agang", "store", "--port", "0", "--quiet"],
@@ -223,22 +228,40 @@ def run(servers: int, sizes: list[int], quick: bool) -> list[dict[str, Any]]:
         )
         started.append(store)
         assert store.stdout is not None
-        address = store.stdout.readline().split()[-1]
-        args = [str(s) for s in sizes] + (["--quick"] if quick else [])
-        for rank in range(1, servers + 1):
-            started.append(
-                subprocess.Popen(
-                    [sys.executable, __file__, "--serve", address, str(servers), str(rank), *args],
-                    env=env,
-                    text=True,
-                )
-            )
-        return asyncio.run(publish(address, servers, sizes, quick))
+        yield store.stdout.readline().split()[-1], start_server
     finally:
         for process in reversed(started):  # ours, by pid
             if process.poll() is None:
                 process.kill()
             process.wait(timeout=30)
+
+
+async def admit(publisher: WeightPublisher, servers: int) -> int:
+    """Pushes until a push reaches all ``servers`` (the first that does admits them);
+    returns its version."""
+    version = 0
+    for _ in range(200):
+        version += 1
+        if len((await publisher.push(version)).delivered) == servers:
+            break
+        await asyncio.sleep(0.05)
+    return version
+
+
+async def take_until(subscriber: WeightSubscriber, admitted: int) -> int:
+    """Receives until the subscriber holds version ``admitted`` (the push that admitted
+    it) or later; returns the version it holds."""
+    version = 0
+    while version < admitted:
+        version = await subscriber.receive(timeout=120)
+    return version
+
+
+def run(servers: int, sizes: list[int], quick: bool) -> list[dict[str, Any]]:
+    with store_and_servers(sizes, quick) as (address, start_server):
+        for rank in range(1, servers + 1):
+            start_server("--serve", address, str(servers), str(rank))
+        return asyncio.run(publish(address, servers, sizes, quick))
 
 
 # --- Sharded mode (--sharded): a 2-rank FSDP2 trainer pushes to one whole server. ---
@@ -381,12 +404,7 @@ async def sharded_rank(address: str, sizes: list[int], quick: bool, gang: Any) -
         publisher = await WeightPublisher.open(
             state, store=address, channel=channel_of(1, size, SHARDED), timeout=120, gang=gang
         )
-        version = 0
-        for _ in range(200):  # the first push that reaches the server admits it
-            version += 1
-            if (await publisher.push(version)).delivered:
-                break
-            await asyncio.sleep(0.05)
+        version = await admit(publisher, 1)
         if rank == 0:
             store.set(key(1, size, SHARDED, "admitted"), str(version))
             wait_taken(store, 1, size, SHARDED, version)
@@ -465,9 +483,7 @@ async def serve_sharded(address: str, sizes: list[int], quick: bool) -> None:
         )
         taken = key(1, size, SHARDED, "taken/1")
         admitted = int(wait_key(store, key(1, size, SHARDED, "admitted")).decode())
-        version = 0
-        while version < admitted:
-            version = await subscriber.receive(timeout=120)
+        version = await take_until(subscriber, admitted)
         store.set(taken, str(version))
         version = await subscriber.receive(timeout=120)  # the memory window's push
         store.set(taken, str(version))
@@ -508,34 +524,13 @@ def sharded_line(row: dict[str, Any]) -> str:
 def run_sharded(sizes: list[int], quick: bool) -> list[dict[str, Any]]:
     """An ``agang store``, the server (a process of this script) and the trainer's 2
     ranks (``run_world``); the rows, rank 0's with rank 1's peaks as ``rank1_*``."""
-    started: list[subprocess.Popen[str]] = []
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    try:
-        store = subprocess.Popen(
-            [sys.executable, "-m", "agang", "store", "--port", "0", "--quiet"],
-            stdout=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        started.append(store)
-        assert store.stdout is not None
-        address = store.stdout.readline().split()[-1]
-        args = [str(s) for s in sizes] + (["--quick"] if quick else [])
-        started.append(
-            subprocess.Popen(
-                [sys.executable, __file__, "--serve-sharded", address, *args], env=env, text=True
-            )
-        )
+    with store_and_servers(sizes, quick) as (address, start_server):
+        start_server("--serve-sharded", address)
         ranks = run_world(
             functools.partial(sharded_rank, address, sizes, quick),
             TRAINER_RANKS,
             timeout=120 + 60 * len(sizes) if quick else 1800,
         )
-    finally:
-        for process in reversed(started):  # ours, by pid
-            if process.poll() is None:
-                process.kill()
-            process.wait(timeout=30)
     rows = []
     for first, second in zip(ranks[0], ranks[1], strict=True):
         rows.append(

@@ -35,9 +35,10 @@ async def _all_reduce_of_own_length(gang: agang.Gang) -> dict[str, Any]:
     return {"checked": checked, "message": "no error"}
 
 
-@pytest.mark.parametrize("async_backend", ["asyncio", "uvloop", "trio"])
-def test_a_shape_that_differs_between_ranks_raises_on_every_rank(async_backend: str) -> None:
-    reports = run_world(_all_reduce_of_own_length, 2, async_backend=async_backend, timeout=60.0)
+def test_a_shape_that_differs_between_ranks_raises_on_every_rank() -> None:
+    # One loop (asyncio): the check compares the ranks' fingerprints before any op
+    # starts, the same on every loop; tests/world's order checks run it on all three.
+    reports = run_world(_all_reduce_of_own_length, 2, async_backend="asyncio", timeout=60.0)
     for rank, report in enumerate(reports):
         assert report["checked"] is True, report  # the default on Gloo
         message = report["message"]

@@ -13,11 +13,9 @@ import os
 import signal
 import subprocess
 
-import anyio
 import pytest
 from storeutil import wait_until_stopped
 from weightfleet import (
-    ADMISSION,
     PUSH_TIMEOUT,
     RECOVERY,
     SLACK,
@@ -26,6 +24,7 @@ from weightfleet import (
     push,
     push_until_delivered,
     serve,
+    until_pending,
 )
 from weightserver import model
 
@@ -51,7 +50,7 @@ async def test_every_push_is_exact_and_a_joiner_gets_the_next_push_in_full(
             server.received(2)
         late = serve(started, store, "late", "--in-place")
         late.opened()  # opened between pushes: admitted at the next one, in full
-        await anyio.sleep(ADMISSION)
+        await until_pending(publisher, "late")
         report = await push(publisher, 3)
         assert report.delivered == ("late", "s0", "s1"), report
         assert sorted(publisher.subscribers) == ["late", "s0", "s1"]
@@ -89,7 +88,7 @@ async def test_a_server_killed_mid_push_is_dropped_and_a_reopened_one_admitted_a
             server.received(2)
         again = serve(started, store, "s1")  # the server restarted, under its name
         again.opened()
-        await anyio.sleep(ADMISSION)
+        await until_pending(publisher, "s1")
         report = await push(publisher, 3)
         assert report.delivered == ("s0", "s1", "s2"), report
         assert report.dropped == {}, report

@@ -23,7 +23,6 @@ import anyio
 import pytest
 import torch.distributed as dist
 from weightfleet import (
-    ADMISSION,
     PUSH_TIMEOUT,
     RECOVERY,
     SLACK,
@@ -31,6 +30,7 @@ from weightfleet import (
     open_publisher,
     push,
     serve,
+    until_pending,
 )
 
 pytestmark = [pytest.mark.gloo, pytest.mark.anyio, pytest.mark.timeout(120)]
@@ -66,7 +66,7 @@ async def test_every_push_over_nccl_is_exact_and_a_killed_server_is_dropped_then
             server.received(2)
         again = serve(started, store, "s1", env=SIM)  # restarted under its name
         again.opened()
-        await anyio.sleep(ADMISSION)
+        await until_pending(publisher, "s1")
         report = await push(publisher, 3)
         assert report.delivered == ("s0", "s1", "s2"), report
         assert report.dropped == {}, report

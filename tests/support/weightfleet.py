@@ -117,6 +117,20 @@ async def open_publisher(store: str, deadline: float = 20.0) -> WeightPublisher:
     return await WeightPublisher.open(model(0), store=store, channel="w", timeout=deadline)
 
 
+async def until_pending(publisher: WeightPublisher, name: str) -> None:
+    """Waits until ``publisher`` has read ``name``'s registration (a joiner its next push
+    admits), polling every 50 ms, in place of a fixed wait of ``ADMISSION``; a joiner
+    never read in five times that fails the test here."""
+    fleet = publisher._fleet
+    give_up_at = time.monotonic() + 5 * ADMISSION
+    while True:
+        with fleet._lock:
+            if any(member.name == name for member in fleet._pending.values()):
+                return
+        assert time.monotonic() < give_up_at, f"{name} was not read within {5 * ADMISSION} s"
+        await anyio.sleep(0.05)
+
+
 async def push_until_delivered(publisher: WeightPublisher, first: int, name: str) -> PushReport:
     """Pushes ``first``, ``first + 1``, ... until ``name`` gets one (its re-registration
     may land after a push began), at most 10 times in 20 s."""

@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import anyio
 import anyio.to_thread
 import pytest
 import torch
-from weightsworld import Channel, agang_threads
+from weightsworld import Channel
 
 from agang import GangError, PushReport
 from agang._membership import deaths
@@ -29,36 +29,11 @@ from agang._weights import channel as channel_keys
 from agang._weights import fleet, publisher, upstream
 from agang._weights.admission import RECOVERY_SECONDS
 
-pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60), pytest.mark.usefixtures("short_beats")]
 
 T = TypeVar("T")
 #: A generous bound for "at once": ten times what the machine should need.
 PATIENCE = 10.0
-
-
-@pytest.fixture(autouse=True)
-def _beats(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Beats every 50 ms, not 200: opening and admission wait a beat; the silences
-    that judge a member keep their lengths (``quick`` shortens those)."""
-    for module in (channel_keys, fleet, upstream):
-        monkeypatch.setattr(module, "BEAT", 0.05)
-
-
-@pytest.fixture
-async def channel() -> AsyncIterator[Channel]:
-    before = agang_threads()
-    opened = Channel()
-    try:
-        yield opened
-    finally:
-        await opened.close()
-    # Closing leaves no thread of the channel's behind (a gang's close may take a moment).
-    for _ in range(100):
-        left = {t.name for t in agang_threads() - before}
-        if not left:
-            break
-        await anyio.sleep(0.05)
-    assert not left, left
 
 
 @pytest.fixture

@@ -7,23 +7,20 @@ real processes: ``tests/gloo/test_weights_fsdp.py``."""
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
 import pytest
 import torch
-from weightsworld import Channel, agang_threads
+from weightsworld import Channel
 
 from agang import GangError, PushReport, Sharded
 from agang._gang import Gang
-from agang._weights import channel as channel_keys
-from agang._weights import fleet, upstream
 from agang._weights.plan import FIRST_BUCKET_BYTES
 from agang._weights.publisher import WeightPublisher
 from agang.testing import FakeWorld
 
-pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60), pytest.mark.usefixtures("short_beats")]
 
 PATIENCE = 10.0
 #: (global shape, the dimension it is split along over the trainer gang; None: whole)
@@ -70,28 +67,6 @@ def write(tensors: dict[str, Any], rank: int, size: int, version: float) -> None
         into = tensors[name].tensor if isinstance(tensors[name], Sharded) else tensors[name]
         came = value.tensor if isinstance(value, Sharded) else value
         into.copy_(came)
-
-
-@pytest.fixture(autouse=True)
-def _beats(monkeypatch: pytest.MonkeyPatch) -> None:
-    for module in (channel_keys, fleet, upstream):
-        monkeypatch.setattr(module, "BEAT", 0.05)
-
-
-@pytest.fixture
-async def channel() -> AsyncIterator[Channel]:
-    before = agang_threads()
-    opened = Channel()
-    try:
-        yield opened
-    finally:
-        await opened.close()
-    for _ in range(100):
-        left = {t.name for t in agang_threads() - before}
-        if not left:
-            break
-        await anyio.sleep(0.05)
-    assert not left, left
 
 
 async def open_trainer(

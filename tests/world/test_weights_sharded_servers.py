@@ -9,19 +9,19 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
 import pytest
 import torch
 from test_weights_sharded import full, open_trainer, shards, write
-from weightsworld import Channel, agang_threads
+from weightsworld import Channel
 
 from agang import GangError, GangInitError, PushReport, Sharded
 from agang._gang import Gang
 from agang._weights import channel as channel_keys
-from agang._weights import fleet, over_gang, subscriber, upstream
+from agang._weights import over_gang, subscriber
 from agang._weights import relay as relay_module
 from agang._weights.plan import FIRST_BUCKET_BYTES
 from agang._weights.relay import Relay
@@ -30,31 +30,9 @@ from agang._weights.sharding import Layout
 from agang._weights.subscriber import WeightSubscriber
 from agang.testing import FakeWorld
 
-pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60), pytest.mark.usefixtures("short_beats")]
 
 PATIENCE = 10.0
-
-
-@pytest.fixture(autouse=True)
-def _beats(monkeypatch: pytest.MonkeyPatch) -> None:
-    for module in (channel_keys, fleet, upstream):
-        monkeypatch.setattr(module, "BEAT", 0.05)
-
-
-@pytest.fixture
-async def channel() -> AsyncIterator[Channel]:
-    before = agang_threads()
-    opened = Channel()
-    try:
-        yield opened
-    finally:
-        await opened.close()
-    for _ in range(100):
-        left = {t.name for t in agang_threads() - before}
-        if not left:
-            break
-        await anyio.sleep(0.05)
-    assert not left, left
 
 
 async def open_server(
