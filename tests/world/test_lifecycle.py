@@ -240,7 +240,9 @@ async def test_the_gang_is_broken_before_any_waiter_wakes(failure: str) -> None:
 
 
 async def test_a_cancelled_waiter_then_a_peer_that_never_comes() -> None:
-    world = FakeWorld(2, op_timeout=0.2)
+    # 1 s: 100 times the waiter's 0.01 s (with 0.2 s, CI's loaded machine once stalled
+    # the loop past the op's deadline before the waiter's cancel was seen).
+    world = FakeWorld(2, op_timeout=1.0)
     handle = world[0].all_reduce(torch.ones(1))
 
     with anyio.move_on_after(0.01):
