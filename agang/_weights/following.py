@@ -76,8 +76,8 @@ class Following:
         #: Why the lane is out of step (rule 2), or None.
         self.broken: str | None = None
         self.last: PushReport | None = None
-        # Where the lane stands (rule 4): the word's broadcast, the next bucket to send
-        # (None: no round), the buckets' sends in flight, the outcome's broadcast.
+        # Where the lane stands (rule 4): the word's receive, the next bucket to send
+        # (None: no round), the buckets' sends in flight, the outcome's receive.
         self._heard: Handle[torch.Tensor] | None = None
         self._next: int | None = None
         self._flying: list[list[Handle[list[torch.Tensor]]]] = []
@@ -178,13 +178,13 @@ class Following:
                     raise GangError(f"rank 0 sent {type(outcome).__name__} as the push's outcome")
                 return outcome
             if self._heard is None:
-                self._heard = lane.broadcast(self._word, 0, timeout=timeout)
+                self._heard = lane.recv(self._word, 0, timeout=timeout)
             await self._heard
             self._heard = None
             what = int(self._word[0])
             if what == DONE:  # the outcome's length, then the outcome (gathering rule 2)
                 text = torch.empty(int(self._word[1]), dtype=torch.uint8, device=self._word.device)
-                self._outcome = lane.broadcast(text, 0, timeout=timeout)
+                self._outcome = lane.recv(text, 0, timeout=timeout)
             elif what == ROUND:
                 rounds.add(int(self._word[1]))
                 self._next = 0

@@ -6,14 +6,17 @@ Rules:
    ranks (``agang._weights.following``) send it their shares of each bucket over a lane
    of the gang (``weights:CHANNEL``: its own order, so the push never interleaves with
    the trainer's other collectives). A push is a collective over the gang.
-2. *The lane's words.* Every push, on the lane: rank 0 broadcasts a control word per
-   round (``ROUND`` and the version: a recovery runs the round again, and the shards
-   are read again, since no rank keeps the model whole), each rank sends its
-   shares of each bucket in plan order, and the push ends with ``DONE`` (with the length
-   of what follows) and the push's outcome (the report, or why it failed, as JSON)
-   broadcast from rank 0, so that every rank returns the same report or raises the same
-   error. Rank 0 sees each word through only before it says the next (``settle``), or
-   at ``close``: a push waits for neither its first word nor its last.
+2. *The lane's words.* Every push, on the lane: rank 0 sends each rank a control word
+   per round (``ROUND`` and the version: a recovery runs the round again, and the shards
+   are read again, since no rank keeps the model whole), each rank sends its shares of
+   each bucket in plan order, and the push ends with ``DONE`` (with the length of what
+   follows) and the push's outcome (the report, or why it failed, as JSON) sent from
+   rank 0, so that every rank returns the same report or raises the same error. The
+   words go point to point, not as broadcasts: their sizes are fixed, or said before,
+   so the order check a broadcast of a Gloo gang takes first (a round trip of its own,
+   before the round's first word) guards nothing here. Rank 0 sees each word through
+   only before it says the next (``settle``), or at ``close``: a push waits for neither
+   its first word nor its last.
 3. *Bounded memory.* Bucket 0 (at most ``FIRST_BUCKET_BYTES`` past one bucket, with the
    header) has a buffer of its own; the others take turns in a ring of ``RING`` buffers
    of one bucket each, a buffer taken again only once the broadcast of the bucket before
@@ -221,8 +224,7 @@ class Gathering:
         self._check()
         await self._finish_taking(deadline)  # a round left open by a cancel (rule 5)
         await self.settle()
-        word = control(ROUND, version, 0, self._device)
-        self._said.append(self._lane.broadcast(word, 0, timeout=bound(deadline, 0.001)))
+        self._say(control(ROUND, version, 0, self._device), bound(deadline, 0.001))
         self._open_round = 0
 
     async def take(self, index: int, deadline: float, before: Handle[Any] | None) -> torch.Tensor:
@@ -270,8 +272,14 @@ class Gathering:
             await self.settle()
             text = torch.frombuffer(bytearray(json.dumps(outcome).encode()), dtype=torch.uint8)
             done = control(DONE, text.numel(), 0, self._device)
-            self._said.append(self._lane.broadcast(done, 0, timeout=seconds))
-            self._said.append(self._lane.broadcast(text.to(self._device), 0, timeout=seconds))
+            self._say(done, seconds)
+            self._say(text.to(self._device), seconds)
+
+    def _say(self, word: torch.Tensor, seconds: float) -> None:
+        """Sends ``word`` to every other rank (rule 2)."""
+        sends = [(word, rank) for rank in range(1, self._lane.size)]
+        if sends:
+            self._said.append(self._lane.exchange(sends=sends, timeout=seconds))
 
     async def settle(self) -> None:
         """Sees the words said on the lane through (rule 2)."""
