@@ -31,7 +31,9 @@ hand-made (goal: at most 1.2x from 16 MiB up). It also reports rank 0's extra me
 the gathering's buffers (``publisher._gathering.allocated_bytes``; goal: at most 3
 buckets), the rise of rank 0's peak resident memory (``VmHWM``, reset before) over the
 publisher's open, admission and a push, and over the hand-made's first round (its
-whole copy of the model); and whether the server's bytes were exact on both paths.
+whole copy of the model); each trainer rank's CPU time (``time.process_time``, every
+thread of the process) in a turn of each path (rank 0's printed, both ranks' in the
+JSON); and whether the server's bytes were exact on both paths.
 
     python bench/bench_weights.py --sharded --quick   # 1 MiB, 16 MiB (about 15 s)
     python bench/bench_weights.py --sharded           # 16 MiB .. 1 GiB (about 1 min)
@@ -424,21 +426,21 @@ async def sharded_rank(address: str, sizes: list[int], quick: bool, gang: Any) -
         theirs = [flat[at : at + n] for at, n in spans(state, 1)]
         if rank:
             own, theirs = [], []
-        hand, pushes, reported = [], [], []
+        hand, pushes, reported, cpu_hand, cpu_push = [], [], [], [], []
         hand_peak: int | None = None
         for turn in range(count + 1):  # turn 0 warms up
-            started = time.perf_counter()
+            started, cpu = time.perf_counter(), time.process_time()
             if rank == 0:
                 hand_made(peers, fleet, flat, own, theirs)
             else:
                 hand_made_share(peers, shares)
-            hand_s = time.perf_counter() - started
+            hand_s, hand_cpu = time.perf_counter() - started, time.process_time() - cpu
             if turn == 0:
                 hand_peak = peak_since(start)
             version += 1
-            started = time.perf_counter()
+            started, cpu = time.perf_counter(), time.process_time()
             report = await publisher.push(version)
-            push_s = time.perf_counter() - started
+            push_s, push_cpu = time.perf_counter() - started, time.process_time() - cpu
             assert report.delivered, report
             if rank == 0:
                 wait_taken(store, 1, size, SHARDED, version)
@@ -446,8 +448,17 @@ async def sharded_rank(address: str, sizes: list[int], quick: bool, gang: Any) -
                 hand.append(hand_s)
                 pushes.append(push_s)
                 reported.append(report.seconds)
+                cpu_hand.append(hand_cpu)
+                cpu_push.append(push_cpu)
         await publisher.close()
-        row: dict[str, Any] = {"rank": rank, "push_peak": push_peak, "hand_peak": hand_peak}
+        row: dict[str, Any] = {
+            "rank": rank,
+            "push_peak": push_peak,
+            "hand_peak": hand_peak,
+            # This process's CPU (every thread's) in a turn of each path, medians.
+            "cpu_hand": statistics.median(cpu_hand),
+            "cpu_push": statistics.median(cpu_push),
+        }
         if rank == 0:
             exact = wait_key(store, key(1, size, SHARDED, "exact")).decode()
             hand_s, push_s = statistics.median(hand), statistics.median(pushes)
@@ -502,7 +513,8 @@ async def serve_sharded(address: str, sizes: list[int], quick: bool) -> None:
 
 SHARDED_HEADER = (
     "    model  bucket  rounds   hand-made        push   ratio  "
-    "agang buffers  /bucket  /model  push peak  hand-made peak  exact"
+    "agang buffers  /bucket  /model  push peak  hand-made peak  "
+    "rank 0's CPU: push / hand-made  exact"
 )
 
 
@@ -517,7 +529,9 @@ def sharded_line(row: dict[str, Any]) -> str:
         f"{format_seconds(row['push']):>10}  {row['ratio']:>5.2f}x  "
         f"{mib(row['buffers']):>13}  {row['buffers'] / row['bucket_bytes']:>6.2f}x  "
         f"{row['buffers'] / row['bytes']:>5.3f}x  {mib(row['push_peak']):>9}  "
-        f"{mib(row['hand_peak']):>14}  {row['exact']}"
+        f"{mib(row['hand_peak']):>14}  "
+        f"{format_seconds(row['cpu_push']):>9} / {format_seconds(row['cpu_hand']):<9}  "
+        f"{row['exact']}"
     )
 
 
@@ -538,6 +552,8 @@ def run_sharded(sizes: list[int], quick: bool) -> list[dict[str, Any]]:
                 **first,
                 "rank1_push_peak": second["push_peak"],
                 "rank1_hand_peak": second["hand_peak"],
+                "rank1_cpu_hand": second["cpu_hand"],
+                "rank1_cpu_push": second["cpu_push"],
             }
         )
     return rows
