@@ -383,7 +383,9 @@ def wait_key(store: Any, name: str, seconds: float = 120.0) -> bytes:
     return store.get(name)  # type: ignore[no-any-return]
 
 
-async def sharded_rank(address: str, sizes: list[int], quick: bool, gang: Any) -> list[Any]:
+async def sharded_rank(
+    address: str, sizes: list[int], quick: bool, bucket_bytes: int | None, gang: Any
+) -> list[Any]:
     """A trainer rank (``run_world``): for each size, an FSDP2 model, a publisher over
     ``gang`` admitting the server, then turns of a hand-made round and a push, timed on
     rank 0 (rank 1 takes part, and measures its own peak)."""
@@ -404,7 +406,12 @@ async def sharded_rank(address: str, sizes: list[int], quick: bool, gang: Any) -
         # The publisher's memory: open, admission, and a push to the server.
         start = reset_peak()
         publisher = await WeightPublisher.open(
-            state, store=address, channel=channel_of(1, size, SHARDED), timeout=120, gang=gang
+            state,
+            store=address,
+            channel=channel_of(1, size, SHARDED),
+            timeout=120,
+            gang=gang,
+            bucket_bytes=bucket_bytes,
         )
         version = await admit(publisher, 1)
         if rank == 0:
@@ -535,13 +542,13 @@ def sharded_line(row: dict[str, Any]) -> str:
     )
 
 
-def run_sharded(sizes: list[int], quick: bool) -> list[dict[str, Any]]:
+def run_sharded(sizes: list[int], quick: bool, bucket_bytes: int | None) -> list[dict[str, Any]]:
     """An ``agang store``, the server (a process of this script) and the trainer's 2
     ranks (``run_world``); the rows, rank 0's with rank 1's peaks as ``rank1_*``."""
     with store_and_servers(sizes, quick) as (address, start_server):
         start_server("--serve-sharded", address)
         ranks = run_world(
-            functools.partial(sharded_rank, address, sizes, quick),
+            functools.partial(sharded_rank, address, sizes, quick, bucket_bytes),
             TRAINER_RANKS,
             timeout=120 + 60 * len(sizes) if quick else 1800,
         )
@@ -566,7 +573,7 @@ def main_sharded(args: argparse.Namespace) -> int:
         f"hand-made: gather onto rank 0 point to point, raw broadcast + barrier"
     )
     print(SHARDED_HEADER, flush=True)
-    rows = run_sharded(sizes, args.quick)
+    rows = run_sharded(sizes, args.quick, args.bucket_bytes)
     large = [row["ratio"] for row in rows if row["bytes"] >= SHARDED_RATIO_FROM]
     if large:
         print(
@@ -633,6 +640,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="a 2-rank FSDP2 trainer pushing to 1 server, against a hand-made gather and "
         "broadcast (16 MiB to 1 GiB, or 1 and 16 MiB with --quick)",
+    )
+    parser.add_argument(
+        "--bucket-bytes",
+        type=int,
+        default=None,
+        help="--sharded: the publisher's bucket_bytes (default: its own, 16 MiB over a gang)",
     )
     parser.add_argument(
         "--serve", nargs=3, metavar=("STORE", "SERVERS", "RANK"), help=argparse.SUPPRESS

@@ -58,9 +58,10 @@ DEFAULT_BUCKET_BYTES = 4 * 1024 * 1024
 #: The default over a trainer gang (``agang._weights.gathering``): a bucket there costs
 #: two ops, the ranks' shares gathered and then the broadcast, with the wake-ups between,
 #: where a single publisher's costs one; the sender's memory stays a few buckets. In
-#: `bench_weights.py --sharded` runs taking turns (2-core machine, 2026-11-29), a 256 MiB
-#: push took 1.35-1.46x the hand-made gather-and-broadcast with 4 MiB buckets, and
-#: 1.05-1.22x with 16 MiB.
+#: three runs each of `bench_weights.py --sharded --bucket-bytes B 16777216 67108864`,
+#: alternating (2-core machine, 2026-11-29), a 64 MiB push took 1.30-1.45x the hand-made
+#: gather-and-broadcast with 4 MiB buckets and 1.08-1.12x with 16 MiB (16 MiB models:
+#: 1.43-1.54x and 1.35-1.39x).
 GANG_BUCKET_BYTES = 16 * 1024 * 1024
 #: The most bytes of bucket 0 where the model needs more than one bucket: a subscriber
 #: receives it apart (its header says what the round is), posts the other buckets'
