@@ -324,7 +324,7 @@ async def test_a_relay_round_that_stops_part_way_ends_on_the_lane_and_the_next_o
         first = await relay.round(epoch, bucket0, 1, 1, moves_on_at_the_third, 10.0)  # type: ignore[arg-type]
         second = await relay.round(epoch, bucket0, 2, 2, stays, 10.0)  # type: ignore[arg-type]
         await anyio.sleep(0.5)
-        relay.close("the test ended", False)
+        await anyio.to_thread.run_sync(relay.close, "the test ended", False)  # off the loop
         return (first, second, relay.broken)
 
     (first, second, broken), (error, saw_one, ready) = await FakeWorld(2).run(rank)
@@ -525,7 +525,7 @@ async def test_a_stuck_rank_is_named_within_a_bound_of_one_op_not_of_the_version
             return time.monotonic() - began, relay.broken
         finally:
             done.set()
-            relay.close("the test ended", False)
+            await anyio.to_thread.run_sync(relay.close, "the test ended", False)
 
     with anyio.fail_after(30):
         (took, broken), _ = await FakeWorld(2).run(rank)
@@ -556,6 +556,10 @@ async def test_a_rank_has_at_most_two_buckets_receives_in_flight() -> None:
     """``relayed`` rule 1: while rank 0 waits for each bucket (0.1 s here), rank 1 has
     at most two buckets' receives posted (it posted a third before it awaited the first)."""
 
+    # As in a server: the relay closes off the loop (its close waits for its words), and
+    # rank 1 stops its thread once rank 0 closed (the stop blocks the ranks' one loop).
+    closed = anyio.Event()
+
     async def rank(gang: Gang) -> Any:
         plan, layouts = _relay_plan(gang, 64 * 6)
         lane = await gang.lane("relay")
@@ -566,6 +570,7 @@ async def test_a_rank_has_at_most_two_buckets_receives_in_flight() -> None:
                 if relayed.ready == 1 or relayed.error is not None:
                     break
                 await anyio.sleep(0.02)
+            await closed.wait()
             relayed.stop(2.0)
             return relayed.ready, counting.most
         relay = Relay(plan, layouts, lane, 2)
@@ -578,7 +583,8 @@ async def test_a_rank_has_at_most_two_buckets_receives_in_flight() -> None:
         assert relay.count >= 5
         moved = await relay.round(_NoEpochGang(), bucket0, 1, 1, slowly, 10.0)  # type: ignore[arg-type]
         await anyio.sleep(0.3)
-        relay.close("the test ended", False)
+        await anyio.to_thread.run_sync(relay.close, "the test ended", False)  # off the loop
+        closed.set()
         return moved
 
     with anyio.fail_after(30):
