@@ -345,6 +345,7 @@ class WeightPublisher:
         timeout: float | None = 60.0,
         bucket_bytes: int | None = None,
         secret: str | bytes | None = None,
+        gang: Gang | None = None,
     ) -> WeightPublisher:
         """[`open`][agang.WeightPublisher.open] for programs without an event loop."""
         return run_sync(  # type: ignore[no-any-return]
@@ -356,6 +357,7 @@ class WeightPublisher:
                 timeout=timeout,
                 bucket_bytes=bucket_bytes,
                 secret=secret,
+                gang=gang,
             )
         )
 

@@ -462,6 +462,7 @@ class WeightSubscriber:
         timeout: float | None = 60.0,
         in_place: bool = False,
         secret: str | bytes | None = None,
+        gang: Gang | None = None,
     ) -> WeightSubscriber:
         """[`open`][agang.WeightSubscriber.open] for programs without an event loop."""
         return run_sync(  # type: ignore[no-any-return]
@@ -474,6 +475,7 @@ class WeightSubscriber:
                 timeout=timeout,
                 in_place=in_place,
                 secret=secret,
+                gang=gang,
             )
         )
 

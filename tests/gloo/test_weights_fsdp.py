@@ -12,7 +12,7 @@ import anyio
 import anyio.to_thread
 import pytest
 import torch
-from shardedtrainer import open_refused, push_versions, shapes, version_of
+from shardedtrainer import open_refused, push_versions, push_versions_sync, shapes, version_of
 
 from agang import GangError, WeightSubscriber
 from agang.testing import WorldRunError, run_world
@@ -33,23 +33,20 @@ def whole(version: int) -> dict[str, torch.Tensor]:
 
 
 async def trainer_and_server(
-    store: str, channel: str, versions: int, **options: Any
+    store: str, channel: str, versions: int, sync: bool = False, **options: Any
 ) -> tuple[list[Any], WeightSubscriber]:
-    """The 2-rank FSDP2 trainer (a thread runs its world) and a whole server here."""
+    """The 2-rank FSDP2 trainer (a thread runs its world; ``sync``: the trainer has no
+    event loop) and a whole server here."""
     zeros = {name: torch.zeros(shape) for name, shape in shapes().items()}
-    run = functools.partial(
-        run_world,
-        functools.partial(
-            push_versions,
-            store=store,
-            channel=channel,
-            versions=versions,
-            servers=("whole",),
-            **options,
-        ),
-        2,
-        timeout=150,
+    pushing = functools.partial(
+        push_versions_sync if sync else push_versions,
+        store=store,
+        channel=channel,
+        versions=versions,
+        servers=("whole",),
+        **options,
     )
+    run = functools.partial(run_world, pushing, 2, timeout=150, make_gang=not sync)
     results: list[Any] = []
 
     async def trainer() -> None:
@@ -65,10 +62,13 @@ async def trainer_and_server(
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@pytest.mark.parametrize("sync", [False, True], ids=["async", "sync"])
 async def test_an_fsdp2_trainer_on_two_ranks_delivers_exact_contents_to_a_whole_server(
-    store: str,
+    store: str, sync: bool
 ) -> None:
-    results, server = await trainer_and_server(store, "fsdp", versions=2)
+    """Pushed from an event loop, and from a program without one (``init_sync``,
+    ``open_sync(gang=)``, ``push_sync``, ``close_sync``)."""
+    results, server = await trainer_and_server(store, f"fsdp-{sync}", versions=2, sync=sync)
     try:
         ranks = [[(r.version, r.delivered) for r in reports] for reports in results]
         assert ranks[0] == ranks[1]  # the same reports on both ranks

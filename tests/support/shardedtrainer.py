@@ -2,7 +2,8 @@
 FSDP2 model (``fully_shard`` of each layer, then the root, on the gang's ranks), whose
 parameters are set at each version to ``version_of(name, shape, version)``, pushed by
 every rank over the gang. Run by ``agang.testing.run_world`` (a module-level function,
-importable by name in the ranks)."""
+importable by name in the ranks); ``push_versions_sync`` is the same trainer in a program
+without an event loop (the sync twins)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from typing import Any
 import anyio
 import torch
 
+import agang
 from agang import Gang, WeightPublisher
 
 #: The model: an FSDP2 root over three layers; "out" has more rows than the buckets hold.
@@ -104,6 +106,36 @@ async def push_versions(
             return ["pushed", version]
         reports.append(await publisher.push(version))
     await publisher.close()
+    return reports
+
+
+def push_versions_sync(
+    store: str, channel: str, versions: int, servers: tuple[str, ...]
+) -> list[Any]:
+    """``push_versions`` without an event loop: ``agang.init_sync``, then the publisher's
+    sync twins over the gang (``run_world(..., make_gang=False)``)."""
+    gang = agang.init_sync()
+    made, _ = _sharded_model(gang)
+    state = made.state_dict()
+    publisher = WeightPublisher.open_sync(
+        state, store=store, channel=channel, timeout=20, bucket_bytes=BUCKET_BYTES, gang=gang
+    )
+    version = 0
+    give_up_at = time.monotonic() + 30.0
+    while True:  # the servers open beside the trainer: push until each is in
+        version += 1
+        _set(state, gang.rank, gang.size, version)
+        report = publisher.push_sync(version)
+        if set(servers) <= set(report.delivered) or time.monotonic() > give_up_at:
+            break
+        time.sleep(0.1)
+    reports = [report]
+    for _ in range(versions):
+        version += 1
+        _set(state, gang.rank, gang.size, version)
+        reports.append(publisher.push_sync(version))
+    publisher.close_sync()
+    gang.close_sync()
     return reports
 
 
