@@ -594,6 +594,34 @@ async def test_a_rank_has_at_most_two_buckets_receives_in_flight() -> None:
     assert most == 2, most
 
 
+async def test_pushes_over_gangs_on_both_sides_leave_the_store_as_it_was(channel: Channel) -> None:
+    """The store does not grow with pushes (``channel`` rule 6) where both sides are
+    gangs: after three pushes, ten more leave its keys as they were and its bytes
+    within a few digits' worth (versions and epochs in the records)."""
+    world = Fleet()
+    await world.open(channel)
+    for version in range(1, 14):
+        if version == 4:
+            before = _store_keys(channel.store)
+        report = await world.push(version)
+        assert sorted(report.delivered) == ["sharded", "whole"], report
+        assert await world.receive() == [version, version]
+    after = _store_keys(channel.store)
+    world.assert_holds(13)
+    assert after[0] == before[0], (before, after)
+    assert after[1] <= before[1] + 64, (before, after)
+
+
+def _store_keys(store: Any) -> tuple[int, int]:
+    """The keys ``store`` holds, and their bytes."""
+    count = size = 0
+    for name in store.list_keys():
+        if store.check([name]):  # a key may go between the list and the read
+            size += len(store.get(name))
+            count += 1
+    return count, size
+
+
 async def test_rank_0_closed_alone_tells_the_other_ranks_why_and_its_status_says_ended(
     channel: Channel,
 ) -> None:
