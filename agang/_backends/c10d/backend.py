@@ -431,13 +431,21 @@ class C10dBackend:
 
     def abort(self, reason: str | None = None) -> None:
         self._stopped = True
-        # An abort can take a moment; never on the caller's (maybe the loop's) thread.
-        groups = self._groups()
-        if groups:  # none: a release on another thread has freed them already
+        # An abort can take a moment; never on the caller's thread (maybe the loop's, or
+        # one of c10d's own, where a failed op's callback breaks the gang). The groups are
+        # taken on the abort's thread, not here: a release on another thread drops the
+        # backend's references (see ``release``), and a reference held on c10d's worker
+        # thread could then be the last, whose destructor joins that very thread and
+        # aborts the process (a CI run's whole-server subscriber died so: SIGABRT in a
+        # Gloo callback, as its failed epoch's group was closed beside it).
+        if self._pg is not None or self._order_group is not None:
             told = reason is not None and self._serves
             peers = {r: w for r, w in enumerate(self._world_ranks) if r != self._rank}
 
             def abort_groups() -> None:
+                groups = self._groups()
+                if not groups:  # a release on another thread has freed them already
+                    return
                 if told and reason is not None:  # before the connections drop (mailbox rule 8)
                     try:
                         mailbox.tell_gave_up(self._group_name, self._rank, peers, reason)
