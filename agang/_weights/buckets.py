@@ -36,6 +36,11 @@ from agang._weights.plan import HEADER_BYTES, HEADER_WORDS, Plan
 GRAIN = 32768
 
 
+def header_of(bucket0: torch.Tensor) -> torch.Tensor:
+    """The round's header words at the start of ``bucket0`` (rule 3), a view."""
+    return bucket0[:HEADER_BYTES].view(torch.int64)[:HEADER_WORDS]
+
+
 def copy_bytes(target: torch.Tensor, source: torch.Tensor) -> None:
     """Copies the flat uint8 ``source`` into ``target`` (as many bytes) on this thread (rule 4)."""
     for to, came in pieces(target, source):
@@ -107,7 +112,6 @@ class Buckets:
             else:
                 self.wire.append(torch.zeros(nbytes, dtype=torch.uint8, device=self._device))
                 self._owned.append(True)
-        self.header = self.wire[0][:HEADER_BYTES].view(torch.int64)[:HEADER_WORDS]
         # Rule 5: each bucket's copies, (buffer piece, tensor piece) pairs; none for a
         # bucket that is the user's tensor itself.
         self._pieces: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
@@ -145,8 +149,6 @@ class Buckets:
         self.wire[index] = wire
         self._owned[index] = True
         self._pieces[index] = pairs
-        if index == 0:
-            self.header = wire[:HEADER_BYTES].view(torch.int64)[:HEADER_WORDS]
 
     def fill(self, index: int) -> None:
         """Copies the tensors of bucket ``index`` into its buffer, where it has one of its

@@ -59,7 +59,7 @@ from agang._handle import Handle
 from agang._runtime.threads import start_daemon
 from agang._weights.blocking import bound
 from agang._weights.buckets import as_bytes, copy_views
-from agang._weights.plan import ALIGN, HEADER_BYTES, HEADER_WORDS, Plan
+from agang._weights.plan import ALIGN, Plan
 from agang._weights.sharding import Layout
 
 #: The lane's control words (rule 2): (what, version, spare).
@@ -123,7 +123,6 @@ class Gathering:
         self._device = layouts[0].local.device
         self._sizes = [nbytes for _, nbytes, _ in plan.buckets()]
         self.bucket0 = self._zeros(self._sizes[0])
-        self.header = self.bucket0[:HEADER_BYTES].view(torch.int64)[:HEADER_WORDS]
         ring = max(self._sizes[1:], default=0)
         self._ring = [self._zeros(ring) for _ in range(min(RING, len(self._sizes) - 1))]
         self._scratch: torch.Tensor | None = None  # made where a share is strided
@@ -197,7 +196,6 @@ class Gathering:
         renewed = False
         if any(gang.holds(self.bucket0) for gang in holds):
             self.bucket0 = self._zeros(self.bucket0.numel())
-            self.header = self.bucket0[:HEADER_BYTES].view(torch.int64)[:HEADER_WORDS]
             renewed = True
         for slot, buffer in enumerate(self._ring):
             if any(gang.holds(buffer) for gang in holds):

@@ -87,7 +87,7 @@ from agang._runtime.threads import run_blocking, start_daemon
 from agang._weights import checks, over_gang
 from agang._weights.admission import Admission
 from agang._weights.blocking import STEP_SECONDS, blocking, bound, run_sync
-from agang._weights.buckets import Buckets
+from agang._weights.buckets import Buckets, header_of
 from agang._weights.channel import Channel
 from agang._weights.epoch import CLOSE, DATA, REFORM
 from agang._weights.fleet import Fleet
@@ -666,11 +666,8 @@ class WeightPublisher:
             ) from error
 
     def _header(self) -> torch.Tensor:
-        """The round's header, in bucket 0."""
-        if self._gathering is not None:
-            return self._gathering.header
-        assert self._buckets is not None
-        return self._buckets.header
+        """The round's header, at the start of bucket 0 (``agang._weights.buckets`` rule 3)."""
+        return header_of(self._bucket0())
 
     def _bucket0(self) -> torch.Tensor:
         if self._gathering is not None:
