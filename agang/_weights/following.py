@@ -41,10 +41,12 @@ from agang._gang import Gang
 from agang._handle import Handle
 from agang._weights.gathering import (
     CANCEL_GRACE,
-    CONTROL_WORDS,
     DONE,
     GRACE_BYTES_PER_SECOND,
+    INLINE_BYTES,
     ROUND,
+    WORD_BYTES,
+    read_control,
     shares,
 )
 from agang._weights.plan import Plan
@@ -57,6 +59,14 @@ SLACK_SECONDS = 30.0
 #: How long a rank's ``close`` waits for rank 0's (rule 5).
 CLOSE_SECONDS = 5.0
 _IN_FLIGHT = 2
+
+
+def outcome_of(text: bytes) -> dict[str, Any]:
+    """A push's outcome, from rank 0's JSON (rule 1)."""
+    outcome = json.loads(text.decode())
+    if not isinstance(outcome, dict):
+        raise GangError(f"rank 0 sent {type(outcome).__name__} as the push's outcome")
+    return outcome
 
 
 class Following:
@@ -72,7 +82,7 @@ class Following:
             bucket = torch.empty(nbytes, dtype=torch.uint8, device="meta")
             mine = shares(plan, layouts, index, bucket, rank)
             self._sends.append([local for r, _, local in mine if r == rank and local is not None])
-        self._word = torch.zeros(CONTROL_WORDS, dtype=torch.int64, device=layouts[0].local.device)
+        self._word = torch.zeros(WORD_BYTES, dtype=torch.uint8, device=layouts[0].local.device)
         #: Why the lane is out of step (rule 2), or None.
         self.broken: str | None = None
         self.last: PushReport | None = None
@@ -173,20 +183,19 @@ class Following:
             if self._outcome is not None:
                 text = await self._outcome
                 self._outcome = None
-                outcome = json.loads(bytes(text.cpu().numpy()).decode())
-                if not isinstance(outcome, dict):
-                    raise GangError(f"rank 0 sent {type(outcome).__name__} as the push's outcome")
-                return outcome
+                return outcome_of(bytes(text.cpu().numpy()))
             if self._heard is None:
                 self._heard = lane.recv(self._word, 0, timeout=timeout)
             await self._heard
             self._heard = None
-            what = int(self._word[0])
+            what, value, _, rest = read_control(self._word)
+            if what == DONE and value <= INLINE_BYTES:  # the outcome in the word
+                return outcome_of(rest[:value])
             if what == DONE:  # the outcome's length, then the outcome (gathering rule 2)
-                text = torch.empty(int(self._word[1]), dtype=torch.uint8, device=self._word.device)
+                text = torch.empty(value, dtype=torch.uint8, device=self._word.device)
                 self._outcome = lane.recv(text, 0, timeout=timeout)
             elif what == ROUND:
-                rounds.add(int(self._word[1]))
+                rounds.add(value)
                 self._next = 0
             else:
                 raise GangError(f"rank 0 sent an unknown word {what} on the lane")

@@ -9,9 +9,11 @@ Rules:
 2. *The lane's words.* Every push, on the lane: rank 0 sends each rank a control word
    per round (``ROUND`` and the version: a recovery runs the round again, and the shards
    are read again, since no rank keeps the model whole), each rank sends its shares of
-   each bucket in plan order, and the push ends with ``DONE`` (with the length of what
-   follows) and the push's outcome (the report, or why it failed, as JSON) sent from
-   rank 0, so that every rank returns the same report or raises the same error. The
+   each bucket in plan order, and the push ends with ``DONE`` and the push's outcome
+   (the report, or why it failed, as JSON) sent from rank 0, so that every rank
+   returns the same report or raises the same error. Every word is ``WORD_BYTES``
+   long: an outcome that fits rides in its ``DONE`` word (one op, one wake-up of each
+   rank), a longer one follows it, the word saying its length. The
    words go point to point, not as broadcasts: their sizes are fixed, or said before,
    so the order check a broadcast of a Gloo gang takes first (a round trip of its own,
    before the round's first word) guards nothing here. Rank 0 sees each word through
@@ -47,6 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import struct
 import time
 from typing import Any
 
@@ -62,10 +65,13 @@ from agang._weights.buckets import as_bytes, copy_views
 from agang._weights.plan import ALIGN, Plan
 from agang._weights.sharding import Layout
 
-#: The lane's control words (rule 2): (what, version, spare).
+#: The lane's control words (rule 2): (what, version or the outcome's length, spare)
+#: as int64, then the outcome where it fits, in a word of ``WORD_BYTES``.
 ROUND = 1
 DONE = 2
 CONTROL_WORDS = 3
+WORD_BYTES = 1024
+INLINE_BYTES = WORD_BYTES - 8 * CONTROL_WORDS
 #: Buffers the buckets after bucket 0 take turns in (rule 3).
 RING = 2
 #: How long a push that ended early keeps the lane in step (rule 5), plus the time the
@@ -109,8 +115,22 @@ def shares(
     return out
 
 
-def control(what: int, version: int, attempt: int, device: torch.device) -> torch.Tensor:
-    return torch.tensor([what, version, attempt], dtype=torch.int64, device=device)
+def control(
+    what: int, version: int, attempt: int, device: torch.device, text: bytes = b""
+) -> torch.Tensor:
+    """A word of the lane (rule 2): its three int64 and ``text`` (at most
+    ``INLINE_BYTES``), as ``WORD_BYTES`` bytes."""
+    word = bytearray(WORD_BYTES)
+    word[: 8 * CONTROL_WORDS] = struct.pack("<3q", what, version, attempt)
+    word[8 * CONTROL_WORDS : 8 * CONTROL_WORDS + len(text)] = text
+    return torch.frombuffer(word, dtype=torch.uint8).to(device)
+
+
+def read_control(word: torch.Tensor) -> tuple[int, int, int, bytes]:
+    """``control``'s int64 and what follows them, from a word received."""
+    raw = bytes(word.cpu().numpy())
+    what, value, spare = struct.unpack_from("<3q", raw)
+    return what, value, spare, raw[8 * CONTROL_WORDS :]
 
 
 class Gathering:
@@ -268,10 +288,12 @@ class Gathering:
         with anyio.CancelScope(shield=True):
             await self._finish_taking(time.monotonic() + seconds)
             await self.settle()
-            text = torch.frombuffer(bytearray(json.dumps(outcome).encode()), dtype=torch.uint8)
-            done = control(DONE, text.numel(), 0, self._device)
-            self._say(done, seconds)
-            self._say(text.to(self._device), seconds)
+            text = json.dumps(outcome).encode()
+            inline = len(text) <= INLINE_BYTES
+            self._say(control(DONE, len(text), 0, self._device, text if inline else b""), seconds)
+            if not inline:
+                long = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+                self._say(long.to(self._device), seconds)
 
     def _say(self, word: torch.Tensor, seconds: float) -> None:
         """Sends ``word`` to every other rank (rule 2)."""

@@ -16,6 +16,7 @@ from weightsworld import Channel
 
 from agang import GangError, PushReport, Sharded
 from agang._gang import Gang
+from agang._weights.gathering import INLINE_BYTES
 from agang._weights.plan import FIRST_BUCKET_BYTES
 from agang._weights.publisher import WeightPublisher
 from agang.testing import FakeWorld
@@ -261,3 +262,39 @@ async def test_a_push_cancelled_on_any_rank_tears_nothing_and_the_next_one_goes_
     assert await server.receive(timeout=PATIENCE) == 3
     for name, value in full(3).items():
         assert torch.equal(server._tensors[name], value), name
+
+
+async def test_a_report_too_long_for_the_done_word_follows_it_whole(channel: Channel) -> None:
+    """A push's report longer than the ``DONE`` word holds (``gathering`` rule 2: nine
+    servers of 128-character names) follows the word in an op of its own: every rank
+    returns the same report, and the next push (its words in step) too."""
+    names = [f"{index}" + "s" * 127 for index in range(9)]
+    assert len(",".join(names)) > INLINE_BYTES
+    world = FakeWorld(2)
+    ready = anyio.Event()
+    servers: dict[str, Any] = {}
+
+    async def trainer(gang: Gang) -> list[PushReport]:
+        tensors = shards(gang.rank, gang.size, 1)
+        publisher = await open_trainer(channel, gang, tensors)
+        await ready.wait()
+        reports = [await publisher.push(1)]
+        write(tensors, gang.rank, gang.size, 2)
+        reports.append(await publisher.push(2))
+        await publisher.close()
+        return reports
+
+    async def open_servers() -> None:
+        for name in names:
+            servers[name] = await whole_server(channel, name)
+        ready.set()
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(open_servers)
+        results = await world.run(trainer)
+    assert results[0] == results[1], results
+    assert [sorted(report.delivered) for report in results[0]] == [sorted(names)] * 2
+    for server in servers.values():
+        assert await server.receive(timeout=PATIENCE) == 2
+        for name, value in full(2).items():
+            assert torch.equal(server._tensors[name], value), name
