@@ -21,7 +21,8 @@ Rules:
    buckets holds a few, never the largest tensor. A sharded trainer's publisher splits
    its plan; whether a plan is split is part of the stored plan (not of the
    fingerprint), so every side cuts it alike. Bucket 0 is always packed and starts with
-   the round's header (``HEADER_BYTES``). A model that fits one bucket moves whole in
+   the round's header (``HEADER_BYTES``). A model that fits one bucket (its header
+   aside: a model of exactly ``bucket_bytes`` is one round trip, not two) moves whole in
    bucket 0, in one broadcast, which a subscriber posts before the round comes;
    otherwise bucket 0 holds at most ``FIRST_BUCKET_BYTES`` (a subscriber receives it
    apart, reads the header, then posts the other buckets). Empty tensors move nothing.
@@ -217,8 +218,8 @@ class Plan:
 
     @functools.cached_property
     def _buckets(self) -> list[Bucket]:
-        whole = self._cut(self.bucket_bytes)
-        if len(whole) == 1:  # rule 3: the whole model in bucket 0
+        whole = self._cut(HEADER_BYTES + self.bucket_bytes)
+        if len(whole) == 1:  # rule 3: the whole model in bucket 0, past its header
             return whole
         return self._cut(min(self.bucket_bytes, FIRST_BUCKET_BYTES))
 

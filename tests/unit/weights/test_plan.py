@@ -108,8 +108,11 @@ def test_a_model_that_fits_one_bucket_moves_whole_in_bucket_0() -> None:
     whole = Plan.of(model, bucket_bytes=4 * FIRST_BUCKET_BYTES).buckets()
     assert len(whole) == 1
     assert whole[0][1] == HEADER_BYTES + 16 * 65536
+    # Exactly a bucket's bytes: one bucket, its header aside (one round trip, not two).
+    exact = Plan.of(model, bucket_bytes=16 * 65536).buckets()
+    assert [(direct, nbytes) for direct, nbytes, _ in exact] == [(False, HEADER_BYTES + 16 * 65536)]
     # One byte more than a bucket holds: bucket 0 keeps its usual bound.
-    split = Plan.of(model, bucket_bytes=HEADER_BYTES + 16 * 65536 - 1).buckets()
+    split = Plan.of(model, bucket_bytes=16 * 65536 - 1).buckets()
     assert len(split) == 2
     assert split[0][1] <= FIRST_BUCKET_BYTES
     assert sum(len(parts) for _, _, parts in split) == 16
