@@ -12,7 +12,11 @@ Rules:
 4. Every copy runs on the calling thread alone (``copy_bytes``): torch splits a copy
    of more than ``GRAIN`` elements over its intra-op (OpenMP) threads, and on a loaded
    machine each such copy waits for a worker that is not running: 10 to 150 ms for a
-   1 MiB bucket of 64 KiB tensors on 2 busy cores, against 0.5 ms on one thread.
+   1 MiB bucket of 64 KiB tensors on 2 busy cores, against 0.5 ms on one thread. A
+   process with one intra-op thread (``torch.get_num_threads()``, asked at each copy)
+   copies in one piece: torch runs it on the calling thread anyway, and the pieces'
+   calls cost more than the copy's split saves (a 256 MiB sharded push made 512 of
+   them, ``bench/bench_weights.py --sharded``).
 5. The views each bucket's copies read and write are cut once, when the buckets are
    made (``pieces``), not at every round: cutting them cost more than copying a small
    model's bytes (a 1 KiB model of 16 tensors: about 300 us a round, most of a push).
@@ -24,6 +28,11 @@ Rules:
    size again; a direct one, a copy per round.
 7. A tied tensor (``agang._weights.plan`` rule 4) moves once; a subscriber whose own
    tensors are not tied copies it into each alias once the version is whole (``tie``).
+8. A subscriber's bucket 0 has two buffers: the round's bucket 0 arrives in the spare
+   (``spare0``), which is posted before the round comes and whose header is read
+   first; a ``DATA`` round then swaps the two (``swap0``), each with the copies cut for
+   it, instead of copying bucket 0 into staging: a model that is one bucket saved a
+   copy of its bytes in every round, before the confirmation.
 """
 
 from __future__ import annotations
@@ -43,6 +52,9 @@ def header_of(bucket0: torch.Tensor) -> torch.Tensor:
 
 def copy_bytes(target: torch.Tensor, source: torch.Tensor) -> None:
     """Copies the flat uint8 ``source`` into ``target`` (as many bytes) on this thread (rule 4)."""
+    if torch.get_num_threads() == 1:
+        target.copy_(source)
+        return
     for to, came in pieces(target, source):
         to.copy_(came)
 
@@ -79,6 +91,9 @@ def copy_views(into: torch.Tensor, came: torch.Tensor) -> None:
     most ``GRAIN`` elements (a sharded side's strided shares)."""
     if came.numel() == 0:
         return
+    if torch.get_num_threads() == 1:
+        into.copy_(came)
+        return
     if into.is_contiguous() and came.is_contiguous():
         copy_bytes(as_bytes(into), as_bytes(came))
         return
@@ -86,6 +101,11 @@ def copy_views(into: torch.Tensor, came: torch.Tensor) -> None:
     for start in range(0, came.shape[0], step):
         length = min(step, came.shape[0] - start)
         into.narrow(0, start, length).copy_(came.narrow(0, start, length))
+
+
+#: A bucket's copies (rule 5): (buffer piece, tensor piece) pairs in ``GRAIN``'s
+#: pieces, and the same a pair a part (rule 4).
+Copies = tuple[list[tuple[torch.Tensor, torch.Tensor]], list[tuple[torch.Tensor, torch.Tensor]]]
 
 
 class Buckets:
@@ -112,18 +132,18 @@ class Buckets:
             else:
                 self.wire.append(torch.zeros(nbytes, dtype=torch.uint8, device=self._device))
                 self._owned.append(True)
-        # Rule 5: each bucket's copies, (buffer piece, tensor piece) pairs; none for a
-        # bucket that is the user's tensor itself.
-        self._pieces: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
-        for (_, _, parts), wire, owned in zip(self.layout, self.wire, self._owned, strict=True):
-            pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
-            for tensor_index, offset, nbytes, start in parts if owned else []:
-                tensor_bytes = self._bytes[tensor_index]
-                assert tensor_bytes is not None
-                pairs += pieces(
-                    wire[offset : offset + nbytes], tensor_bytes[start : start + nbytes]
-                )
-            self._pieces.append(pairs)
+        # Rule 5: each bucket's copies, (buffer piece, tensor piece) pairs, as GRAIN's
+        # pieces and whole (rule 4); none for a bucket that is the user's tensor itself.
+        self._pieces = [
+            self._cut(index, wire) if owned else ([], [])
+            for index, (wire, owned) in enumerate(zip(self.wire, self._owned, strict=True))
+        ]
+        # Rule 8: a subscriber's bucket 0 comes into a spare buffer, swapped in.
+        self.spare0 = torch.zeros(0, dtype=torch.uint8, device=self._device)
+        self._spare_pieces: Copies = ([], [])
+        if not publisher:
+            assert self._owned[0], "bucket 0 carries the header: a buffer of its own"
+            self.renew_spare0()
         # Rule 7: (the tensor's bytes, an alias's own bytes) where they are two memories.
         self._ties: list[tuple[torch.Tensor, torch.Tensor]] = []
         for alias, first in plan.ties().items():
@@ -136,30 +156,57 @@ class Buckets:
         """The bytes this side holds beyond the user's tensors."""
         return sum(w.numel() for w, owned in zip(self.wire, self._owned, strict=True) if owned)
 
+    def _cut(self, index: int, wire: torch.Tensor) -> Copies:
+        """Bucket ``index``'s copies between ``wire``, a buffer of its own, and the
+        tensors (rule 5): in ``GRAIN``'s pieces, and a pair a part (rule 4)."""
+        cut: list[tuple[torch.Tensor, torch.Tensor]] = []
+        whole: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for tensor_index, offset, size, start in self.layout[index][2]:
+            tensor_bytes = self._bytes[tensor_index]
+            assert tensor_bytes is not None
+            pair = (wire[offset : offset + size], tensor_bytes[start : start + size])
+            cut += pieces(*pair)
+            whole.append(pair)
+        return cut, whole
+
+    def _copies(self, index: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Bucket ``index``'s copies as this process copies now (rule 4)."""
+        cut, whole = self._pieces[index]
+        return whole if torch.get_num_threads() == 1 else cut
+
     def renew(self, index: int) -> None:
         """Gives bucket ``index`` a new buffer of its own, filled like a packed one from
         then on (rule 6). The old buffer (or tensor) is left to the op that holds it."""
-        _, nbytes, parts = self.layout[index]
-        wire = torch.zeros(nbytes, dtype=torch.uint8, device=self._device)
-        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for tensor_index, offset, size, start in parts:
-            tensor_bytes = self._bytes[tensor_index]
-            assert tensor_bytes is not None
-            pairs += pieces(wire[offset : offset + size], tensor_bytes[start : start + size])
+        wire = torch.zeros(self.layout[index][1], dtype=torch.uint8, device=self._device)
         self.wire[index] = wire
         self._owned[index] = True
-        self._pieces[index] = pairs
+        self._pieces[index] = self._cut(index, wire)
+
+    def renew_spare0(self) -> torch.Tensor:
+        """A new spare for bucket 0 (rules 6, 8), returned; the old one is left to the
+        op that holds it."""
+        self.spare0 = torch.zeros_like(self.wire[0])
+        self._spare_pieces = self._cut(0, self.spare0)
+        return self.spare0
+
+    def swap0(self) -> torch.Tensor:
+        """Makes the spare, which holds the round's bucket 0, the staging's bucket 0,
+        and the staging's the spare, returned (rule 8): the caller holds the staging
+        lock, and no op holds either buffer."""
+        self.wire[0], self.spare0 = self.spare0, self.wire[0]
+        self._pieces[0], self._spare_pieces = self._spare_pieces, self._pieces[0]
+        return self.spare0
 
     def fill(self, index: int) -> None:
         """Copies the tensors of bucket ``index`` into its buffer, where it has one of its
         own (rule 1)."""
-        for to, came in self._pieces[index]:
+        for to, came in self._copies(index):
             to.copy_(came)
 
     def unpack_bucket(self, index: int) -> None:
         """Copies bucket ``index`` into the user's tensors, where it is a buffer of its
         own (rule 2)."""
-        for came, to in self._pieces[index]:
+        for came, to in self._copies(index):
             to.copy_(came)
 
     def unpack(self) -> None:

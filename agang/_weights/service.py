@@ -7,12 +7,12 @@ Rules:
 2. *A round.* Bucket 0 arrives in a buffer of its own (its header says what follows);
    for ``DATA`` the service then holds the staging lock, posts the other buckets'
    receives, straight into the staging buffers (or, in place, into the user's tensors;
-   there a packed bucket is copied out as soon as it came), copies bucket 0 in, says a
-   version is ready and confirms it to the publisher. The version is
-   ready once its last bucket came, whatever becomes of its confirmation: a server
-   stopped as it confirmed (the publisher took the confirmation, the send's end was
-   not reported yet) wakes to find the publisher gone from the epoch, with its bytes
-   whole, and the publisher counted it delivered.
+   there a packed bucket is copied out as soon as it came), swaps bucket 0's buffer in
+   (``agang._weights.buckets`` rule 8), says a version is ready and confirms it to the
+   publisher. The version is ready once its last bucket came, whatever becomes of its
+   confirmation: a server stopped as it confirmed (the publisher took the
+   confirmation, the send's end was not reported yet) wakes to find the publisher gone
+   from the epoch, with its bytes whole, and the publisher counted it delivered.
    ``receive`` copies the staging buffers into the user's tensors under the same lock,
    so it never reads half a version, and a round waits for that copy at most. A round
    that would overwrite a version the application has not taken yet first looks at
@@ -82,7 +82,7 @@ from agang._membership.gangs import GangFactory
 from agang._membership.member import Member
 from agang._runtime.future import Future, finish
 from agang._runtime.threads import start_daemon
-from agang._weights.buckets import Buckets, copy_bytes
+from agang._weights.buckets import Buckets
 from agang._weights.channel import Channel, closed_by_fence, in_group
 from agang._weights.epoch import CLOSE, DATA, REFORM, gang_name
 from agang._weights.plan import HEADER_WORDS
@@ -129,7 +129,7 @@ class Service:
             self._bucket0 = torch.zeros(relay.first_bytes, dtype=torch.uint8, device=relay.device)
         else:
             assert buckets is not None
-            self._bucket0 = torch.zeros_like(buckets.wire[0])
+            self._bucket0 = buckets.spare0  # swapped into staging by a DATA round
         self._header = self._header_of(self._bucket0)
         self._gang: Gang | None = None
         self._closing: Gang | None = None  # a failed epoch's, to close
@@ -369,7 +369,8 @@ class Service:
                     ]
                 except GangError as error:  # an earlier bucket's receive broke the gang
                     return await self._after_failure(epoch, one_line(error))
-                copy_bytes(buckets.wire[0], self._bucket0)  # on this thread alone
+                self._bucket0 = buckets.swap0()  # bucket 0 is staging's, not copied
+                self._header = self._header_of(self._bucket0)
                 # In place, each packed bucket is copied out as soon as it came, while
                 # the next ones move (its tensors are the server's, written anyway).
                 landed = buckets.unpack_bucket if buckets.in_place else None
@@ -435,8 +436,7 @@ class Service:
         if not old:
             return
         if any(gang.holds(self._bucket0) for gang in old):
-            self._bucket0 = torch.zeros_like(self._bucket0)
-            self._header = self._header_of(self._bucket0)
+            self._new_bucket0()
         if self.relay is not None:
             self.relay.renew_held(old)
             return
@@ -445,6 +445,15 @@ class Service:
             for index, wire in enumerate(self.buckets.wire):
                 if any(gang.holds(wire) for gang in old):
                     self.buckets.renew(index)
+
+    def _new_bucket0(self) -> None:
+        """A new buffer for the rounds' bucket 0 (rule 5): the spare of the staging's
+        bucket 0, where this server has staging buckets."""
+        if self.buckets is not None:
+            self._bucket0 = self.buckets.renew_spare0()
+        else:
+            self._bucket0 = torch.zeros_like(self._bucket0)
+        self._header = self._header_of(self._bucket0)
 
     def _header_of(self, bucket0: torch.Tensor) -> torch.Tensor:
         return bucket0[: HEADER_WORDS * 8].view(torch.int64)
@@ -459,8 +468,7 @@ class Service:
         closing, self._closing = self._closing, None
         if closing is None:
             return
-        self._bucket0 = torch.zeros_like(self._bucket0)
-        self._header = self._header_of(self._bucket0)
+        self._new_bucket0()
         self._old.append(closing)
         self._closers.append(
             start_daemon(closing.close_sync, name=f"agang: weights: close gang '{closing.name}'")

@@ -497,7 +497,7 @@ class WeightSubscriber:
         if self._over is not None:
             return self._over.staging_bytes
         assert self._buckets is not None
-        return self._buckets.staging_bytes + self._buckets.wire[0].numel()
+        return self._buckets.staging_bytes + self._buckets.spare0.numel()
 
     async def receive(self, timeout: float | None = None) -> int:  # noqa: ASYNC109
         """Waits for a version newer than [`version`][agang.WeightSubscriber.version], puts it in

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import pytest
 import torch
 
 from agang._weights import checks
-from agang._weights.buckets import GRAIN, Buckets, copy_bytes
+from agang._weights.buckets import GRAIN, Buckets, copy_bytes, copy_views
 from agang._weights.plan import FIRST_BUCKET_BYTES, HEADER_BYTES, Plan
 
 
@@ -118,7 +119,20 @@ def test_a_model_that_fits_one_bucket_moves_whole_in_bucket_0() -> None:
     assert sum(len(parts) for _, _, parts in split) == 16
 
 
+@pytest.fixture(params=[1, 2], ids=["one-thread", "two-threads"])
+def intra_op_threads(request: pytest.FixtureRequest) -> Iterator[int]:
+    """torch's intra-op threads: one copies whole, more in ``GRAIN``'s pieces
+    (``agang._weights.buckets`` rule 4)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    try:
+        yield request.param
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("in_place", [False, True])
+@pytest.mark.usefixtures("intra_op_threads")
 def test_buckets_move_every_byte_of_every_dtype(in_place: bool) -> None:
     source = {
         "f": torch.randn(33),
@@ -149,6 +163,7 @@ def test_buckets_move_every_byte_of_every_dtype(in_place: bool) -> None:
     ("nbytes", "source_at", "target_at"),
     [(8 * GRAIN * 3 + 8, 0, 64), (4 * GRAIN + 4, 4, 12), (2 * GRAIN + 2, 2, 6), (GRAIN + 1, 3, 0)],
 )
+@pytest.mark.usefixtures("intra_op_threads")
 def test_copy_bytes_moves_every_byte_at_any_alignment_in_pieces(
     nbytes: int, source_at: int, target_at: int
 ) -> None:
@@ -159,6 +174,21 @@ def test_copy_bytes_moves_every_byte_at_any_alignment_in_pieces(
     assert torch.equal(target[target_at : target_at + nbytes], source)
     assert not target[:target_at].any()
     assert not target[target_at + nbytes :].any()
+
+
+@pytest.mark.parametrize("strided", [False, True], ids=["rows", "columns"])
+@pytest.mark.usefixtures("intra_op_threads")
+def test_copy_views_moves_a_share_contiguous_or_strided(strided: bool) -> None:
+    """A sharded side's share (``copy_views``): rows of a bucket, or a ``Shard(1)``
+    block of columns, over more than ``GRAIN`` elements (rule 4)."""
+    came = torch.randn(3 * GRAIN // 16 + 1, 16)
+    bucket = torch.zeros(came.shape[0], 40)
+    into = bucket[:, 8:24] if strided else bucket[:, :16].contiguous()
+    copy_views(into, came)
+    assert torch.equal(into, came)
+    if strided:
+        assert not bucket[:, :8].any()
+        assert not bucket[:, 24:].any()
 
 
 @pytest.mark.parametrize(
