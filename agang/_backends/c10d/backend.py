@@ -49,7 +49,6 @@ from agang._backends.contract import (
     Done,
     Explanation,
     ProgressOf,
-    countdown,
     holding,
 )
 from agang._backends.cuda.runtime import DeviceRuntime, StreamOrder, torch_runtime
@@ -333,10 +332,10 @@ class C10dBackend:
         self._completion.watch(work, done)
 
     def start_send(self, tensor: torch.Tensor, destination_rank: int, done: Done) -> None:
-        self._completion.watch_p2p(self._group().send([real(tensor)], destination_rank, 0), done)
+        self._completion.watch_p2p([self._group().send([real(tensor)], destination_rank, 0)], done)
 
     def start_recv(self, tensor: torch.Tensor, source_rank: int, done: Done) -> None:
-        self._completion.watch_p2p(self._group().recv([real(tensor)], source_rank, 0), done)
+        self._completion.watch_p2p([self._group().recv([real(tensor)], source_rank, 0)], done)
 
     def start_exchange(
         self,
@@ -348,9 +347,7 @@ class C10dBackend:
         # coalesce: one Work per transfer, the batch done once all are.
         device = self._device if self._kind == "nccl" else None
         works = c10d_calls.exchange(self._group(), sends, recvs, device)
-        each = countdown(len(works), done)
-        for work in works:
-            self._completion.watch_p2p(work, each)
+        self._completion.watch_p2p(works, done)
 
     def start_barrier(self, done: Done) -> None:
         if self._kind == "nccl":

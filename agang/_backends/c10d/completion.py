@@ -12,7 +12,8 @@ of three roads:
    order. A later op that finishes before an earlier one is reported after it: late,
    never wrong. A recv that waits for its peer must not hold back the report of a
    finished collective, so transfers and collectives never share a waiter. An exchange
-   is one Work per transfer there (Gloo cannot coalesce), done once all of them are.
+   is one Work per transfer there (Gloo cannot coalesce), done once all of them are:
+   one job of the waiter waits for them all, so the op wakes it once.
 3. *NCCL*: the Work's future completes when the kernel is *queued*, and agang wants
    "finished on the device" for ``await``. No host thread learns that for free, and
    handing an op to a thread that sleeps until the device is done, then back to the
@@ -91,7 +92,7 @@ from typing import Any, Generic, TypeVar, final
 
 import torch
 
-from agang._backends.contract import Done, after_post, report_ordered
+from agang._backends.contract import Done, after_post, countdown, report_ordered
 from agang._backends.cuda.runtime import DeviceEvent, DeviceRuntime
 from agang._runtime import fork, handoffs, threads
 
@@ -200,6 +201,18 @@ def _wait_for_work(work: Any) -> None:
     work.wait()  # raises c10d's error, if any
 
 
+def _wait_for_works(works: list[Any]) -> BaseException | None:
+    """Waits for each of ``works`` in turn, the ones after a failed one too (the op has
+    ended once they all did); the first error, if any."""
+    first: BaseException | None = None
+    for work in works:
+        try:
+            work.wait()
+        except Exception as exc:
+            first = first or exc
+    return first
+
+
 class _Key:
     """A gang's key for its side stream: holds nothing, so the runtime holds nothing."""
 
@@ -238,7 +251,7 @@ class Completion:
         self._key = _Key()
         # Rule 2: transfers and collectives never share a waiter; threads start on use.
         self._collectives = SerialWaiter[Any](f"agang-wait {name} collectives", _wait_for_work)
-        self._transfers = SerialWaiter[Any](f"agang-wait {name} send/recv", _wait_for_work)
+        self._transfers = SerialWaiter[list[Any]](f"agang-wait {name} send/recv", _wait_for_works)
         self._unreported: deque[_Unreported] = deque()  # rule 3a
         self._open: dict[int, Done] = {}  # Gloo ops not reported yet (rule 4)
         self._reported = threading.Condition(self._lock)
@@ -281,12 +294,16 @@ class Completion:
             return
         future.add_done_callback(on_future)
 
-    def watch_p2p(self, work: Any, done: Done) -> None:
-        """Calls ``done`` once the send or recv behind ``work`` ended (rule 2 on Gloo)."""
+    def watch_p2p(self, works: list[Any], done: Done) -> None:
+        """Calls ``done`` once the sends and recvs behind ``works`` (one op's) all ended,
+        with the first error, if any (rule 2 on Gloo: one job of the waiter for them
+        all, not one each: an exchange of 16 transfers woke it 16 times)."""
         if self._nccl:
-            self.watch(work, done)
+            each = countdown(len(works), done)
+            for work in works:
+                self.watch(work, each)
             return
-        self._transfers.watch(work, self._noted(done))
+        self._transfers.watch(works, self._noted(done))
 
     def _noted(self, done: Done) -> Done:
         """``done``, noted until it is called: once, by the op's end or after an abort."""
