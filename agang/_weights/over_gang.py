@@ -13,7 +13,8 @@ Rules:
 3. The gang's side talks over a lane of its own (``weights:CHANNEL#N``), the N-th
    opened on this gang for that channel in this process: every rank opens the same
    sides in the same order, so N agrees, and a side opened again after its lane went
-   out of step gets a new one.
+   out of step gets a new one. Making a lane is a collective call: a rank waits for the
+   others as long as its ``open`` may take, then raises ``GangInitError`` (``lanes``).
 """
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ import dataclasses
 import weakref
 from collections.abc import Callable, Mapping
 
+import anyio
 import torch
 
+from agang._errors import GangInitError
 from agang._gang import Gang
 from agang._weights import checks
 from agang._weights.plan import Plan
@@ -103,6 +106,19 @@ def plan_of(names: list[str], layouts: list[Layout], bucket_bytes: int, transpor
     }
     memory = {name: layout.local for name, layout in zip(names, layouts, strict=True)}
     return Plan.of(shapes, bucket_bytes, transport, memory=memory, split=True)
+
+
+async def lanes(gang: Gang, channel: str, count: int, seconds: float, what: str) -> list[Gang]:
+    """``count`` lanes of ``gang`` for the side of ``channel`` opened now (rule 3), made
+    within ``seconds``, else ``GangInitError``: not every rank opened ``what``."""
+    with anyio.move_on_after(seconds) as waited:
+        made = [await gang.lane(lane_name(gang, channel)) for _ in range(count)]
+    if waited.cancelled_caught:
+        raise GangInitError(
+            f"Not every rank of the gang '{gang.name}' opened {what} within {seconds:g} s: "
+            f"`open` over a gang is a collective call."
+        )
+    return made
 
 
 def lane_name(gang: Gang, channel: str) -> str:

@@ -290,13 +290,8 @@ class WeightPublisher:
         except (TypeError, ValueError) as error:
             refused = str(error)
         open_for = OPEN_SECONDS if seconds is None else seconds
-        with anyio.move_on_after(open_for) as waited:
-            lane = await gang.lane(over_gang.lane_name(gang, name))
-        if waited.cancelled_caught:
-            raise GangInitError(
-                f"Not every rank of the gang '{gang.name}' opened the weights channel "
-                f"'{name}' within {open_for:g} s: `open` over a gang is a collective call."
-            )
+        what = f"the weights channel '{name}'"
+        (lane,) = await over_gang.lanes(gang, name, 1, open_for, what)
         plan = await over_gang.agree(lane, refused, plan, layouts, open_for)
         assert plan is not None
         assert site is not None

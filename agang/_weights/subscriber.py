@@ -260,14 +260,9 @@ class WeightSubscriber:
             layouts, local = inputs.layouts, inputs.local
         except (TypeError, ValueError) as error:
             refused = str(error)
-        with anyio.move_on_after(60.0 if seconds is None else seconds) as waited:
-            relay_lane = await gang.lane(over_gang.lane_name(gang, channel))
-            agree = await gang.lane(over_gang.lane_name(gang, channel))
-        if waited.cancelled_caught:
-            raise GangInitError(
-                f"Not every rank of the gang '{gang.name}' opened subscriber '{name}' in "
-                f"time: `open` over a gang is a collective call."
-            )
+        open_for = 60.0 if seconds is None else seconds
+        lanes = await over_gang.lanes(gang, channel, 2, open_for, f"subscriber '{name}'")
+        relay_lane, agree = lanes
         # The inputs first, agreed before rank 0 goes to the store (over_gang rule 1).
         verdicts = await agree.all_gather_objects(refused, timeout=seconds)
         for rank, verdict in enumerate(verdicts):

@@ -24,6 +24,7 @@ from agang._weights import channel as channel_keys
 from agang._weights import over_gang, subscriber
 from agang._weights import relay as relay_module
 from agang._weights.plan import FIRST_BUCKET_BYTES
+from agang._weights.publisher import WeightPublisher
 from agang._weights.relay import Relay
 from agang._weights.relayed import Relayed
 from agang._weights.sharding import Layout
@@ -678,3 +679,35 @@ async def test_a_receive_that_times_out_in_the_vote_still_copies_as_every_rank_d
     await world.push(2)
     assert await world.receive() == [2, 2]
     world.assert_holds(2)
+
+
+@pytest.mark.parametrize("side", ["publisher", "subscriber"])
+async def test_a_side_that_one_rank_never_opens_raises_in_its_timeout(
+    channel: Channel, side: str
+) -> None:
+    """``open`` over a gang is a collective call (``over_gang`` rule 3): where rank 1
+    never opens, rank 0's ``open`` raises ``GangInitError`` within its timeout, saying
+    which side and how long it waited, instead of waiting for the lane for good."""
+    world = FakeWorld(2)
+
+    async def rank(gang: Gang) -> str:
+        if gang.rank == 1:
+            return "never opened"
+        tensors = {k: torch.zeros_like(v) for k, v in full(0).items()}
+        started = time.monotonic()
+        opening: Awaitable[Any] = (
+            WeightPublisher._open_over(
+                gang, tensors, "127.0.0.1:1", "c", 0.3, 1024, None, lambda _: channel.site
+            )
+            if side == "publisher"
+            else open_server(channel, gang, tensors, timeout=0.3)
+        )
+        with pytest.raises(GangInitError) as raised:
+            await opening
+        assert time.monotonic() - started < 5.0
+        return str(raised.value)
+
+    said = (await world.run(rank))[0]
+    what = "the weights channel 'c'" if side == "publisher" else "subscriber 'sharded'"
+    assert f"opened {what} within 0.3 s" in said, said
+    assert "collective call" in said, said
