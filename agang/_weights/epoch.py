@@ -15,10 +15,10 @@ Rules:
    and the epoch, two int64 (``confirmations``). The publisher posts their receives
    before the round's broadcasts (on Gloo, and FakeWorld's gangs, transfers do not
    wait for collectives): on Gloo a receive issued while the gang's pair sends a
-   bucket waits for that send's end (it held the loop's thread 2.2 ms a push at
-   16 MiB, ``bench/bench_weights.py --sharded``). On NCCL it posts them after: a
-   communicator runs its ops in order, and a receive first would wait for the
-   confirmation that the broadcast behind it leads to.
+   bucket waits for that send's end, holding the loop's thread as long (most of a
+   16 MiB bucket's broadcast). On NCCL it posts them after: a communicator runs its
+   ops in order, and a receive first would wait for the confirmation that the
+   broadcast behind it leads to.
 """
 
 from __future__ import annotations
