@@ -9,12 +9,14 @@ with its own agang on ``PYTHONPATH``.
     python bench/compare_trees.py f239306 weights --quick        # bench_weights.py --quick
     python bench/compare_trees.py f239306 recovery --reps 3      # bench_recovery.py --reps 3
     python bench/compare_trees.py f239306 --runs 4 weights --quick --servers 1 2
+    python bench/compare_trees.py 385751d weights --sharded 16777216 67108864
 
 ``weights``: per server count, model size and subscriber mode, the median over rounds of
 each tree's push time and of its ratio to the raw broadcast timed beside it, and this
-tree's over the base's. ``recovery``: per mode, the median seconds from a SIGKILL to the
-new world, each tree's, and this tree's over the base's. Writes
-``bench/out/compare-<bench>.json`` with every round's figures.
+tree's over the base's; with ``--sharded``, per model size, the sharded trainer's push
+and its ratio to the hand-made gather-and-broadcast. ``recovery``: per mode, the
+median seconds from a SIGKILL to the new world, each tree's, and this tree's over the
+base's. Writes ``bench/out/compare-<bench>.json`` with every round's figures.
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ def run_bench(tree: Path, bench: str, args: list[str], out: Path) -> Any:
         [sys.executable, str(script), *args, *extra], cwd=tree, env=env, check=True, timeout=3600
     )
     if bench == "weights":
-        return json.loads((out / "weights.json").read_text())["rows"]
+        name = "weights_sharded.json" if "--sharded" in args else "weights.json"
+        return json.loads((out / name).read_text())["rows"]
     return json.loads((tree / "bench" / "out" / "recovery.json").read_text())
 
 
@@ -53,7 +56,11 @@ def summary(bench: str, runs: dict[str, list[Any]]) -> list[dict[str, Any]]:
     for label, results in runs.items():
         for result in results:
             for row in result:
-                if bench == "weights":
+                cell: tuple[Any, ...]
+                if bench == "weights" and "servers" not in row:  # --sharded: 1 server
+                    cell = ("sharded", row["bytes"])
+                    values = {"push": row["push"], "ratio": row["ratio"]}
+                elif bench == "weights":
                     cell = (row["servers"], row["bytes"], row["mode"])
                     values = {"push": row["push"], "ratio": row["ratio"]}
                 else:
