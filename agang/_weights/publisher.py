@@ -89,7 +89,7 @@ from agang._weights.admission import Admission
 from agang._weights.blocking import STEP_SECONDS, blocking, bound, run_sync
 from agang._weights.buckets import Buckets, header_of
 from agang._weights.channel import Channel
-from agang._weights.epoch import CLOSE, DATA, REFORM, confirmations
+from agang._weights.epoch import CLOSE, DATA, REFORM
 from agang._weights.fleet import Fleet
 from agang._weights.following import Following
 from agang._weights.gathering import Gathering
@@ -582,19 +582,10 @@ class WeightPublisher:
         handles: list[Handle[Any]] = []
         failure: BaseException | None = None
         gathering, buckets = self._gathering, self._buckets
-        if gathering is not None:  # its word first: the other ranks' shares take longest
+        if gathering is not None:
             await self._trainer_step(gang, version, gathering.begin(version, deadline))
-        # Rule 2's confirmations, posted first but on NCCL, there after the buckets
-        # (``agang._weights.epoch`` rule 4); on the gang's device, as bucket 0.
-        acks = [torch.zeros_like(self._header()[:2]) for _ in members]
-        confirming: list[Handle[Any]] = []
-        early = gang.backend != "nccl"
-        if early:
-            confirming, failure = confirmations(gang, acks, deadline)
         count = len(buckets.wire) if buckets is not None else gathering.count if gathering else 0
         for index in range(count):
-            if failure is not None and gathering is None:
-                break  # a gathering round still takes its shares
             if buckets is not None:
                 buckets.fill(index)
                 wire = buckets.wire[index]
@@ -612,18 +603,26 @@ class WeightPublisher:
                     handles.append(gang.broadcast(wire, 0, timeout=bound(deadline, 0.001)))
                 except GangError as error:
                     failure = error
-        if failure is None and not early:
-            confirming, failure = confirmations(gang, acks, deadline)
-        # The last first: the confirmations end last, and a handle that ended before it
-        # is awaited costs no wake-up of the loop (one a push, not one an op). Cancelled
-        # here, the push's abandon lets them end, or closes the gang (rule 6); those of a
-        # round that failed to issue are not awaited (its gang is closed below).
-        ops = handles + confirming if failure is None else handles
-        self._in_flight = handles + confirming
+                    if gathering is None:  # a gathering round still takes its shares
+                        break
+        acks: list[torch.Tensor] = []
+        try:
+            if failure is None:
+                # On the gang's device (NCCL takes no other): bucket 0's.
+                acks = [torch.zeros_like(self._header()[:2]) for _ in members]
+                for rank, ack in enumerate(acks, 1):
+                    handles.append(gang.recv(ack, rank, timeout=bound(deadline, 0.001)))
+        except GangError as error:
+            failure = error
+            acks = []
+        # The last issued first: the confirmations end last, and a handle that ended
+        # before it is awaited costs no wake-up of the loop (one a push, not one an op).
+        # Cancelled here, the push's abandon lets them end, or closes the gang (rule 6).
+        self._in_flight = handles
         errors: dict[int, GangError] = {}
-        for index in reversed(range(len(ops))):
+        for index in reversed(range(len(handles))):
             try:
-                await ops[index]
+                await handles[index]
             except GangError as error:
                 errors[index] = error
         self._in_flight = []
@@ -632,7 +631,8 @@ class WeightPublisher:
             causes = [e for _, e in sorted(errors.items()) if not isinstance(e, GangBrokenError)]
             failure = causes[0] if causes else errors[min(errors)]
         acked = set()
-        for member, ack, handle in zip(members, acks, confirming, strict=False):
+        sent = len(handles) - len(acks)
+        for member, ack, handle in zip(members, acks, handles[sent:], strict=False):
             if handle.done() and handle.exception() is None and ack.tolist() == [version, epoch]:
                 acked.add(member.uid)
         if failure is not None:
