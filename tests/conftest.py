@@ -28,10 +28,10 @@ SLOW_MARKERS = ("gloo", "cuda")
 # What a run is, for its header: keep the timings in step with the suite.
 LANES = (
     "agang's tests: every async test runs on asyncio, asyncio+uvloop and trio.",
-    '  fast lane, -m "not slow": in process only (tests/unit, tests/world), about 110 s '
+    '  fast lane, -m "not slow": in process only (tests/unit, tests/world), about 115 s '
     "on 2 cores;",
     "  the full suite adds the slow tests (tests/gloo and every gloo or cuda test: real "
-    "processes, network namespaces, a local Ray cluster, GPUs): about 15 minutes on a "
+    "processes, network namespaces, a local Ray cluster, GPUs): about 17 minutes on a "
     "2-core machine.",
     "  cuda tests skip without a GPU, namespace tests without root; -rs says why.",
 )
