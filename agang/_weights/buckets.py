@@ -50,9 +50,14 @@ def header_of(bucket0: torch.Tensor) -> torch.Tensor:
     return bucket0[:HEADER_BYTES].view(torch.int64)[:HEADER_WORDS]
 
 
+def whole_copies() -> bool:
+    """Whether this process copies in one piece: it has one intra-op thread (rule 4)."""
+    return torch.get_num_threads() == 1
+
+
 def copy_bytes(target: torch.Tensor, source: torch.Tensor) -> None:
     """Copies the flat uint8 ``source`` into ``target`` (as many bytes) on this thread (rule 4)."""
-    if torch.get_num_threads() == 1:
+    if whole_copies():
         target.copy_(source)
         return
     for to, came in pieces(target, source):
@@ -91,7 +96,7 @@ def copy_views(into: torch.Tensor, came: torch.Tensor) -> None:
     most ``GRAIN`` elements (a sharded side's strided shares)."""
     if came.numel() == 0:
         return
-    if torch.get_num_threads() == 1:
+    if whole_copies():
         into.copy_(came)
         return
     if into.is_contiguous() and came.is_contiguous():
@@ -172,7 +177,7 @@ class Buckets:
     def _copies(self, index: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Bucket ``index``'s copies as this process copies now (rule 4)."""
         cut, whole = self._pieces[index]
-        return whole if torch.get_num_threads() == 1 else cut
+        return whole if whole_copies() else cut
 
     def renew(self, index: int) -> None:
         """Gives bucket ``index`` a new buffer of its own, filled like a packed one from

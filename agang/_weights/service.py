@@ -82,10 +82,9 @@ from agang._membership.gangs import GangFactory
 from agang._membership.member import Member
 from agang._runtime.future import Future, finish
 from agang._runtime.threads import start_daemon
-from agang._weights.buckets import Buckets
+from agang._weights.buckets import Buckets, header_of
 from agang._weights.channel import Channel, closed_by_fence, in_group
 from agang._weights.epoch import CLOSE, DATA, REFORM, gang_name
-from agang._weights.plan import HEADER_WORDS
 from agang._weights.relay import Relay
 from agang._weights.upstream import Upstream
 
@@ -130,7 +129,6 @@ class Service:
         else:
             assert buckets is not None
             self._bucket0 = buckets.spare0  # swapped into staging by a DATA round
-        self._header = self._header_of(self._bucket0)
         self._gang: Gang | None = None
         self._closing: Gang | None = None  # a failed epoch's, to close
         self._old: list[Gang] = []  # failed epochs' gangs, whose ops may hold buffers
@@ -315,7 +313,7 @@ class Service:
                 return await self._after_failure(epoch, one_line(error))
             if moved is not None:  # the publisher left this epoch without telling it
                 return await self._after_failure(epoch, moved)
-            what, version, named, _ = self._header.tolist()
+            what, version, named, _ = header_of(self._bucket0).tolist()
             if what == REFORM:
                 self._say(f"moving from epoch {epoch} to epoch {named}")
                 return int(named)
@@ -370,7 +368,6 @@ class Service:
                 except GangError as error:  # an earlier bucket's receive broke the gang
                     return await self._after_failure(epoch, one_line(error))
                 self._bucket0 = buckets.swap0()  # bucket 0 is staging's, not copied
-                self._header = self._header_of(self._bucket0)
                 # In place, each packed bucket is copied out as soon as it came, while
                 # the next ones move (its tensors are the server's, written anyway).
                 landed = buckets.unpack_bucket if buckets.in_place else None
@@ -453,10 +450,6 @@ class Service:
             self._bucket0 = self.buckets.renew_spare0()
         else:
             self._bucket0 = torch.zeros_like(self._bucket0)
-        self._header = self._header_of(self._bucket0)
-
-    def _header_of(self, bucket0: torch.Tensor) -> torch.Tensor:
-        return bucket0[: HEADER_WORDS * 8].view(torch.int64)
 
     def _close_old(self) -> None:
         """Closes the failed epoch's gang on a thread of its own, as it failed (rule 3).

@@ -261,8 +261,8 @@ class WeightSubscriber:
         except (TypeError, ValueError) as error:
             refused = str(error)
         open_for = 60.0 if seconds is None else seconds
-        lanes = await over_gang.lanes(gang, channel, 2, open_for, f"subscriber '{name}'")
-        relay_lane, agree = lanes
+        who = f"subscriber '{name}'"
+        relay_lane, agree = await over_gang.lanes(gang, channel, 2, open_for, who)
         # The inputs first, agreed before rank 0 goes to the store (over_gang rule 1).
         verdicts = await agree.all_gather_objects(refused, timeout=seconds)
         for rank, verdict in enumerate(verdicts):
