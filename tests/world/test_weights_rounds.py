@@ -524,3 +524,37 @@ async def test_a_death_notice_between_pushes_drops_the_member_at_the_next(
     assert report.delivered == ("kept",), report
     assert report.dropped == {"gone": "reported dead by a launcher: exit code -9"}, report
     assert report.seconds < 30.0 / 10, report
+
+
+@pytest.mark.parametrize("size", [64, 300_000], ids=["one-bucket", "buckets"])
+async def test_receives_racing_back_to_back_pushes_take_each_version_whole(
+    channel: Channel, size: int
+) -> None:
+    """A staging subscriber's ``receive`` racing pushes that come back to back: bucket 0
+    is swapped into staging, not copied (``buckets`` rule 8), under the lock ``receive``
+    copies under, so every version taken is whole, in a model of one bucket (all of it
+    in bucket 0) and of several; versions only go up, and the last is taken."""
+    weights = model(0, size)
+    bucket_bytes = 4 * 1024 * 1024 if size == 64 else 65536
+    publisher = await channel.publisher(weights, bucket_bytes=bucket_bytes)
+    assert len(publisher.plan.buckets()) == (1 if size == 64 else 2)  # bucket 0, "a" direct
+    server = await channel.subscriber(zeros(size), "racing")
+    taken: list[tuple[int, float | None]] = []
+    last = 12
+
+    async def take() -> None:
+        for _ in range(10_000):
+            version = await server.receive(timeout=PATIENCE)
+            taken.append((version, holds(server._tensors)))
+            if version == last:
+                return
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(take)
+        for version in range(1, last + 1):
+            write(weights, version)
+            assert (await publisher.push(version)).delivered == ("racing",)
+    assert [held for version, held in taken if held != version] == [], taken
+    versions = [version for version, _ in taken]
+    assert versions == sorted(set(versions)), versions
+    assert versions[-1] == last, versions
