@@ -573,17 +573,21 @@ class WeightPublisher:
         gang = self._admission.gang
         assert gang is not None
         members, epoch = self._admission.members, self._admission.epoch
+        gathering, buckets = self._gathering, self._buckets
+        if gathering is not None:
+            # The round's word first: the other trainer ranks wake to it while this one
+            # readies the round (it posts no receive: the buffers may still be renewed).
+            await self._trainer_step(gang, version, gathering.begin(version, deadline))
         if self._fleet.any_dead(members):
             # A notice heard after this push's sighting, before the round was under way:
             # ``_member_died`` found none to end then, so this round ends here (rule 8).
             self._member_died()
         self._renew_held()
         header = torch.tensor([DATA, version, epoch, 0])
+        if gathering is not None:  # bucket 0's receives leave its header alone
+            self._header().copy_(header)
         handles: list[Handle[Any]] = []
         failure: BaseException | None = None
-        gathering, buckets = self._gathering, self._buckets
-        if gathering is not None:
-            await self._trainer_step(gang, version, gathering.begin(version, deadline))
         count = len(buckets.wire) if buckets is not None else gathering.count if gathering else 0
         for index in range(count):
             if buckets is not None:
@@ -596,7 +600,7 @@ class WeightPublisher:
                 wire = await self._trainer_step(
                     gang, version, gathering.take(index, deadline, before)
                 )
-            if index == 0:
+            if index == 0 and gathering is None:
                 self._header().copy_(header)
             if failure is None:
                 try:
