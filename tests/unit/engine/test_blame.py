@@ -87,12 +87,29 @@ def test_a_peer_that_issued_another_op_at_the_number_is_out_of_step_not_waiting(
     assert absent(peers) == []
 
 
-# A rank that has timed out stays this long before its process ends, so a peer whose
-# own deadline (and question) comes later on a loaded machine still gets its answer:
-# once its process is gone, the answer is "no answer", which is right but not what
-# these tests look at. (In CI, a rank left at once and its peer, asked 1.5 s in, got
-# "no answer".)
+# A rank that has timed out stays until every rank that times out has its error, at
+# most this long, before its process ends, so a peer whose own deadline (and question)
+# comes later on a loaded machine still gets its answer: once its process is gone, the
+# answer is "no answer", which is right but not what these tests look at. (In CI, a rank
+# left at once and its peer, asked 1.5 s in, got "no answer".)
 LINGER = 5.0
+
+
+def _told(rank: int) -> None:
+    """Says on the world's store that ``rank`` has its error: its questions are answered."""
+    store = torch.distributed.distributed_c10d._get_default_store()
+    store.set(f"test_blame/told/{rank}", "1")
+
+
+async def _stay_until_told(ranks: tuple[int, ...], most: float) -> None:
+    """Stays (the loop free to answer questions) until each of ``ranks`` has its error,
+    or ``most`` seconds: a rank asks its peers before its error is raised, so once every
+    rank that times out has its error, no question is left to answer."""
+    store = torch.distributed.distributed_c10d._get_default_store()
+    keys = [f"test_blame/told/{rank}" for rank in ranks]
+    give_up_at = time.monotonic() + most
+    while time.monotonic() < give_up_at and not store.check(keys):  # noqa: ASYNC110
+        await anyio.sleep(0.05)  # keys that other processes set: nothing to await
 
 
 async def _out_of_step(gang: agang.Gang) -> dict[str, Any]:
@@ -105,7 +122,8 @@ async def _out_of_step(gang: agang.Gang) -> dict[str, Any]:
         else:
             await gang.all_reduce(torch.ones(2), timeout=1.5)
     except agang.GangTimeoutError as error:
-        await anyio.sleep(LINGER)
+        _told(gang.rank)
+        await _stay_until_told((0, 1, 2), LINGER)
         return {"message": str(error), "absent": error.absent_ranks}
     return {"message": "no timeout"}
 
@@ -133,19 +151,28 @@ def test_blame_names_both_ops_when_the_ranks_issued_different_ones_at_one_number
 
 
 async def _one_rank_stays_behind(
-    gang: agang.Gang, stays: float = 2.5, linger: float = 0.0
+    gang: agang.Gang, stays: float = 2.5, linger: float = 0.0, on_store: bool = False
 ) -> dict[str, Any]:
     """Every rank does op #0; ranks 0 and 1 then issue #1 with a 1 s deadline, which
     rank 2 never issues (it waits ``stays`` seconds, then leaves). Ranks 0 and 1 stay
-    ``linger`` seconds after their timeout, to answer the other's question."""
+    ``linger`` seconds after their timeout, to answer the other's question. With
+    ``on_store`` (a c10d world), each waits that long at most: rank 2 and the ranks that
+    timed out leave once ranks 0 and 1 both have their errors."""
     await gang.all_reduce(torch.ones(2))
     if gang.rank == 2:
-        await anyio.sleep(stays)
+        if on_store:
+            await _stay_until_told((0, 1), stays)
+        else:
+            await anyio.sleep(stays)
         return {}
     try:
         await gang.all_reduce(torch.ones(2), timeout=1.0)
     except agang.GangTimeoutError as error:
-        await anyio.sleep(linger)
+        if on_store:
+            _told(gang.rank)
+            await _stay_until_told((0, 1), linger)
+        else:
+            await anyio.sleep(linger)
         return {"peers": dict(error.peers), "absent": error.absent_ranks, "message": str(error)}
     return {"error": "no timeout"}
 
@@ -168,9 +195,10 @@ async def _blamed_on_gloo(gang: agang.Gang) -> dict[str, Any]:
     for _ in range(200):
         await gang.all_reduce(torch.ones(2))
     keys_after = store.num_keys()
-    # Rank 2 stays 6 s: asked 1.5 s in at most, it must still be there to answer when
-    # a loaded machine delays the others (at 2.5 s it had left once, under load).
-    report = await _one_rank_stays_behind(gang, stays=6.0, linger=LINGER)
+    # Rank 2 stays until ranks 0 and 1 have their errors, 6 s at most: asked 1.5 s in
+    # at most, it must still be there to answer when a loaded machine delays the others
+    # (at 2.5 s it had left once, under load).
+    report = await _one_rank_stays_behind(gang, stays=6.0, linger=LINGER, on_store=True)
     return {**report, "keys": (keys_before, keys_after), "pid": os.getpid()}
 
 
