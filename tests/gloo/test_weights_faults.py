@@ -1,5 +1,5 @@
 """Weights to a changing fleet, under faults (issue 24): a server cut off by its network
-link mid-push, 20 join/kill cycles, the publisher's death and a new publisher, and a
+link mid-push, 10 join/kill cycles, the publisher's death and a new publisher, and a
 join during a push. The servers are processes of ``tests/support/weightserver.py``
 (``tests/support/weightfleet.py``); each checks every version it receives against
 ``weightserver.model(version)``.
@@ -185,9 +185,11 @@ def test_a_server_on_another_machine_is_admitted_without_an_interface_named(
         far.received(1)
 
 
-# -- 20 join/kill cycles -----------------------------------------------------------------
+# -- 10 join/kill cycles -----------------------------------------------------------------
 
-CYCLES = 20
+# 10 cycles, 7 of them counted: a leak of a thread or an fd a cycle (a failed epoch's
+# Gloo device holds one thread and 4 fds) is 7 over the count, against a margin of 2.
+CYCLES = 10
 WARM = 3  # the cycles before the first count: the first epochs' one-time costs
 CYCLE_DEADLINE = 5.0  # the cycles' pushes' deadline (an admission takes 0.1-0.3 s)
 #: The window the counts are watched over: a failed epoch's Gloo device (a thread, 4 fds)
@@ -226,13 +228,14 @@ async def _least(limit: dict[str, int] | None) -> tuple[dict[str, int], float]:
 
 def _margins(before: dict[str, int]) -> dict[str, int]:
     """The most of each count after the cycles: a thread or two may be ending when
-    counted, an fd or two closing; RSS moves with the allocator. A leak of one thread,
-    fd or 2 MiB a cycle passes every bound."""
+    counted, an fd or two closing; RSS moves with the allocator (it grew 3.7 MiB over 17
+    cycles here, ~0.2 MiB a cycle). A leak of one thread, fd or 2 MiB a cycle (14 MiB over
+    the 7 counted) passes every bound."""
     return {
         "threads": before["threads"] + 2,
         "native_threads": before["native_threads"] + 2,
         "fds": before["fds"] + 2,
-        "rss_kib": before["rss_kib"] + 25 * 1024,
+        "rss_kib": before["rss_kib"] + 10 * 1024,
     }
 
 
@@ -281,7 +284,7 @@ async def test_join_kill_cycles_leave_no_threads_fds_memory_or_store_keys_behind
 ) -> None:
     """Each cycle: a server process opens and is pushed to until delivered, is
     SIGKILLed, and the next push drops it; a steady server gets every push. The
-    publisher's process (this one) counts its threads, fds and RSS after cycle 3 and 20:
+    publisher's process (this one) counts its threads, fds and RSS after cycle 3 and 10:
     the least seen over ``SETTLE`` (a failed epoch's gang closes as its push returns).
     The store's keys and bytes are counted then too, with the publisher keeping the
     last ``_DROPS_KEPT`` drops: they must not grow either (they grew by 14 keys a cycle
