@@ -37,8 +37,13 @@ JSON); and whether the server's bytes were exact on both paths.
 
     python bench/bench_weights.py --sharded --quick   # 1 MiB, 16 MiB (about 15 s)
     python bench/bench_weights.py --sharded           # 16 MiB .. 1 GiB (about 1 min)
+    python bench/bench_weights.py --sharded --timeline DIR 16777216   # where it goes
 
-It writes ``weights_sharded.json`` and ``weights_sharded.png``.
+It writes ``weights_sharded.json`` and ``weights_sharded.png``. ``--timeline DIR`` also
+marks, in each of the three processes, when a push's steps happened (the word to rank
+1, its shares, each bucket gathered and broadcast, the server's confirmation, the
+outcome's word) and prints each step's median time after the push's call, beside the
+hand-made round's (``bench/sharded_timeline.py``).
 """
 
 from __future__ import annotations
@@ -62,6 +67,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import sharded_timeline as timeline
 from _common import add_out_argument, format_bytes, format_seconds, write_plots
 
 from agang._membership import store as stores
@@ -359,12 +365,15 @@ def hand_made(
     """The baseline on trainer rank 0: rank 1's shards received (point to point) into
     the whole model's flat buffer at their offsets while rank 0's own are copied in,
     then one broadcast of it to the server, and a barrier."""
+    timeline.mark(timeline.HAND_START)
     works = [peers.recv([into], 1, tag) for tag, into in enumerate(theirs)]
     for into, local in own:
         into.copy_(local)
     for work in works:
         work.wait()
+    timeline.mark("hand-made: shares came")
     raw_round(fleet, flat)
+    timeline.mark("hand-made: broadcast and barrier ended")
 
 
 def hand_made_share(peers: Any, shares: list[torch.Tensor]) -> None:
@@ -394,6 +403,7 @@ async def sharded_rank(
 
     torch.set_num_threads(1)
     rank = gang.rank
+    timeline.install(f"rank {rank}")
     store = connect(address)
     mesh = init_device_mesh("cpu", (TRAINER_RANKS,))
     peers = trainer_group(store, rank)
@@ -434,6 +444,8 @@ async def sharded_rank(
         theirs = [flat[at : at + n] for at, n in spans(state, 1)]
         if rank:
             own, theirs = [], []
+        if rank == 0:  # its marks line the turns up (bench/sharded_timeline.py)
+            timeline.mark(f"{timeline.TIMED}{format_bytes(nbytes)}")
         hand, pushes, reported, cpu_hand, cpu_push = [], [], [], [], []
         hand_peak: int | None = None
         for turn in range(count + 1):  # turn 0 warms up
@@ -458,6 +470,8 @@ async def sharded_rank(
                 reported.append(report.seconds)
                 cpu_hand.append(hand_cpu)
                 cpu_push.append(push_cpu)
+        if rank == 0:
+            timeline.mark(timeline.UNTIMED)
         await publisher.close()
         row: dict[str, Any] = {
             "rank": rank,
@@ -484,6 +498,7 @@ async def sharded_rank(
             print(sharded_line(row), flush=True)
         rows.append(row)
         del made, state, publisher, flat, own, theirs, shares
+    timeline.dump()
     return rows
 
 
@@ -492,6 +507,7 @@ async def serve_sharded(address: str, sizes: list[int], quick: bool) -> None:
     takes every version, and its part of each hand-made round (broadcast, barrier);
     at the end of a size it checks both paths' bytes and says so under ``exact``."""
     torch.set_num_threads(1)
+    timeline.install("server")
     store = connect(address)
     group = raw_group(store, 1, 1)
     for size in sizes:
@@ -514,6 +530,7 @@ async def serve_sharded(address: str, sizes: list[int], quick: bool) -> None:
         expected = torch.cat([torch.full_like(t, i) for i, t in enumerate(tensors.values())])
         if not torch.equal(flat, expected):
             wrong.append("the hand-made's flat buffer")
+        timeline.dump()  # before the size ends: the bench kills this process at its end
         store.set(key(1, size, SHARDED, "exact"), "yes" if not wrong else f"no: {wrong}")
         await subscriber.close()
         del tensors, flat, expected
@@ -574,7 +591,14 @@ def main_sharded(args: argparse.Namespace) -> int:
         f"hand-made: gather onto rank 0 point to point, raw broadcast + barrier"
     )
     print(SHARDED_HEADER, flush=True)
+    if args.timeline is not None:  # the processes started from here on read it
+        args.timeline.mkdir(parents=True, exist_ok=True)
+        for old in args.timeline.glob("*.txt"):
+            old.unlink()
+        os.environ[timeline.ENV] = str(args.timeline.resolve())
     rows = run_sharded(sizes, args.quick, args.bucket_bytes)
+    if args.timeline is not None:
+        print(timeline.summary(args.timeline))
     large = [row["ratio"] for row in rows if row["bytes"] >= SHARDED_RATIO_FROM]
     if large:
         print(
@@ -650,6 +674,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--serve", nargs=3, metavar=("STORE", "SERVERS", "RANK"), help=argparse.SUPPRESS
+    )
+    parser.add_argument(
+        "--timeline",
+        type=Path,
+        metavar="DIR",
+        help="--sharded: also mark where each push's time goes, in every process, write "
+        "the marks under DIR and print each mark's median time (bench/sharded_timeline.py)",
     )
     parser.add_argument("--serve-sharded", metavar="STORE", help=argparse.SUPPRESS)
     parser.add_argument("sizes", type=int, nargs="*", help=argparse.SUPPRESS)
