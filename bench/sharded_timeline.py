@@ -9,7 +9,9 @@ microseconds each, a dozen a push: take the ratio from a run without ``--timelin
 
 What is marked, and by whom:
 
-- ``rank 0``: ``push called`` and ``push returned``; each word said to the other
+- ``rank 0``: ``push called`` and ``push returned``; its round begun (past the push's
+  checks and admission) and ended (every server's confirmation in); the push's end on
+  the lane begun (``ending``, the report made) and done; each word said to the other
   trainer ranks (``said ROUND``, ``said DONE``, once the send is issued); each bucket's
   shares asked for (``take N``) and come (``bucket N gathered``); each broadcast to the
   fleet issued; and, marked by the bench itself, the hand-made round's start
@@ -109,6 +111,13 @@ def install(role: str) -> bool:
             lambda self, index, *a: f"bucket {index} gathered",
         )
         after(ProcessGroupGang, "broadcast", lambda *a, **k: "broadcast issued")
+        around(
+            WeightPublisher,
+            "_round_with_recovery",
+            lambda *a, **k: "round begun",
+            lambda *a, **k: "round ended",
+        )
+        around(gathering.Gathering, "end", lambda *a, **k: "ending", lambda *a, **k: "ended")
     elif role == "rank 1":
         read = modules["following"].read_control
 
