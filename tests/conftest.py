@@ -31,7 +31,7 @@ LANES = (
     '  fast lane, -m "not slow": in process only (tests/unit, tests/world), about 115 s '
     "on 2 cores;",
     "  the full suite adds the slow tests (tests/gloo and every gloo or cuda test: real "
-    "processes, network namespaces, a local Ray cluster, GPUs): about 17 minutes on a "
+    "processes, network namespaces, a local Ray cluster, GPUs): about 15 minutes on a "
     "2-core machine.",
     "  cuda tests skip without a GPU, namespace tests without root; -rs says why.",
 )

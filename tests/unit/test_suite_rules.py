@@ -102,7 +102,7 @@ def test_the_header_says_the_lanes_their_cost_and_the_loops(request: pytest.Fixt
     assert "agang's tests" in text
     assert '-m "not slow"' in text
     assert "about 115 s" in text
-    assert "17 minutes on a 2-core machine" in text
+    assert "15 minutes on a 2-core machine" in text
     assert "asyncio, asyncio+uvloop and trio" in text
 
 
