@@ -583,9 +583,8 @@ class WeightPublisher:
             # ``_member_died`` found none to end then, so this round ends here (rule 8).
             self._member_died()
         self._renew_held()
-        header = torch.tensor([DATA, version, epoch, 0])
-        if gathering is not None:  # bucket 0's receives leave its header alone
-            self._header().copy_(header)
+        # Once, before bucket 0 is filled or gathered: neither writes its header bytes.
+        self._header().copy_(torch.tensor([DATA, version, epoch, 0]))
         handles: list[Handle[Any]] = []
         failure: BaseException | None = None
         count = len(buckets.wire) if buckets is not None else gathering.count if gathering else 0
@@ -600,8 +599,6 @@ class WeightPublisher:
                 wire = await self._trainer_step(
                     gang, version, gathering.take(index, deadline, before)
                 )
-            if index == 0 and gathering is None:
-                self._header().copy_(header)
             if failure is None:
                 try:
                     handles.append(gang.broadcast(wire, 0, timeout=bound(deadline, 0.001)))
