@@ -21,6 +21,10 @@ What is marked, and by whom:
   issued``, once c10d took them), and the round's last share sent.
 - ``server``: each round's bucket 0 come (``bucket 0 landed``), and each confirmation
   issued (``confirmation sent``).
+- every process: each batch of point-to-point transfers (a word, a bucket's shares, a
+  confirmation) as soon as c10d's waiter thread learned that it ended (``c10d thread:
+  N transfers ended``), before agang reports it to the task that awaits it: the gap to
+  the task's next mark is that task's event loop being woken.
 
 The summary, per model size: for each mark, its median over the timed turns (turn 0
 left out) of the time after rank 0's ``push called`` (for the hand-made round's marks,
@@ -71,6 +75,16 @@ def install(role: str) -> bool:
     from agang._weights import following, gathering, service
 
     modules: dict[str, Any] = {"following": following, "service": service}  # patched
+    from agang._backends.c10d import completion
+
+    waited = completion._wait_for_works
+
+    def wait_marked(works: list[Any]) -> BaseException | None:
+        out = waited(works)
+        mark(f"c10d thread: {len(works)} transfers ended")
+        return out
+
+    completion._wait_for_works = wait_marked
     from agang._weights.publisher import WeightPublisher
 
     kinds = {gathering.ROUND: "ROUND", gathering.DONE: "DONE"}
