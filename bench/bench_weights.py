@@ -27,7 +27,11 @@ sends its shards to rank 0 (point to point, the fastest gather on Gloo), which r
 them into a flat buffer of the whole model at their offsets while it copies its own
 in, then one raw c10d broadcast of that buffer to the server over a ``ProcessGroupGloo``
 of {rank 0, server}, and a barrier. Both are timed on rank 0; the ratio is push /
-hand-made (goal: at most 1.2x from 16 MiB up). It also reports rank 0's extra memory:
+hand-made (goal: at most 1.2x from 16 MiB up). A second baseline, also taking turns,
+is the way the RL stacks gather by hand: every parameter's ``full_tensor()`` on both
+ranks (an all-gather each, over the trainer's mesh), the whole model then one raw
+broadcast from rank 0 and a barrier; push / ``full_tensor`` is printed beside the first
+ratio. It also reports rank 0's extra memory:
 the gathering's buffers (``publisher._gathering.allocated_bytes``; goal: at most 3
 buckets), the rise of rank 0's peak resident memory (``VmHWM``, reset before) over the
 publisher's open, admission and a push, and over the hand-made's first round (its
@@ -376,6 +380,17 @@ def hand_made(
     timeline.mark("hand-made: broadcast and barrier ended")
 
 
+def full_tensor_made(fleet: Any, state: dict[str, Any], flat: torch.Tensor) -> None:
+    """The second baseline, on every trainer rank: each parameter's ``full_tensor()``
+    (DTensor's all-gather over the trainer's mesh, the RL stacks' way), then, on rank 0
+    (``fleet`` not None), the whole model into ``flat``, one raw broadcast of it to the
+    server, and a barrier."""
+    whole = [value.full_tensor() for value in state.values()]
+    if fleet is not None:
+        torch.cat(whole, out=flat)
+        raw_round(fleet, flat)
+
+
 def hand_made_share(peers: Any, shares: list[torch.Tensor]) -> None:
     """The baseline on trainer rank 1: its shards sent to rank 0."""
     works = [peers.send([local], 0, tag) for tag, local in enumerate(shares)]
@@ -446,7 +461,7 @@ async def sharded_rank(
             own, theirs = [], []
         if rank == 0:  # its marks line the turns up (bench/sharded_timeline.py)
             timeline.mark(f"{timeline.TIMED}{format_bytes(nbytes)}")
-        hand, pushes, reported, cpu_hand, cpu_push = [], [], [], [], []
+        hand, full, pushes, reported, cpu_hand, cpu_push = [], [], [], [], [], []
         hand_peak: int | None = None
         for turn in range(count + 1):  # turn 0 warms up
             started, cpu = time.perf_counter(), time.process_time()
@@ -457,6 +472,9 @@ async def sharded_rank(
             hand_s, hand_cpu = time.perf_counter() - started, time.process_time() - cpu
             if turn == 0:
                 hand_peak = peak_since(start)
+            started = time.perf_counter()
+            full_tensor_made(fleet, state, flat)
+            full_s = time.perf_counter() - started
             version += 1
             started, cpu = time.perf_counter(), time.process_time()
             report = await publisher.push(version)
@@ -466,6 +484,7 @@ async def sharded_rank(
                 wait_taken(store, 1, size, SHARDED, version)
             if turn:
                 hand.append(hand_s)
+                full.append(full_s)
                 pushes.append(push_s)
                 reported.append(report.seconds)
                 cpu_hand.append(hand_cpu)
@@ -484,14 +503,17 @@ async def sharded_rank(
         if rank == 0:
             exact = wait_key(store, key(1, size, SHARDED, "exact")).decode()
             hand_s, push_s = statistics.median(hand), statistics.median(pushes)
+            full_s = statistics.median(full)
             row |= {
                 "bytes": nbytes,
                 "bucket_bytes": publisher.plan.bucket_bytes,
                 "rounds": count,
                 "hand_made": hand_s,
+                "full_tensor": full_s,
                 "push": push_s,
                 "push_reported": statistics.median(reported),
                 "ratio": push_s / hand_s,
+                "ratio_full_tensor": push_s / full_s,
                 "buffers": buffers,
                 "exact": exact,
             }
@@ -504,7 +526,8 @@ async def sharded_rank(
 
 async def serve_sharded(address: str, sizes: list[int], quick: bool) -> None:
     """The whole server (``--serve-sharded``): for each size, a staging subscriber that
-    takes every version, and its part of each hand-made round (broadcast, barrier);
+    takes every version, and its part of each round of both baselines (broadcast,
+    barrier);
     at the end of a size it checks both paths' bytes and says so under ``exact``."""
     torch.set_num_threads(1)
     timeline.install("server")
@@ -522,8 +545,9 @@ async def serve_sharded(address: str, sizes: list[int], quick: bool) -> None:
         store.set(taken, str(version))
         version = await subscriber.receive(timeout=120)  # the memory window's push
         store.set(taken, str(version))
-        for _ in range(sharded_rounds(size, quick) + 1):  # a hand-made round, then a push
-            raw_round(group, flat)
+        for _ in range(sharded_rounds(size, quick) + 1):  # both baselines, then a push
+            raw_round(group, flat)  # the hand-made round
+            raw_round(group, flat)  # the full_tensor round
             version = await subscriber.receive(timeout=120)
             store.set(taken, str(version))
         wrong = [n for i, (n, t) in enumerate(tensors.items()) if not bool((t == i).all())]
@@ -537,7 +561,7 @@ async def serve_sharded(address: str, sizes: list[int], quick: bool) -> None:
 
 
 SHARDED_HEADER = (
-    "    model  bucket  rounds   hand-made        push   ratio  "
+    "    model  bucket  rounds   hand-made        push   ratio  full_tensor  ratio  "
     "agang buffers  /bucket  /model  push peak  hand-made peak  "
     "rank 0's CPU: push / hand-made  exact"
 )
@@ -552,6 +576,7 @@ def sharded_line(row: dict[str, Any]) -> str:
         f"{format_bytes(row['bytes']):>9}  {format_bytes(row['bucket_bytes']):>6}  "
         f"{row['rounds']:>6}  {format_seconds(row['hand_made']):>10}  "
         f"{format_seconds(row['push']):>10}  {row['ratio']:>5.2f}x  "
+        f"{format_seconds(row['full_tensor']):>11}  {row['ratio_full_tensor']:>5.2f}x  "
         f"{mib(row['buffers']):>13}  {row['buffers'] / row['bucket_bytes']:>6.2f}x  "
         f"{row['buffers'] / row['bytes']:>5.3f}x  {mib(row['push_peak']):>9}  "
         f"{mib(row['hand_peak']):>14}  "
@@ -588,7 +613,8 @@ def main_sharded(args: argparse.Namespace) -> int:
     sizes = args.sizes or (SHARDED_QUICK_SIZES if args.quick else SHARDED_FULL_SIZES)
     print(
         f"A {TRAINER_RANKS}-rank FSDP2 trainer (gang) pushes to 1 whole server (staging); "
-        f"hand-made: gather onto rank 0 point to point, raw broadcast + barrier"
+        f"hand-made: gather onto rank 0 point to point, raw broadcast + barrier; "
+        f"full_tensor: each parameter's full_tensor(), raw broadcast + barrier"
     )
     print(SHARDED_HEADER, flush=True)
     if args.timeline is not None:  # the processes started from here on read it
@@ -603,7 +629,8 @@ def main_sharded(args: argparse.Namespace) -> int:
     if large:
         print(
             f"worst ratio from {format_bytes(SHARDED_RATIO_FROM)} up {max(large):.2f}x "
-            f"(goal <= {SHARDED_RATIO_GOAL}x)"
+            f"(goal <= {SHARDED_RATIO_GOAL}x); against full_tensor "
+            f"{max(r['ratio_full_tensor'] for r in rows if r['bytes'] >= SHARDED_RATIO_FROM):.2f}x"
         )
     most = max(row["buffers"] / row["bucket_bytes"] for row in rows)
     print(f"most sender buffers {most:.2f} buckets (goal <= {SHARDED_BUFFER_GOAL})")
@@ -619,10 +646,16 @@ def main_sharded(args: argparse.Namespace) -> int:
         figure, (ratio, extra) = plt.subplots(1, 2, figsize=(11, 4))
         sizes = [r["bytes"] for r in rows]
         ratio.plot(sizes, [r["ratio"] for r in rows], marker="o", label="push / hand-made")
+        ratio.plot(
+            sizes,
+            [r["ratio_full_tensor"] for r in rows],
+            marker="o",
+            label="push / full_tensor + broadcast",
+        )
         ratio.axhline(SHARDED_RATIO_GOAL, color="grey", linestyle="--", label="goal 1.2x")
         ratio.set_xscale("log", base=2)
         ratio.set_xlabel("model bytes")
-        ratio.set_ylabel("push / hand-made (gather + broadcast + barrier)")
+        ratio.set_ylabel("push / baseline (gather + broadcast + barrier)")
         ratio.legend()
         lines = {
             "model": sizes,
