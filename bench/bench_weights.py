@@ -325,6 +325,43 @@ def peak_since(start: int | None) -> int | None:
     return None if start is None else max(0, memory()["VmHWM"] - start)
 
 
+#: ``threads_cpu``'s kinds of thread: by name, the rest is "other Python threads".
+THREAD_KINDS = {"gloo_tcp_loop": "Gloo's socket loops", "pt_gloo_runloop": "Gloo's workers"}
+
+
+def threads_cpu() -> dict[str, float] | None:
+    """This process's CPU time so far, in ms, by kind of thread: the main thread, Gloo's
+    socket loops (``gloo_tcp_loop``: the bytes into and out of the sockets), Gloo's
+    workers (``pt_gloo_runloop``: a collective's algorithm, and agang's completion of it,
+    which runs there), and the other Python threads (agang's waiters, which learn that
+    a send or receive ended); None where ``/proc`` has no per-thread ``schedstat``."""
+    totals: dict[str, float] = {}
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/comm") as comm:
+                name = comm.read().strip()
+            with open(f"/proc/self/task/{task}/schedstat") as stat:
+                ns = int(stat.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue  # a thread that ended meanwhile
+        kind = "main" if task == str(os.getpid()) else THREAD_KINDS.get(name, "other threads")
+        totals[kind] = totals.get(kind, 0.0) + ns / 1e6
+    return totals or None
+
+
+def add_since(into: dict[str, float], before: dict[str, float] | None) -> None:
+    """Adds each kind's CPU since ``before`` (``threads_cpu``'s) to ``into``."""
+    after = threads_cpu()
+    if before is None or after is None:
+        return
+    for kind, ms in after.items():
+        into[kind] = into.get(kind, 0.0) + ms - before.get(kind, 0.0)
+
+
 def fsdp_model(num_bytes: int, mesh: Any) -> torch.nn.Module:
     """``model(num_bytes)``'s tensors as the parameters of one module, ``fully_shard``-ed
     on ``mesh`` (made on ``meta``, so no rank ever holds the whole), tensor i all i."""
@@ -463,22 +500,28 @@ async def sharded_rank(
             timeline.mark(f"{timeline.TIMED}{format_bytes(nbytes)}")
         hand, full, pushes, reported, cpu_hand, cpu_push = [], [], [], [], [], []
         hand_peak: int | None = None
+        threads_hand: dict[str, float] = {}  # CPU by kind of thread, over the timed turns
+        threads_push: dict[str, float] = {}
         for turn in range(count + 1):  # turn 0 warms up
+            before = threads_cpu() if turn else None
             started, cpu = time.perf_counter(), time.process_time()
             if rank == 0:
                 hand_made(peers, fleet, flat, own, theirs)
             else:
                 hand_made_share(peers, shares)
             hand_s, hand_cpu = time.perf_counter() - started, time.process_time() - cpu
+            add_since(threads_hand, before)
             if turn == 0:
                 hand_peak = peak_since(start)
             started = time.perf_counter()
             full_tensor_made(fleet, state, flat)
             full_s = time.perf_counter() - started
             version += 1
+            before = threads_cpu() if turn else None
             started, cpu = time.perf_counter(), time.process_time()
             report = await publisher.push(version)
             push_s, push_cpu = time.perf_counter() - started, time.process_time() - cpu
+            add_since(threads_push, before)
             assert report.delivered, report
             if rank == 0:
                 wait_taken(store, 1, size, SHARDED, version)
@@ -499,6 +542,9 @@ async def sharded_rank(
             # This process's CPU (every thread's) in a turn of each path, medians.
             "cpu_hand": statistics.median(cpu_hand),
             "cpu_push": statistics.median(cpu_push),
+            # The same, by kind of thread, as a mean over the timed turns (ms a turn).
+            "cpu_threads_hand": {k: v / count for k, v in sorted(threads_hand.items())},
+            "cpu_threads_push": {k: v / count for k, v in sorted(threads_push.items())},
         }
         if rank == 0:
             exact = wait_key(store, key(1, size, SHARDED, "exact")).decode()
@@ -585,6 +631,20 @@ def sharded_line(row: dict[str, Any]) -> str:
     )
 
 
+def threads_line(row: dict[str, Any]) -> str:
+    """Rank 0's CPU in a turn, by kind of thread (``threads_cpu``): push / hand-made."""
+    push, hand = row["cpu_threads_push"], row["cpu_threads_hand"]
+    kinds = ["main", *THREAD_KINDS.values(), "other threads"]
+    parts = [
+        f"{kind} {push.get(kind, 0.0):.2f} / {hand.get(kind, 0.0):.2f}"
+        for kind in kinds
+        if kind in push or kind in hand
+    ]
+    return f"{format_bytes(row['bytes']):>9}  rank 0's CPU ms a turn, push / hand-made: " + (
+        ", ".join(parts) or "not measured (no per-thread schedstat)"
+    )
+
+
 def run_sharded(sizes: list[int], quick: bool, bucket_bytes: int | None) -> list[dict[str, Any]]:
     """An ``agang store``, the server (a process of this script) and the trainer's 2
     ranks (``run_world``); the rows, rank 0's with rank 1's peaks as ``rank1_*``."""
@@ -604,6 +664,8 @@ def run_sharded(sizes: list[int], quick: bool, bucket_bytes: int | None) -> list
                 "rank1_hand_peak": second["hand_peak"],
                 "rank1_cpu_hand": second["cpu_hand"],
                 "rank1_cpu_push": second["cpu_push"],
+                "rank1_cpu_threads_hand": second["cpu_threads_hand"],
+                "rank1_cpu_threads_push": second["cpu_threads_push"],
             }
         )
     return rows
@@ -632,6 +694,8 @@ def main_sharded(args: argparse.Namespace) -> int:
             f"(goal <= {SHARDED_RATIO_GOAL}x); against full_tensor "
             f"{max(r['ratio_full_tensor'] for r in rows if r['bytes'] >= SHARDED_RATIO_FROM):.2f}x"
         )
+    for row in rows:
+        print(threads_line(row))
     most = max(row["buffers"] / row["bucket_bytes"] for row in rows)
     print(f"most sender buffers {most:.2f} buckets (goal <= {SHARDED_BUFFER_GOAL})")
     args.out.mkdir(parents=True, exist_ok=True)
