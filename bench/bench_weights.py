@@ -37,7 +37,9 @@ buckets), the rise of rank 0's peak resident memory (``VmHWM``, reset before) ov
 publisher's open, admission and a push, and over the hand-made's first round (its
 whole copy of the model); each trainer rank's CPU time (``time.process_time``, every
 thread of the process) in a turn of each path (rank 0's printed, both ranks' in the
-JSON); and whether the server's bytes were exact on both paths.
+JSON), and the same by kind of thread (``threads_cpu``: the main thread, Gloo's socket
+loops, Gloo's workers, the other threads; a line per size for rank 0); and whether the
+server's bytes were exact on both paths.
 
     python bench/bench_weights.py --sharded --quick   # 1 MiB, 16 MiB (about 15 s)
     python bench/bench_weights.py --sharded           # 16 MiB .. 1 GiB (about 1 min)
