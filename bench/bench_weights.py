@@ -39,7 +39,7 @@ whole copy of the model); each trainer rank's CPU time (``time.process_time``, e
 thread of the process) in a turn of each path (rank 0's printed, both ranks' in the
 JSON), and the same by kind of thread (``threads_cpu``: the main thread, Gloo's socket
 loops, Gloo's workers, the other threads; a line per size for rank 0); and whether the
-server's bytes were exact on both paths.
+server's bytes were exact on every path.
 
     python bench/bench_weights.py --sharded --quick   # 1 MiB, 16 MiB (about 15 s)
     python bench/bench_weights.py --sharded           # 16 MiB .. 1 GiB (about 1 min)
@@ -494,6 +494,9 @@ async def sharded_rank(
         shares = [value.to_local() for value in state.values()]
         assert [t.numel() for t in shares] == [n for _, n in spans(state, rank)], "shards"
         flat = torch.empty(nbytes // 4 if rank == 0 else 0)
+        # The full_tensor round's own (untouched until its first round): neither baseline
+        # sends what the other gathered, so the server checks each one's bytes.
+        full_flat = torch.empty_like(flat)
         own = [(flat[at : at + n], t) for (at, n), t in zip(spans(state, 0), shares, strict=True)]
         theirs = [flat[at : at + n] for at, n in spans(state, 1)]
         if rank:
@@ -516,7 +519,7 @@ async def sharded_rank(
             if turn == 0:
                 hand_peak = peak_since(start)
             started = time.perf_counter()
-            full_tensor_made(fleet, state, flat)
+            full_tensor_made(fleet, state, full_flat)
             full_s = time.perf_counter() - started
             version += 1
             before = threads_cpu() if turn else None
@@ -567,7 +570,7 @@ async def sharded_rank(
             }
             print(sharded_line(row), flush=True)
         rows.append(row)
-        del made, state, publisher, flat, own, theirs, shares
+        del made, state, publisher, flat, full_flat, own, theirs, shares
     timeline.dump()
     return rows
 
@@ -575,8 +578,8 @@ async def sharded_rank(
 async def serve_sharded(address: str, sizes: list[int], quick: bool) -> None:
     """The whole server (``--serve-sharded``): for each size, a staging subscriber that
     takes every version, and its part of each round of both baselines (broadcast,
-    barrier);
-    at the end of a size it checks both paths' bytes and says so under ``exact``."""
+    barrier), each into a flat buffer of its own; at the end of a size it checks every
+    path's bytes and says so under ``exact``."""
     torch.set_num_threads(1)
     timeline.install("server")
     store = connect(address)
@@ -584,6 +587,7 @@ async def serve_sharded(address: str, sizes: list[int], quick: bool) -> None:
     for size in sizes:
         tensors = {k: torch.zeros_like(v) for k, v in model(size).items()}
         flat = torch.zeros(sum(t.numel() for t in tensors.values()))
+        full_flat = torch.zeros_like(flat)
         subscriber = await WeightSubscriber.open(
             tensors, store=address, channel=channel_of(1, size, SHARDED), name="server"
         )
@@ -595,17 +599,19 @@ async def serve_sharded(address: str, sizes: list[int], quick: bool) -> None:
         store.set(taken, str(version))
         for _ in range(sharded_rounds(size, quick) + 1):  # both baselines, then a push
             raw_round(group, flat)  # the hand-made round
-            raw_round(group, flat)  # the full_tensor round
+            raw_round(group, full_flat)  # the full_tensor round
             version = await subscriber.receive(timeout=120)
             store.set(taken, str(version))
         wrong = [n for i, (n, t) in enumerate(tensors.items()) if not bool((t == i).all())]
         expected = torch.cat([torch.full_like(t, i) for i, t in enumerate(tensors.values())])
         if not torch.equal(flat, expected):
             wrong.append("the hand-made's flat buffer")
+        if not torch.equal(full_flat, expected):
+            wrong.append("the full_tensor round's flat buffer")
         timeline.dump()  # before the size ends: the bench kills this process at its end
         store.set(key(1, size, SHARDED, "exact"), "yes" if not wrong else f"no: {wrong}")
         await subscriber.close()
-        del tensors, flat, expected
+        del tensors, flat, full_flat, expected
 
 
 SHARDED_HEADER = (
