@@ -87,3 +87,24 @@ def write_plots(paths: Sequence[Path], draw: Callable[[Any], object]) -> list[Pa
         return []
     draw(plt)
     return paths
+
+
+def on_transfers_ended(callback: Callable[[int], None]) -> None:
+    """Calls ``callback(n)`` on agang's c10d waiter thread each time it learns that a
+    batch of ``n`` point-to-point transfers ended, before agang reports the op to whoever
+    awaits it: the moment c10d's thread knew, for benches that split an op's latency
+    there. It wraps the function that thread waits with, an internal of agang's, in this
+    process; a gang's waiter takes that function when the gang is made, so call this
+    before making the gangs to watch."""
+    if not callable(callback):
+        raise TypeError(f"`callback` must be callable, but is {callback!r} instead.")
+    from agang._backends.c10d import completion
+
+    waited = completion._wait_for_works
+
+    def wait_then_call(works: list[Any]) -> BaseException | None:
+        out = waited(works)
+        callback(len(works))
+        return out
+
+    completion._wait_for_works = wait_then_call

@@ -14,7 +14,7 @@ the tensor it sends. Two modes take turns in each round:
   gang, on asyncio.
 
 Rank 1 also splits agang's latency at c10d's waiter thread (a wrapper around the
-function that thread waits with, as ``bench/sharded_timeline.py`` has): ``thread`` is
+function that thread waits with, ``_common.on_transfers_ended``): ``thread`` is
 when c10d's ``wait()`` returned there, ``task`` when the awaiting task went on; the gap
 is agang reporting the op and the loop being woken. Rank 0 times its call in both modes:
 how long the send takes to return (agang's issue, against c10d's call alone).
@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from _common import add_out_argument, percentile
+from _common import add_out_argument, on_transfers_ended, percentile
 
 from agang import Gang
 from agang.testing import run_world
@@ -60,20 +60,6 @@ def stamped(tensor: torch.Tensor) -> int:
     return int(tensor[:8].view(torch.int64)[0])
 
 
-def hook_waiter(seen: list[int]) -> None:
-    """Notes (ns) each time agang's c10d waiter thread learns that transfers ended."""
-    from agang._backends.c10d import completion
-
-    waited = completion._wait_for_works
-
-    def wait_noted(works: list[Any]) -> BaseException | None:
-        out = waited(works)
-        seen.append(time.perf_counter_ns())
-        return out
-
-    completion._wait_for_works = wait_noted
-
-
 async def rank_main(num_bytes: int, rounds: int, gang: Gang) -> dict[str, list[float]]:
     """One rank's rounds; its samples in microseconds, by what was timed."""
     torch.set_num_threads(1)
@@ -82,7 +68,8 @@ async def rank_main(num_bytes: int, rounds: int, gang: Gang) -> dict[str, list[f
     prefixed = dist.PrefixStore("bench_p2p/raw", store)  # type: ignore[attr-defined]
     raw: Any = dist.ProcessGroupGloo(prefixed, rank, gang.size, timedelta(seconds=60))
     seen: list[int] = []
-    hook_waiter(seen)  # before the lane: its waiter takes the function when it is made
+    # Before the lane: its waiter takes the function it waits with when it is made.
+    on_transfers_ended(lambda _: seen.append(time.perf_counter_ns()))
     lane = await gang.lane("bench_p2p")
     word = torch.zeros(max(8, num_bytes), dtype=torch.uint8)
     samples: dict[str, list[float]] = {}

@@ -43,6 +43,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from _common import on_transfers_ended
+
 #: The environment variable that carries ``--timeline``'s folder to the processes.
 ENV = "AGANG_BENCH_TIMELINE"
 #: The marks that start a push's and a hand-made round's stretch of the timeline.
@@ -75,16 +77,7 @@ def install(role: str) -> bool:
     from agang._weights import following, gathering, service
 
     modules: dict[str, Any] = {"following": following, "service": service}  # patched
-    from agang._backends.c10d import completion
-
-    waited = completion._wait_for_works
-
-    def wait_marked(works: list[Any]) -> BaseException | None:
-        out = waited(works)
-        mark(f"c10d thread: {len(works)} transfers ended")
-        return out
-
-    completion._wait_for_works = wait_marked
+    on_transfers_ended(lambda count: mark(f"c10d thread: {count} transfers ended"))
     from agang._weights.publisher import WeightPublisher
 
     kinds = {gathering.ROUND: "ROUND", gathering.DONE: "DONE"}
