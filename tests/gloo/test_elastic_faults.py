@@ -37,6 +37,9 @@ FAILURES = ("CollectiveError", "GangBrokenError", "GangTimeoutError")
 # the suite; a loop that blocks on the store at each poll lags 100 ms and more per tick.
 LAG_P99 = 0.100
 CYCLES = 20
+# c10d's timeout behind this test's op timeout (``backstop_for(1.5)``: 32.25 s), with a
+# margin: how long an old epoch's group may outlive it (``_settle``).
+SETTLE_SECONDS = 45.0
 
 
 def _epoch(worker: Worker, timeout: float = REFORM_TIMEOUT + 10) -> dict[str, Any]:
@@ -448,6 +451,7 @@ def test_a_joiner_beyond_max_size_is_not_counted_and_is_told_why_it_waits(
 # -- 20 kill/reform/join cycles ----------------------------------------------------------
 
 
+@pytest.mark.timeout(120 + SETTLE_SECONDS)
 def test_kill_reform_join_cycles_leave_no_threads_fds_or_memory_behind(
     control: Control,
 ) -> None:
@@ -476,17 +480,46 @@ def test_kill_reform_join_cycles_leave_no_threads_fds_or_memory_behind(
             if cycle in (3, CYCLES):
                 at[cycle] = _stats([s0, s1])
             victim, joiner = joiner, following
-    print(f"cycles: kill to epoch {min(took):.2f}..{max(took):.2f} s")
+        slowest = max(range(CYCLES), key=took.__getitem__)
+        print(f"cycles: kill to epoch {min(took):.2f}..{took[slowest]:.2f} s (cycle {slowest + 1})")
+        waited = _settle([s0, s1], at)
     for third, last in zip(at[3], at[CYCLES], strict=True):
         print(f"cycle 3 -> {CYCLES}: {_resources(third)} -> {_resources(last)}")
-        # Tolerances: a thread or two may be between ending and gone when counted (a
-        # stopped responder, a Gloo worker); an fd or two likewise (a socket closing); RSS
-        # moves with the allocator's pools. A leak of one thread, one fd or 1 MiB per
-        # cycle would add 17 of each over cycles 3..20, above every tolerance.
-        assert last["threads"] <= third["threads"] + 2, (third, last)
-        assert last["fds"] <= third["fds"] + 4, (third, last)
-        assert last["rss"] <= third["rss"] + 12 * 2**20, (third, last)
+        assert _within(third, last), (waited, third, last)
     _assert_responsive(at[CYCLES])
+
+
+def _within(third: dict[str, Any], last: dict[str, Any]) -> bool:
+    """Whether ``last`` is within the tolerances of ``third``: a thread or two may be
+    between ending and gone when counted (a stopped responder, a Gloo worker); an fd or
+    a few likewise (a socket closing); RSS moves with the allocator's pools. A leak of
+    one thread, one fd or 1 MiB per cycle adds 17 of each over cycles 3..20, above
+    every tolerance."""
+    return (
+        last["threads"] <= third["threads"] + 2
+        and last["fds"] <= third["fds"] + 4
+        and last["rss"] <= third["rss"] + 12 * 2**20
+    )
+
+
+def _settle(workers: list[Worker], at: dict[int, list[dict[str, Any]]]) -> float:
+    """Counts ``workers``' resources again while the last count is over the tolerances,
+    for up to ``SETTLE_SECONDS``; returns how long that took.
+
+    An epoch's group can outlive its epoch: ``close`` waits for its release at most
+    ``_CLOSE_SECONDS`` (5 s), then lets the release end on its own thread, and a Gloo
+    op that no abort ends (``agang._backends.c10d.abort``, rule 2) holds it until
+    c10d's timeout (here ``backstop_for(1.5)``, 32.25 s). Its threads and sockets are
+    then freed late, not leaked; a leak is still there when this wait ends. Seen once
+    in CI (2026-11-29): a survivor's last count was 3 threads and 5 fds over (one
+    3-rank Gloo group's worth) in a run whose slowest reform took 5.36 s."""
+    started = time.monotonic()
+    while not all(_within(t, last) for t, last in zip(at[3], at[CYCLES], strict=True)):
+        if time.monotonic() - started > SETTLE_SECONDS:
+            break
+        time.sleep(1.0)
+        at[CYCLES] = _stats(workers)
+    return time.monotonic() - started
 
 
 def _resources(stats: dict[str, Any]) -> str:

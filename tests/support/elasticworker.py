@@ -19,7 +19,8 @@ Commands (``{"do": ...}``) and their events (``{"what": ...}``):
   many did and ``waiting_to_join()`` (which counts only those a reform can admit).
 - ``count``: says ``count`` with ``waiting_to_join()`` at once (or the error it raised).
 - ``old``: calls ops on the gang of the previous epoch; ``old`` lists the outcomes.
-- ``stats``: ``stats`` with threads, open fds, RSS and the loop's lag (p99, max).
+- ``stats``: ``stats`` with threads (the kernel's count, and the Python threads' names), open fds
+  (and what each is), RSS and the loop's lag (p99, max).
 - ``exit``: closes the gang and ends the process with status 0.
 
 An op that fails says ``failed`` (the error, and ``peers``: the blame of a deadline),
@@ -35,6 +36,7 @@ import json
 import logging
 import os
 import signal
+import threading
 import time
 from typing import Any
 
@@ -270,6 +272,18 @@ async def _old(rank: Rank, command: dict[str, Any]) -> None:
     await rank.say("old", outcomes=outcomes)
 
 
+def _fd_kinds() -> list[str]:
+    """What each open fd is (socket, pipe, anon_inode:[eventpoll], a path)."""
+    kinds = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # closed meanwhile (the listing's own fd)
+            continue
+        kinds.append(target.split(":[")[0] if target.startswith(("socket", "pipe")) else target)
+    return kinds
+
+
 async def _stats(rank: Rank, command: dict[str, Any]) -> None:
     lags = sorted(rank.lags) or [0.0]
     # Garbage awaiting collection (a cycle holding a socket) is no leak; the collection
@@ -281,6 +295,8 @@ async def _stats(rank: Rank, command: dict[str, Any]) -> None:
     await rank.say(
         "stats",
         threads=len(os.listdir("/proc/self/task")),  # the kernel's count: native ones too
+        python_threads=sorted(thread.name for thread in threading.enumerate()),
+        fd_kinds=sorted(_fd_kinds()),
         fds=len(os.listdir("/proc/self/fd")),
         rss=rss,
         lag_p99=lags[int(0.99 * (len(lags) - 1))],
