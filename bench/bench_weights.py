@@ -402,6 +402,15 @@ def trainer_group(store: Any, rank: int) -> Any:
     return dist.ProcessGroupGloo(prefix, rank, TRAINER_RANKS, timedelta(seconds=120))
 
 
+def meet(peers: Any) -> None:
+    """Both trainer ranks start the next timed step together: a raw barrier of theirs.
+    Without it, rank 1 comes to a step as soon as its part of the one before ended,
+    while rank 0 still waits for the server, and what rank 1 sends then moves before
+    rank 0's clock starts wherever rank 0's receives are posted ahead (the push's early
+    buckets, ``agang._weights.gathering`` rule 2): time the push would not be charged."""
+    peers.barrier(dist.BarrierOptions()).wait()
+
+
 def hand_made(
     peers: Any, fleet: Any, flat: torch.Tensor, own: list[Any], theirs: list[Any]
 ) -> None:
@@ -508,6 +517,7 @@ async def sharded_rank(
         threads_hand: dict[str, float] = {}  # CPU by kind of thread, over the timed turns
         threads_push: dict[str, float] = {}
         for turn in range(count + 1):  # turn 0 warms up
+            meet(peers)
             before = threads_cpu() if turn else None
             started, cpu = time.perf_counter(), time.process_time()
             if rank == 0:
@@ -518,10 +528,12 @@ async def sharded_rank(
             add_since(threads_hand, before)
             if turn == 0:
                 hand_peak = peak_since(start)
+            meet(peers)
             started = time.perf_counter()
             full_tensor_made(fleet, state, full_flat)
             full_s = time.perf_counter() - started
             version += 1
+            meet(peers)
             before = threads_cpu() if turn else None
             started, cpu = time.perf_counter(), time.process_time()
             report = await publisher.push(version)
