@@ -26,8 +26,9 @@ The hand-made baseline, in the same processes and taking turns with the pushes: 
 sends its shards to rank 0 (point to point, the fastest gather on Gloo), which receives
 them into a flat buffer of the whole model at their offsets while it copies its own
 in, then one raw c10d broadcast of that buffer to the server over a ``ProcessGroupGloo``
-of {rank 0, server}, and a barrier. Both are timed on rank 0; the ratio is push /
-hand-made (goal: at most 1.2x from 16 MiB up). A second baseline, also taking turns,
+of {rank 0, server}, and a barrier. Both are timed on rank 0, each turn of each path
+starting with both trainer ranks together (``meet``); the ratio is push / hand-made
+(goal: at most 1.2x from 16 MiB up). A second baseline, also taking turns,
 is the way the RL stacks gather by hand: every parameter's ``full_tensor()`` on both
 ranks (an all-gather each, over the trainer's mesh), the whole model then one raw
 broadcast from rank 0 and a barrier; push / ``full_tensor`` is printed beside the first

@@ -14,7 +14,7 @@ import pytest
 import torch
 from weightsworld import Channel
 
-from agang import GangError, PushReport, Sharded
+from agang import GangClosedError, GangError, PushReport, Sharded
 from agang._gang import Gang
 from agang._weights.gathering import INLINE_BYTES
 from agang._weights.plan import FIRST_BUCKET_BYTES
@@ -262,6 +262,35 @@ async def test_a_push_cancelled_on_any_rank_tears_nothing_and_the_next_one_goes_
     assert await server.receive(timeout=PATIENCE) == 3
     for name, value in full(3).items():
         assert torch.equal(server._tensors[name], value), name
+
+
+async def test_a_rank_that_pushes_once_more_than_rank_0_is_told_it_closed(
+    channel: Channel,
+) -> None:
+    """Rank 0 closes its publisher where rank 1 pushes once more: rank 1 raises
+    ``GangClosedError`` at once, not at its deadline (``following`` rule 5), and
+    nothing is left holding either rank's memory (the suite's check of busy ranges)."""
+    world = FakeWorld(2)
+
+    async def trainer(gang: Gang, ready: anyio.Event) -> str:
+        tensors = shards(gang.rank, gang.size, 0)
+        publisher = await open_trainer(channel, gang, tensors)
+        await ready.wait()
+        write(tensors, gang.rank, gang.size, 1)
+        await publisher.push(1)
+        if gang.rank == 0:
+            await publisher.close()
+            return "closed"
+        started = anyio.current_time()
+        with pytest.raises(GangClosedError, match="closed"):
+            await publisher.push(2, timeout=30.0)
+        took = anyio.current_time() - started
+        await publisher.close()
+        return f"raised after {took:.1f} s"
+
+    results, _ = await run_with_server(channel, world, trainer)
+    assert results[0] == "closed", results
+    assert float(results[1].split()[2]) < 10.0, results  # not at its 30 s deadline
 
 
 async def test_a_report_too_long_for_the_done_word_follows_it_whole(channel: Channel) -> None:
