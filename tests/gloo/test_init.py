@@ -364,11 +364,15 @@ def test_a_duplicate_rank_fails_at_once() -> None:
         for _ in range(2):  # two processes both claim rank 1
             group.start(_torchrun_env(1, 3, port), [8.0])
         # The duplicate fails at once; the others would wait out their 8 s deadline for
-        # rank 2, which never comes, and are killed instead.
-        _, first = group.first_report([1, 2], 60)
+        # rank 2, which never comes, and are killed instead. Only one of the two is the
+        # duplicate: the other, had it been told so too, would have within a moment.
+        index, first = group.first_report([1, 2], 60)
+        other = 3 - index
+        told = group.pipes[other].recv() if group.pipes[other].poll(2.0) else None
 
     assert "must be unique" in first[0].get("error", ""), first
     assert first[0]["elapsed"] < 6.0  # at once, not at the 8 s deadline
+    assert told is None or "must be unique" not in told[0].get("error", ""), told
 
 
 def test_ranks_that_disagree_on_the_world_size_fail_at_once() -> None:
