@@ -41,7 +41,8 @@ def _doctor(cluster: Cluster, master_addr: str, port: int) -> subprocess.Popen[s
         RANK="1", WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
         MASTER_ADDR=master_addr, MASTER_PORT=str(port),
     )  # fmt: skip
-    argv = [sys.executable, "-m", "agang", "doctor", "--json", "--timeout", "0.5"]
+    # 2 s: a resolve or connect the machine's load slows is not the failure tested.
+    argv = [sys.executable, "-m", "agang", "doctor", "--json", "--timeout", "2.0"]
     return cluster.popen(1, argv, env=env, stderr=subprocess.PIPE)
 
 

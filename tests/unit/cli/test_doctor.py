@@ -573,8 +573,23 @@ def test_a_slow_resolver_is_cut_off_at_the_timeout(monkeypatch: pytest.MonkeyPat
     started = time.monotonic()
 
     with pytest.raises(TimeoutError, match="no answer from the resolver"):
-        SocketProbe(timeout=0.2).resolve("127.0.0.1")
+        SocketProbe(timeout=0.2).resolve("store.example")
     assert time.monotonic() - started < 2
+
+
+@pytest.mark.parametrize("address", ["10.201.0.1", "127.0.0.1", "::1", "fe80::1"])
+def test_an_ip_address_resolves_to_itself_without_the_resolver(
+    monkeypatch: pytest.MonkeyPatch, address: str
+) -> None:
+    """No resolver is asked, so a loaded machine's slow thread cannot time it out (CI
+    once failed an IP address at ``--timeout 0.5`` so)."""
+
+    def no_resolver(*args: object, **kwargs: object) -> list[object]:
+        raise AssertionError("the resolver was asked")
+
+    monkeypatch.setattr(socket, "getaddrinfo", no_resolver)
+
+    assert SocketProbe(timeout=1e-9).resolve(address) == [address]
 
 
 def test_the_real_host_facts_match_torch() -> None:
