@@ -80,6 +80,18 @@ async def open_trainer(
     return opened
 
 
+async def pushed_once(
+    channel: Channel, gang: Gang, ready: anyio.Event
+) -> tuple[dict[str, Any], WeightPublisher]:
+    """A rank's shards and publisher, once the server opened and version 1 was pushed."""
+    tensors = shards(gang.rank, gang.size, 0)
+    publisher = await open_trainer(channel, gang, tensors)
+    await ready.wait()
+    write(tensors, gang.rank, gang.size, 1)
+    await publisher.push(1)
+    return tensors, publisher
+
+
 async def whole_server(channel: Channel, name: str = "whole") -> Any:
     """A whole-tensor subscriber, opened once a publisher is (a subscriber waits for the
     plan): it opens beside the trainer's ranks, which wait for it before pushing."""
@@ -151,11 +163,7 @@ async def test_a_trainer_rank_whose_shares_do_not_come_fails_the_push_and_no_ser
     channel: Channel,
 ) -> None:
     async def trainer(gang: Gang, ready: anyio.Event) -> str:
-        tensors = shards(gang.rank, gang.size, 0)
-        publisher = await open_trainer(channel, gang, tensors)
-        await ready.wait()
-        write(tensors, gang.rank, gang.size, 1)
-        await publisher.push(1)
+        tensors, publisher = await pushed_once(channel, gang, ready)
         write(tensors, gang.rank, gang.size, 2)
         if gang.rank == 1:
             await gang.close()  # lost: its shares of version 2 never come
@@ -230,11 +238,7 @@ async def test_a_push_cancelled_on_any_rank_tears_nothing_and_the_next_one_goes_
     world = FakeWorld(2, latency=0.005)  # each of the lane's ops takes 5 ms
 
     async def trainer(gang: Gang, ready: anyio.Event) -> tuple[str, PushReport]:
-        tensors = shards(gang.rank, gang.size, 0)
-        publisher = await open_trainer(channel, gang, tensors)
-        await ready.wait()
-        write(tensors, gang.rank, gang.size, 1)
-        await publisher.push(1)
+        tensors, publisher = await pushed_once(channel, gang, ready)
         write(tensors, gang.rank, gang.size, 2)
         outcome = "pushed"
         if gang.rank in cancelled:
@@ -273,11 +277,7 @@ async def test_a_rank_that_pushes_once_more_than_rank_0_is_told_it_closed(
     world = FakeWorld(2)
 
     async def trainer(gang: Gang, ready: anyio.Event) -> str:
-        tensors = shards(gang.rank, gang.size, 0)
-        publisher = await open_trainer(channel, gang, tensors)
-        await ready.wait()
-        write(tensors, gang.rank, gang.size, 1)
-        await publisher.push(1)
+        _, publisher = await pushed_once(channel, gang, ready)
         if gang.rank == 0:
             await publisher.close()
             return "closed"

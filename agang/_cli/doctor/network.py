@@ -69,10 +69,12 @@ class SocketProbe:
         return probe_links()
 
     def resolve(self, host: str) -> Sequence[str]:
-        try:  # an IP address is its own answer: no resolver, nothing to wait for
-            return [str(ipaddress.ip_address(host))]
+        try:  # an IP address is its own answer, as written: no resolver to wait for
+            ipaddress.ip_address(host)
         except ValueError:
             pass
+        else:
+            return [host]
         # getaddrinfo has no timeout of its own: it runs on a daemon thread that is left
         # behind (and ends with the process) if the resolver does not answer in time.
         result: list[Sequence[str] | OSError] = []

@@ -577,7 +577,9 @@ def test_a_slow_resolver_is_cut_off_at_the_timeout(monkeypatch: pytest.MonkeyPat
     assert time.monotonic() - started < 2
 
 
-@pytest.mark.parametrize("address", ["10.201.0.1", "127.0.0.1", "::1", "fe80::1"])
+@pytest.mark.parametrize(
+    "address", ["10.201.0.1", "127.0.0.1", "::1", "fe80::1", "::ffff:10.0.0.1", "fe80::1%lo"]
+)
 def test_an_ip_address_resolves_to_itself_without_the_resolver(
     monkeypatch: pytest.MonkeyPatch, address: str
 ) -> None:
